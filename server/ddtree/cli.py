@@ -1,0 +1,97 @@
+"""The `ddtree` command line: one sub-command per job, user errors as one line without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from ddtree.errors import DDTreeError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="target model directory (default: the embedded demo pair)")
+    parser.add_argument("--draft", help="DFlash draft directory (default: the embedded demo pair's)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="decode one prompt and print the result")
+    _add_model_args(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
+    p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
+    p.add_argument("--budget", type=int, default=None, help="DDTree node budget (default: 32)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(handler=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ddtree.engine import Engine
+    from ddtree.sampling import SamplingParams
+
+    engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
+                                    device=args.device, dtype=args.dtype)
+    prompt_ids = _prompt_ids(engine, args)
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:
+        raise DDTreeError(str(exc)) from None
+    result = engine.generate(prompt_ids, params)
+    text = engine.decode(result.token_ids)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": result.stats.to_dict()}))
+    else:
+        print(text)
+        s = result.stats
+        print(f"[{s.method}] {s.generated_tokens} tokens, {s.rounds} rounds, tau {s.acceptance_length:.2f}, "
+              f"{s.tokens_per_second:.1f} tok/s, finish: {result.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _prompt_ids(engine, args: argparse.Namespace) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise DDTreeError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        if not ids:
+            raise DDTreeError("--prompt-ids is empty")
+        return ids
+    return engine.encode(args.prompt, chat=args.chat)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except DDTreeError as exc:
+        print(f"ddtree {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
