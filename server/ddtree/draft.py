@@ -1,0 +1,396 @@
+"""The DFlash drafter: a small non-causal transformer that predicts a whole block in one pass.
+
+Our own module for the z-lab checkpoint format (config.json + model.safetensors, no remote code). It
+owns no embedding and no LM head: block tokens are embedded by the target and its hidden states go
+through the target's LM head. Context comes from target hidden states tapped at `target_layer_ids`,
+projected by `fc` + `hidden_norm`, and injected as extra K/V rows in every layer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from ddtree.errors import DDTreeError
+
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+DFLASH2_MARKERS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What a draft must agree with in its target."""
+
+    hidden_size: int
+    vocab_size: int  # rows of the target's input embedding
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    layer_windows: tuple[int | None, ...]  # sliding window per layer (HF semantics), None = full attention
+    rope_config: Qwen3Config  # carries rope_parameters for transformers' RoPE utilities
+
+
+def default_taps(num_target_layers: int, num_taps: int) -> list[int]:
+    """z-lab's default tap layers: evenly spread from layer 1 to L-3."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+
+
+def is_draft_dir(path: str | Path) -> bool:
+    """True when a directory holds a DFlash-family draft (which must not be loaded as a standalone model)."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        return False
+    cfg = json.loads(cfg_path.read_text())
+    return "dflash_config" in cfg or any("DFlash" in a for a in cfg.get("architectures") or [])
+
+
+def parse_draft_config(
+    raw: dict, target: TargetShape, where: str = "draft config", mask_token_from_tokenizer: int | None = None
+) -> DraftConfig:
+    """Resolve both z-lab config layouts and check the draft against its target; one-line errors."""
+    archs = raw.get("architectures") or []
+    if any("DFlash2" in a for a in archs) or any(k in raw for k in DFLASH2_MARKERS):
+        raise DDTreeError(f"{where}: DFlash2 checkpoints are a different architecture and are not supported")
+    if "dflash_config" not in raw and "DFlashDraftModel" not in archs:
+        raise DDTreeError(f"{where}: not a DFlash draft (no dflash_config, architectures={archs})")
+    missing = [f for f in REQUIRED_FIELDS if f not in raw]
+    if missing:
+        raise DDTreeError(f"{where}: missing required field(s) {', '.join(missing)}")
+    dc = raw.get("dflash_config") or {}
+    if dc.get("use_aux_hidden_state", True) is False:
+        raise DDTreeError(f"{where}: drafts without auxiliary hidden states (use_aux_hidden_state=false) "
+                          "are not supported")
+    block_size = dc.get("block_size") or raw.get("block_size")
+    if not block_size:
+        raise DDTreeError(f"{where}: no block_size (top level or dflash_config)")
+    if int(block_size) < 2:
+        raise DDTreeError(f"{where}: block_size must be at least 2, got {block_size}")
+    mask_id = dc.get("mask_token_id")
+    if mask_id is None:
+        mask_id = mask_token_from_tokenizer
+    if mask_id is None:
+        raise DDTreeError(f"{where}: no dflash_config.mask_token_id and the tokenizer has no "
+                          f"{dc.get('mask_token', '<|MASK|>')} token")
+    hidden = int(raw["hidden_size"])
+    if hidden != target.hidden_size:
+        raise DDTreeError(f"{where}: hidden_size {hidden} does not match the target's {target.hidden_size} "
+                          "(this draft belongs to another target)")
+    if int(raw["vocab_size"]) != target.vocab_size:
+        raise DDTreeError(f"{where}: vocab_size {raw['vocab_size']} does not match the target's "
+                          f"{target.vocab_size} (this draft belongs to another target)")
+    n_target = int(raw.get("num_target_layers") or dc.get("num_target_layers") or target.num_layers)
+    if n_target != target.num_layers:
+        raise DDTreeError(f"{where}: trained for a {n_target}-layer target, but the target has "
+                          f"{target.num_layers} layers")
+    num_layers = int(raw["num_hidden_layers"])
+    taps = dc.get("target_layer_ids") or dc.get("layer_ids") or default_taps(n_target, num_layers)
+    bad = [t for t in taps if not 0 <= int(t) < n_target]
+    if bad:
+        raise DDTreeError(f"{where}: target_layer_ids {list(taps)} out of range for a {n_target}-layer target")
+    if not 0 <= int(mask_id) < target.vocab_size:
+        raise DDTreeError(f"{where}: mask_token_id {mask_id} is outside the target embedding "
+                          f"({target.vocab_size} rows)")
+    num_heads = int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise DDTreeError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    window = raw.get("sliding_window")
+    windows = tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
+    rope_keys = ("rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings", "partial_rotary_factor")
+    rope_config = Qwen3Config(
+        hidden_size=hidden, num_attention_heads=num_heads, head_dim=head_dim,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+        **{k: raw[k] for k in rope_keys if raw.get(k) is not None},
+    )
+    return DraftConfig(
+        hidden_size=hidden, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+        intermediate_size=int(raw["intermediate_size"]), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        vocab_size=int(raw["vocab_size"]), block_size=int(block_size), mask_token_id=int(mask_id),
+        target_layer_ids=tuple(int(t) for t in taps), num_target_layers=n_target, layer_windows=windows,
+        rope_config=rope_config,
+    )
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm (normalise in float32, scale in the input dtype)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.q_proj = nn.Linear(h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V for rows x [B, T, H] -> [B, nkv, T, hd] each."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, q_len, _ = h.shape
+        q = self.q_norm(self.q_proj(h).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        kb, vb = self.project_kv(h, cos, sin)
+        k = torch.cat([ctx_k, kb], dim=2)
+        v = torch.cat([ctx_v, vb], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+
+class DraftCache:
+    """Context K/V per draft layer: one row per committed position, always from target features.
+
+    Block K/V are never stored, so "cropping the block rows" after each call is free.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [B, T]
+
+    def __len__(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        self.keys[layer] = k if old_k is None else torch.cat([old_k, k], dim=2)
+        self.values[layer] = v if old_v is None else torch.cat([old_v, v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+class DFlashDraft(nn.Module):
+    """Tensor names match the public z-lab drafts exactly (state_dict keys = safetensors keys)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Qwen3RotaryEmbedding(cfg.rope_config)
+
+    def place(self, device: torch.device | str, dtype: torch.dtype) -> DFlashDraft:
+        """Move weights to device/dtype but keep RoPE frequencies in float32 (bf16 ones drift)."""
+        self.to(device=device, dtype=dtype)
+        self.rotary = Qwen3RotaryEmbedding(self.config.rope_config).to(device)
+        return self
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_pos: torch.Tensor,
+        ctx_feats: torch.Tensor | None,
+        ctx_pos: torch.Tensor | None,
+        cache: DraftCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the block queries over context + block keys; returns final-normed hidden states [B, Q, H].
+
+        block_embeds [B, Q, H] are target embeddings of the block tokens at positions block_pos [B, Q].
+        ctx_feats [B, C, k*H] are concatenated tap features of new context rows at ctx_pos [B, C]; with a
+        cache they are appended to it (and earlier rows come from it). `mask` [B, 1, Q, keys] (bool, True =
+        visible) restricts visibility further, e.g. for training on many blocks at once; the layers'
+        sliding windows are applied on top. Without a mask, every block query sees every key (non-causal).
+        """
+        b, q_len, _ = block_embeds.shape
+        dtype = block_embeds.dtype
+        cos_b, sin_b = self.rotary(block_embeds, block_pos)
+        if ctx_feats is not None and ctx_feats.shape[1] > 0:
+            ctx = self.hidden_norm(self.fc(ctx_feats.to(dtype)))
+            cos_c, sin_c = self.rotary(ctx, ctx_pos)
+        else:
+            ctx = None
+            ctx_pos = block_pos.new_zeros(b, 0)
+        if cache is not None:
+            cache.positions = ctx_pos if cache.positions is None else torch.cat([cache.positions, ctx_pos], dim=1)
+            key_pos_ctx = cache.positions
+        else:
+            key_pos_ctx = ctx_pos
+        key_pos = torch.cat([key_pos_ctx, block_pos], dim=1)
+        masks = self._layer_masks(block_pos, key_pos, mask)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if ctx is not None:
+                ck, cv = attn.project_kv(ctx, cos_c, sin_c)
+            else:
+                ck = cv = x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim)
+            if cache is not None:
+                ck, cv = cache.append(i, ck, cv)
+            h = layer.input_layernorm(x)
+            x = x + attn(h, cos_b, sin_b, ck, cv, masks[self.config.layer_windows[i]])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def _layer_masks(
+        self, q_pos: torch.Tensor, k_pos: torch.Tensor, mask: torch.Tensor | None
+    ) -> dict[int | None, torch.Tensor | None]:
+        """One mask per distinct window: key visible iff q_pos - k_pos < window (and `mask` allows it)."""
+        out: dict[int | None, torch.Tensor | None] = {}
+        for window in set(self.config.layer_windows):
+            m = mask
+            if window is not None:
+                in_window = (q_pos[:, :, None] - k_pos[:, None, :] < window)[:, None]
+                m = in_window if m is None else m & in_window
+            out[window] = m
+        return out
+
+
+def load_draft(
+    draft_dir: str | Path,
+    target: TargetShape,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    mask_token_from_tokenizer: int | None = None,
+) -> DFlashDraft:
+    """Load a z-lab DFlash draft directory, checking it against its target; one-line errors."""
+    d = Path(draft_dir)
+    if not d.is_dir():
+        raise DDTreeError(f"draft directory {d} does not exist")
+    cfg_path, weights_path = d / "config.json", d / "model.safetensors"
+    if not cfg_path.is_file():
+        raise DDTreeError(f"draft directory {d} has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DDTreeError(f"{cfg_path} is not valid JSON: {exc}") from None
+    cfg = parse_draft_config(raw, target, where=str(cfg_path), mask_token_from_tokenizer=mask_token_from_tokenizer)
+    if not weights_path.is_file():
+        raise DDTreeError(f"draft directory {d} has no model.safetensors")
+    tensors = {k.removeprefix("model."): v for k, v in load_file(str(weights_path)).items()}
+    for borrowed in ("embed_tokens.weight", "lm_head.weight"):
+        tensors.pop(borrowed, None)  # the target's embedding and head stay authoritative
+    model = DFlashDraft(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise DDTreeError(f"{weights_path}: missing tensor(s) {', '.join(missing[:3])}{more}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise DDTreeError(f"{weights_path}: unexpected tensor(s) {', '.join(unexpected[:3])}")
+    for k, shape in expected.items():
+        if tuple(tensors[k].shape) != tuple(shape):
+            raise DDTreeError(f"{weights_path}: tensor {k} has shape {list(tensors[k].shape)}, "
+                              f"config says {list(shape)}")
+    model.load_state_dict(tensors, strict=False)
+    return model.place(device, dtype).eval()
+
+
+def write_draft_checkpoint(out_dir: str | Path, config: dict, state_dict: dict[str, torch.Tensor],
+                           dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors in the z-lab layout (no `model.` prefix, no embeddings)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state_dict.items()
+               if not k.startswith("rotary.")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def draft_config_dict(
+    *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    intermediate_size: int, vocab_size: int, block_size: int, mask_token_id: int,
+    target_layer_ids: Sequence[int], num_target_layers: int, rope_theta: float = 1e6,
+    max_position_embeddings: int = 40960, layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None, rms_norm_eps: float = 1e-6,
+) -> dict:
+    """A config.json for a new draft, in z-lab's layout (top-level block_size, as the Qwen3 drafts)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "num_target_layers": num_target_layers,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": rms_norm_eps,
+        "attention_bias": False,
+        "vocab_size": vocab_size,
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": max_position_embeddings,
+        "layer_types": list(layer_types or ["full_attention"] * num_layers),
+        "sliding_window": sliding_window,
+        "use_sliding_window": sliding_window is not None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }

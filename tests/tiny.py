@@ -1,0 +1,73 @@
+"""Tiny checkpoints in the real on-disk formats (random weights), built on the fly for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from ddtree.draft import (
+    DFlashDraft,
+    TargetShape,
+    default_taps,
+    draft_config_dict,
+    parse_draft_config,
+    write_draft_checkpoint,
+)
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+VOCAB = 96
+HIDDEN = 64
+MASK_ID = VOCAB - 1  # an unused embedding row, like Qwen3's <|MASK|>
+EOS_ID = VOCAB - 2
+
+
+def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, sliding_window: int | None = None):
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+                  initializer_range=0.2)
+    if arch == "qwen3":
+        extra = {}
+        if sliding_window:
+            extra = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0,
+                         layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+        return Qwen3Config(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra,
+                           **common)
+    if arch == "llama":
+        return LlamaConfig(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              decoder_sparse_step=1, mlp_only_layers=[], **common)
+    raise ValueError(arch)
+
+
+def make_target(out: Path, arch: str = "qwen3", seed: int = 0, **kw) -> Path:
+    """A random target saved with save_pretrained (config.json + model.safetensors + generation config)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(target_config(arch, **kw), dtype=torch.float32)
+    model.generation_config.eos_token_id = EOS_ID
+    model.save_pretrained(out)
+    return out
+
+
+def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers: int = 2, block_size: int = 8,
+               seed: int = 1, layout: str = "old", sliding_window: int | None = None, taps=None) -> Path:
+    """A random DFlash draft in the z-lab format; layout "old" (top-level block_size, rope_theta) or "new"."""
+    taps = list(taps) if taps is not None else default_taps(target_layers, 2)
+    layer_types = ["sliding_attention", "full_attention"] if sliding_window else None
+    cfg = draft_config_dict(hidden_size=HIDDEN, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128, vocab_size=vocab, block_size=block_size, mask_token_id=MASK_ID,
+                            target_layer_ids=taps, num_target_layers=target_layers, max_position_embeddings=1024,
+                            layer_types=layer_types, sliding_window=sliding_window)
+    if layout == "new":
+        cfg["dflash_config"]["block_size"] = cfg.pop("block_size")
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        cfg.pop("rope_scaling")
+    torch.manual_seed(seed)
+    model = DFlashDraft(parse_draft_config(cfg, TargetShape(HIDDEN, vocab, target_layers)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.15)
+    write_draft_checkpoint(out, cfg, model.state_dict(), dtype=torch.float32)
+    return out
