@@ -263,7 +263,7 @@ class DFlashDraft(nn.Module):
         visible) restricts visibility further, e.g. for training on many blocks at once; the layers'
         sliding windows are applied on top. Without a mask, every block query sees every key (non-causal).
         """
-        b, q_len, _ = block_embeds.shape
+        b = block_embeds.shape[0]
         dtype = block_embeds.dtype
         cos_b, sin_b = self.rotary(block_embeds, block_pos)
         if ctx_feats is not None and ctx_feats.shape[1] > 0:
