@@ -246,50 +246,52 @@ class DFlashDraft(nn.Module):
         self.rotary = Qwen3RotaryEmbedding(self.config.rope_config).to(device)
         return self
 
+    def context_kv(
+        self, ctx_feats: torch.Tensor, ctx_pos: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V of context rows: every layer projects the same fc+hidden_norm features (KV injection)."""
+        ctx = self.hidden_norm(self.fc(ctx_feats.to(dtype)))
+        cos, sin = self.rotary(ctx, ctx_pos)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def extend_context(self, cache: DraftCache, ctx_feats: torch.Tensor, ctx_pos: torch.Tensor) -> None:
+        """Append newly committed rows (their tap features [B, C, k*H] at positions [B, C]) to the cache."""
+        for i, (k, v) in enumerate(self.context_kv(ctx_feats, ctx_pos, self.fc.weight.dtype)):
+            cache.append(i, k, v)
+        cache.positions = ctx_pos if cache.positions is None else torch.cat([cache.positions, ctx_pos], dim=1)
+
     def forward(
         self,
         block_embeds: torch.Tensor,
         block_pos: torch.Tensor,
-        ctx_feats: torch.Tensor | None,
-        ctx_pos: torch.Tensor | None,
+        ctx_feats: torch.Tensor | None = None,
+        ctx_pos: torch.Tensor | None = None,
         cache: DraftCache | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the block queries over context + block keys; returns final-normed hidden states [B, Q, H].
 
         block_embeds [B, Q, H] are target embeddings of the block tokens at positions block_pos [B, Q].
-        ctx_feats [B, C, k*H] are concatenated tap features of new context rows at ctx_pos [B, C]; with a
-        cache they are appended to it (and earlier rows come from it). `mask` [B, 1, Q, keys] (bool, True =
-        visible) restricts visibility further, e.g. for training on many blocks at once; the layers'
-        sliding windows are applied on top. Without a mask, every block query sees every key (non-causal).
+        Context keys come from `cache` (decoding) or from ctx_feats [B, C, k*H] at ctx_pos [B, C]
+        (training). `mask` [B, 1, Q, keys] (bool, True = visible) restricts visibility further, e.g. to
+        train on many blocks at once; the layers' sliding windows apply on top. Without a mask every
+        block query sees every key (non-causal block).
         """
-        b = block_embeds.shape[0]
-        dtype = block_embeds.dtype
-        cos_b, sin_b = self.rotary(block_embeds, block_pos)
-        if ctx_feats is not None and ctx_feats.shape[1] > 0:
-            ctx = self.hidden_norm(self.fc(ctx_feats.to(dtype)))
-            cos_c, sin_c = self.rotary(ctx, ctx_pos)
-        else:
-            ctx = None
-            ctx_pos = block_pos.new_zeros(b, 0)
         if cache is not None:
-            cache.positions = ctx_pos if cache.positions is None else torch.cat([cache.positions, ctx_pos], dim=1)
+            layer_ctx = list(zip(cache.keys, cache.values, strict=True))
             key_pos_ctx = cache.positions
-        else:
+        elif ctx_feats is not None:
+            layer_ctx = self.context_kv(ctx_feats, ctx_pos, block_embeds.dtype)
             key_pos_ctx = ctx_pos
-        key_pos = torch.cat([key_pos_ctx, block_pos], dim=1)
-        masks = self._layer_masks(block_pos, key_pos, mask)
+        else:
+            raise ValueError("the draft needs context: a cache or ctx_feats")
+        cos, sin = self.rotary(block_embeds, block_pos)
+        masks = self._layer_masks(block_pos, torch.cat([key_pos_ctx, block_pos], dim=1), mask)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            if ctx is not None:
-                ck, cv = attn.project_kv(ctx, cos_c, sin_c)
-            else:
-                ck = cv = x.new_zeros(b, attn.num_kv_heads, 0, attn.head_dim)
-            if cache is not None:
-                ck, cv = cache.append(i, ck, cv)
+            ck, cv = layer_ctx[i]
             h = layer.input_layernorm(x)
-            x = x + attn(h, cos_b, sin_b, ck, cv, masks[self.config.layer_windows[i]])
+            x = x + layer.self_attn(h, cos, sin, ck, cv, masks[self.config.layer_windows[i]])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

@@ -1,0 +1,346 @@
+"""The decoding engine: `ar`, `dflash` and `ddtree` in one loop of draft -> tree -> verify -> commit.
+
+Every emitted token is the target's own pick at the node where it is emitted (see sampling.py), so all
+three methods produce the target's output: the same tokens when greedy, the same distribution when
+sampling. The methods differ only in how many of those picks one target forward pays for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ddtree.draft import DFlashDraft, DraftCache, load_draft
+from ddtree.errors import DDTreeError
+from ddtree.sampling import SamplingParams, make_generator, pick_tokens, process_logits
+from ddtree.target import Target, load_target
+from ddtree.tree import DraftTree, build_tree, chain_tree, visibility, walk
+
+METHODS = ("ddtree", "dflash", "ar")
+DEFAULT_BUDGET = 32
+ASSETS = Path(__file__).parent / "assets" / "demo"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # best first
+
+
+@dataclass
+class RoundOutput:
+    """What one target forward (or the prefill) committed."""
+
+    token_ids: list[int]  # emitted tokens, cut at EOS / stop id (never included) / max_new_tokens
+    logprobs: list[TokenLogprob] | None
+    draft_nodes: int  # tree nodes verified, root excluded
+    accepted: int  # accepted draft tokens, bonus excluded (= depth of the deepest accepted node)
+    phase_seconds: dict[str, float]
+    finish_reason: str | None = None  # None while going on; "stop" or "length"
+    stop_token_id: int | None = None
+    is_prefill: bool = False
+
+    @property
+    def accepted_depth(self) -> int:
+        return self.accepted
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    budget: int
+    block_size: int
+    prompt_tokens: int
+    rounds: int = 0  # verify forwards after the prefill
+    generated_tokens: int = 0
+    committed_tokens: int = 0  # tokens committed by verify rounds incl. bonus (before any stop cut)
+    accepted_per_depth: list[int] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens committed per verify forward, bonus included."""
+        return self.committed_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput: tokens after the prefill's, over decode time."""
+        decoded = max(self.generated_tokens - 1, 0)
+        return decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["acceptance_length"] = round(self.acceptance_length, 4)
+        out["tokens_per_second"] = round(self.tokens_per_second, 2)
+        return out
+
+
+PHASES = ("draft", "tree", "verify", "commit")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str
+    stop_token_id: int | None
+    logprobs: list[TokenLogprob] | None
+    stats: GenerationStats
+
+
+class Engine:
+    """A target, an optional drafter and their tokenizer, decoding one sequence at a time."""
+
+    def __init__(self, target: Target, draft: DFlashDraft | None, tokenizer=None, *, method: str = "ddtree",
+                 budget: int | None = None, model_name: str = "ddtree") -> None:
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.method, self.budget = self._check_method(method, budget)
+        self.block_size = draft.config.block_size if draft is not None else 1
+        eos = set()
+        for source in (target.config, getattr(target.model, "generation_config", None), tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            eos.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
+        self.eos_token_ids: set[int] = eos
+        if draft is not None:
+            target.set_taps(draft.config.target_layer_ids)
+
+    @classmethod
+    def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
+                        method: str = "ddtree", budget: int | None = None, device: str | None = None,
+                        dtype: str | None = None) -> Engine:
+        """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package."""
+        if target is None:
+            target, draft = ASSETS / "target", draft or ASSETS / "draft"
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
+        torch_dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        if method not in METHODS:
+            raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if draft is None and method != "ar":
+            raise DDTreeError(f"method {method} needs a DFlash draft (--draft DIR), or use --method ar")
+        tgt = load_target(target, device=dev, dtype=torch_dtype)
+        tokenizer = _load_tokenizer(Path(target))
+        drf = None
+        if draft is not None:
+            mask_from_tok = None
+            if tokenizer is not None:
+                mask_from_tok = tokenizer.convert_tokens_to_ids("<|MASK|>")
+                mask_from_tok = None if mask_from_tok == tokenizer.unk_token_id else mask_from_tok
+            drf = load_draft(draft, tgt.shape, device=dev, dtype=torch_dtype,
+                             mask_token_from_tokenizer=mask_from_tok)
+        return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=Path(target).name)
+
+    def _check_method(self, method: str | None, budget: int | None) -> tuple[str, int]:
+        method = method or getattr(self, "method", "ddtree")
+        if method not in METHODS:
+            raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method != "ar" and self.draft is None:
+            raise DDTreeError(f"method {method} needs a DFlash draft")
+        budget = budget if budget is not None else getattr(self, "budget", DEFAULT_BUDGET)
+        if budget < 0:
+            raise DDTreeError(f"budget must be >= 0, got {budget}")
+        return method, budget
+
+    @property
+    def max_context(self) -> int:
+        return self.target.max_context
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise DDTreeError("the target has no tokenizer; pass token ids (--prompt-ids) instead of text")
+        if chat:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                           add_generation_prompt=True, return_dict=False))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, method: str | None = None,
+               budget: int | None = None) -> Generation:
+        method, budget = self._check_method(method, budget)
+        return Generation(self, list(prompt_ids), params, method, budget)
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, method: str | None = None,
+                 budget: int | None = None) -> GenerationResult:
+        gen = self.stream(prompt_ids, params, method=method, budget=budget)
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        stop_id = None
+        for out in gen:
+            if logprobs is not None and out.logprobs:
+                logprobs.extend(out.logprobs)
+            stop_id = out.stop_token_id if out.stop_token_id is not None else stop_id
+        return GenerationResult(gen.token_ids, gen.finish_reason or "length", stop_id, logprobs, gen.stats)
+
+
+class Generation:
+    """One request's decoding: iterate for RoundOutputs; close() stops early and frees its state."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, method: str,
+                 budget: int) -> None:
+        if not prompt_ids:
+            raise DDTreeError("the prompt is empty")
+        vocab = engine.target.shape.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= engine.max_context:
+            raise DDTreeError(f"the prompt has {len(prompt_ids)} tokens; the context length is {engine.max_context}")
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        self.method, self.budget = method, budget if method == "ddtree" else 0
+        depth = engine.block_size - 1
+        self.stats = GenerationStats(method=method, budget=self.budget if method == "ddtree" else depth,
+                                     block_size=engine.block_size, prompt_tokens=len(prompt_ids),
+                                     accepted_per_depth=[0] * depth)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.eos_token_ids)
+        self._rounds = self._run()
+
+    def __iter__(self) -> Iterator[RoundOutput]:
+        return self
+
+    def __next__(self) -> RoundOutput:
+        return next(self._rounds)
+
+    def close(self) -> None:
+        self._rounds.close()
+
+    # -- the decoding loop -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _run(self) -> Iterator[RoundOutput]:
+        eng, params = self.engine, self.params
+        target, draft = eng.target, eng.draft if self.method != "ar" else None
+        device = target.device
+        generator = make_generator(params, device)
+        cache = target.new_cache()
+        draft_cache = DraftCache(len(draft.layers)) if draft is not None else None
+
+        t0 = self._now()
+        prompt = torch.tensor(self.prompt_ids, device=device)
+        logits, taps = target.forward(prompt, torch.arange(len(prompt), device=device), cache, logits_rows=1)
+        processed = process_logits(logits, params)
+        root = int(pick_tokens(processed, params, generator)[0])
+        if draft is not None:
+            draft.extend_context(draft_cache, taps[None], torch.arange(len(prompt), device=device)[None])
+        self.stats.prefill_seconds = self._now() - t0
+        start = len(prompt)  # position of the root = number of tokens in the target cache
+        out = self._emit([root], processed, [0], 0, 0, {"prefill": self.stats.prefill_seconds}, True)
+        yield out
+        decode_start = self._now()
+        while self.finish_reason is None:
+            phases = dict.fromkeys(PHASES, 0.0)
+            t = self._now()
+            max_depth = min(eng.block_size - 1, eng.max_context - 1 - start)
+            draft_logits = self._draft(root, start, draft_cache) if draft is not None and max_depth > 0 else None
+            phases["draft"], t = self._lap(t)
+            tree = self._tree(draft_logits, max_depth)
+            ids = torch.tensor([root, *tree.tokens], device=device)
+            positions = torch.tensor([0, *tree.depths], device=device) + start
+            vis = visibility(tree) if tree.size else None
+            phases["tree"], t = self._lap(t)
+            logits, taps = target.forward(ids, positions, cache, tree_visibility=vis)
+            processed = process_logits(logits, params)
+            picks = pick_tokens(processed, params, generator).tolist()
+            path = walk(tree, picks)
+            phases["verify"], t = self._lap(t)
+            emitted = [picks[node] for node in path]
+            out = self._emit(emitted, processed, path, tree.size, len(path) - 1, phases, False)
+            self.stats.rounds += 1
+            self.stats.committed_tokens += len(path)
+            for d in range(len(path) - 1):
+                self.stats.accepted_per_depth[d] += 1
+            if self.finish_reason is None:
+                Target.compact(cache, start, path)
+                if draft is not None:
+                    path_idx = torch.tensor(path, device=device)
+                    draft.extend_context(draft_cache, taps[path_idx][None], positions[path_idx][None])
+                start += len(path)
+                root = emitted[-1]
+                if start >= eng.max_context - 1:
+                    self.finish_reason = out.finish_reason = "length"
+            phases["commit"], _ = self._lap(t)
+            for name, seconds in phases.items():
+                self.stats.phase_seconds[name] += seconds
+            self.stats.decode_seconds = self._now() - decode_start
+            yield out
+
+    def _draft(self, root: int, start: int, draft_cache: DraftCache) -> torch.Tensor:
+        """The drafter's logits for the next block_size - 1 positions after the root."""
+        eng = self.engine
+        device = eng.target.device
+        block = torch.full((eng.block_size,), eng.draft.config.mask_token_id, device=device)
+        block[0] = root
+        embeds = eng.target.embed_tokens(block)[None]
+        hidden = eng.draft(embeds, torch.arange(start, start + eng.block_size, device=device)[None], cache=draft_cache)
+        return eng.target.lm_head(hidden[0, 1:])
+
+    def _tree(self, draft_logits: torch.Tensor | None, max_depth: int) -> DraftTree:
+        if draft_logits is None:
+            return DraftTree()
+        draft_logits = draft_logits[:max_depth]
+        if self.method == "dflash":
+            return chain_tree(draft_logits.argmax(dim=-1).tolist())
+        return build_tree(draft_logits, self.budget)
+
+    def _emit(self, tokens: list[int], processed: torch.Tensor, rows: list[int], nodes: int, accepted: int,
+              phases: dict[str, float], is_prefill: bool) -> RoundOutput:
+        """Cut the round's tokens at the first stop id or the token limit; record what is emitted."""
+        kept: list[int] = []
+        stop_id = None
+        for token in tokens:
+            if token in self._stop_ids:
+                self.finish_reason, stop_id = "stop", token
+                break
+            kept.append(token)
+            if len(self.token_ids) + len(kept) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = self._logprobs(processed, rows[:len(kept)], kept)
+        self.token_ids.extend(kept)
+        self.stats.generated_tokens = len(self.token_ids)
+        return RoundOutput(kept, logprobs, nodes, accepted, phases, self.finish_reason, stop_id, is_prefill)
+
+    def _logprobs(self, processed: torch.Tensor, rows: list[int], tokens: list[int]) -> list[TokenLogprob]:
+        """Target log-probs of each emitted token at its own node (after the request's processors)."""
+        if not rows:
+            return []
+        logp = torch.log_softmax(processed[rows], dim=-1)
+        chosen = logp[torch.arange(len(rows)), torch.tensor(tokens, device=logp.device)].tolist()
+        k = self.params.logprobs or 0
+        top_lp, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        return [TokenLogprob(tok, lp, list(zip(ids, lps, strict=True)))
+                for tok, lp, ids, lps in zip(tokens, chosen, top_ids.tolist(), top_lp.tolist(), strict=True)]
+
+    def _now(self) -> float:
+        if self.engine.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _lap(self, t: float) -> tuple[float, float]:
+        now = self._now()
+        return now - t, now
+
+
+def _load_tokenizer(target_dir: Path):
+    """The target's tokenizer when the checkpoint ships one (token-id-only checkpoints work without)."""
+    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)

@@ -1,0 +1,117 @@
+"""DDTree construction: the most probable draft prefixes under a node budget, and their visibility mask.
+
+Pure functions over the drafter's per-depth distributions. Node 0 is the root (the last committed
+token); nodes are numbered in the order they are chosen, so every child's index exceeds its parent's,
+which the mask builder and in-place KV compaction rely on.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A prefix-closed token tree; index 0 is the root and carries no token of its own."""
+
+    tokens: list[int] = field(default_factory=list)  # tokens[i - 1] is node i's token
+    depths: list[int] = field(default_factory=list)  # depths[i - 1] is node i's depth (1..D)
+    parents: list[int] = field(default_factory=lambda: [-1])  # parents[i], -1 for the root
+    children: list[dict[int, int]] = field(default_factory=lambda: [{}])  # token -> child node, per node
+
+    @property
+    def size(self) -> int:
+        """Number of draft nodes (root excluded)."""
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, depth: int) -> int:
+        node = len(self.parents)
+        self.tokens.append(token)
+        self.depths.append(depth)
+        self.parents.append(parent)
+        self.children.append({})
+        self.children[parent][token] = node
+        return node
+
+
+def chain_tree(tokens: list[int]) -> DraftTree:
+    """Linear DFlash: one path of the draft's argmax tokens."""
+    tree = DraftTree()
+    node = 0
+    for depth, token in enumerate(tokens, start=1):
+        node = tree.add(node, token, depth)
+    return tree
+
+
+def top_candidates(draft_logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Per-depth top-k log-probs and tokens (one fused op and one device-to-host copy)."""
+    logp, tok = torch.topk(torch.log_softmax(draft_logits.float(), dim=-1), k, dim=-1)
+    return logp.cpu().double().tolist(), tok.cpu().tolist()
+
+
+def build_tree(draft_logits: torch.Tensor, budget: int, *, spine: bool = False) -> DraftTree:
+    """Best-first search for the `budget` most probable prefixes of the per-depth product distribution.
+
+    draft_logits [D, V] are the drafter's raw logits (temperature 1). A path's score is the sum of its
+    per-depth log-probs, summed in depth order. Ties break on the path's rank tuple (lexicographic), so
+    the result is deterministic. With `spine`, the whole top-1 chain is placed first, so small budgets
+    still reach full depth.
+    """
+    max_depth = draft_logits.shape[0]
+    tree = DraftTree()
+    if budget <= 0 or max_depth == 0:
+        return tree
+    k = min(budget, draft_logits.shape[1])
+    logp, tok = top_candidates(draft_logits, k)
+    # Heap entry: (-score, rank tuple, parent score, parent node, depth, rank)
+    heap: list[tuple[float, tuple[int, ...], float, int, int, int]] = []
+
+    def push(parent_score: float, ranks: tuple[int, ...], parent: int, depth: int, rank: int) -> None:
+        score = parent_score + logp[depth - 1][rank]
+        heapq.heappush(heap, (-score, (*ranks, rank), parent_score, parent, depth, rank))
+
+    if spine:
+        node, score, ranks = 0, 0.0, ()
+        for depth in range(1, min(budget, max_depth) + 1):
+            if k > 1:
+                push(score, ranks, node, depth, 1)  # the spine node's first sibling
+            node = tree.add(node, tok[depth - 1][0], depth)
+            score, ranks = score + logp[depth - 1][0], (*ranks, 0)
+    else:
+        push(0.0, (), 0, 1, 0)
+    while heap and tree.size < budget:
+        neg_score, ranks, parent_score, parent, depth, rank = heapq.heappop(heap)
+        node = tree.add(parent, tok[depth - 1][rank], depth)
+        if rank + 1 < k:
+            push(parent_score, ranks[:-1], parent, depth, rank + 1)
+        if depth < max_depth:
+            push(-neg_score, ranks, node, depth + 1, 0)
+    return tree
+
+
+def visibility(tree: DraftTree) -> torch.Tensor:
+    """bool [N, N] (N = size + 1): row i sees its ancestors and itself."""
+    n = tree.size + 1
+    vis = torch.zeros(n, n, dtype=torch.bool)
+    vis[0, 0] = True
+    for i in range(1, n):
+        vis[i] = vis[tree.parents[i]]
+        vis[i, i] = True
+    return vis
+
+
+def walk(tree: DraftTree, picks: list[int]) -> list[int]:
+    """Follow the target's picks from the root while they match a child; returns the path of nodes.
+
+    picks[i] is the target's token at node i. The emitted tokens are picks[path[j]] for every j: the
+    accepted children's tokens followed by the bonus token at the last node.
+    """
+    path = [0]
+    node = 0
+    while (child := tree.children[node].get(picks[node])) is not None:
+        path.append(child)
+        node = child
+    return path
