@@ -17,14 +17,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3Mo
 
 VOCAB = 96
 HIDDEN = 64
-MASK_ID = VOCAB - 1  # an unused embedding row, like Qwen3's <|MASK|>
-EOS_ID = VOCAB - 2
+MASK_ID = VOCAB - 1  # an unused embedding row, like Qwen3's <|MASK|> (vocab - 1 for other sizes)
+EOS_ID = VOCAB - 2  # (vocab - 2 for other sizes)
 
 
 def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, sliding_window: int | None = None):
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+                  eos_token_id=vocab - 2, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
                   initializer_range=0.2)
     if arch == "qwen3":
         extra = {}
@@ -45,7 +45,7 @@ def make_target(out: Path, arch: str = "qwen3", seed: int = 0, **kw) -> Path:
     """A random target saved with save_pretrained (config.json + model.safetensors + generation config)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(target_config(arch, **kw), dtype=torch.float32)
-    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.eos_token_id = model.config.vocab_size - 2
     model.save_pretrained(out)
     return out
 
@@ -56,7 +56,7 @@ def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers:
     taps = list(taps) if taps is not None else default_taps(target_layers, 2)
     layer_types = ["sliding_attention", "full_attention"] if sliding_window else None
     cfg = draft_config_dict(hidden_size=HIDDEN, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
-                            intermediate_size=128, vocab_size=vocab, block_size=block_size, mask_token_id=MASK_ID,
+                            intermediate_size=128, vocab_size=vocab, block_size=block_size, mask_token_id=vocab - 1,
                             target_layer_ids=taps, num_target_layers=target_layers, max_position_embeddings=1024,
                             layer_types=layer_types, sliding_window=sliding_window)
     if layout == "new":

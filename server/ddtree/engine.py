@@ -121,6 +121,8 @@ class Engine:
         """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package."""
         if target is None:
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
+        if not Path(target).is_dir():
+            raise DDTreeError(f"target directory {target} does not exist")
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DDTreeError("--device cuda was asked for, but no CUDA device is available")

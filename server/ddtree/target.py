@@ -109,6 +109,7 @@ class Target:
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
 
     @staticmethod
+    @torch.inference_mode()
     def compact(cache: DynamicCache, past: int, keep: list[int]) -> None:
         """Keep only the tree rows `keep` (node indices, ascending, keep[0] = 0) after `past` committed rows."""
         n = len(keep)

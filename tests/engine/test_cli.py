@@ -1,0 +1,55 @@
+"""`ddtree generate` as a user runs it: a real subprocess, JSON output, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddtree.cli", "generate", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_json_for_each_method_gives_the_same_tokens(ckpt):
+    outputs = {}
+    for method in ("ar", "dflash", "ddtree"):
+        proc = run("--target", str(ckpt / "qwen3"), "--draft", str(ckpt / "draft"), "--prompt-ids", "1,2,3",
+                   "--method", method, "--budget", "8", "--max-new-tokens", "20", "--device", "cpu", "--json")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+        assert out["stats"]["method"] == method
+        assert out["stats"]["generated_tokens"] == len(out["token_ids"]) <= 20
+        for key in ("budget", "rounds", "acceptance_length", "decode_seconds", "tokens_per_second",
+                    "accepted_per_depth", "phase_seconds"):
+            assert key in out["stats"]
+        outputs[method] = out["token_ids"]
+    assert outputs["ar"] == outputs["dflash"] == outputs["ddtree"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target", "/nonexistent", "--prompt-ids", "1"], "target directory /nonexistent does not exist"),
+    (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt-ids", "1", "--method", "ddtree", "--budget", "-2"], "budget must be >= 0"),
+])
+def test_user_errors_are_one_line_without_traceback(ckpt, args, message):
+    args = [a.replace("CKPT", str(ckpt)) for a in args]
+    if "--target" not in args:
+        args = ["--target", str(ckpt / "qwen3"), "--draft", str(ckpt / "draft"), *args]
+    proc = run(*args, "--device", "cpu")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_mismatched_pair_is_refused(ckpt, tmp_path):
+    from tiny import make_draft
+
+    make_draft(tmp_path / "wide", target_layers=6, taps=[1, 2])
+    proc = run("--target", str(ckpt / "qwen3"), "--draft", str(tmp_path / "wide"), "--prompt-ids", "1", "--device",
+               "cpu")
+    assert proc.returncode == 2 and "trained for a 6-layer target" in proc.stderr

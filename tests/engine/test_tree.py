@@ -1,0 +1,107 @@
+"""Tree construction equals brute-force top-B prefix enumeration, and its structural invariants hold."""
+
+import itertools
+
+import pytest
+import torch
+
+from ddtree.tree import build_tree, chain_tree, top_candidates, visibility, walk
+
+
+def brute_force(draft_logits: torch.Tensor, budget: int) -> list[tuple[int, ...]]:
+    """All prefixes (as rank tuples) sorted by (score desc, rank tuple asc), first `budget` kept."""
+    depth, vocab = draft_logits.shape
+    k = min(budget, vocab)
+    logp, _ = top_candidates(draft_logits, k)
+    scored = []
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            score = 0.0
+            for level, r in enumerate(ranks):
+                score += logp[level][r]
+            scored.append((-score, ranks))
+    scored.sort()
+    return [ranks for _, ranks in scored[:budget]]
+
+
+def rank_tuples(tree, draft_logits: torch.Tensor, budget: int) -> list[tuple[int, ...]]:
+    k = min(budget, draft_logits.shape[1])
+    _, tok = top_candidates(draft_logits, k)
+    out = []
+    for node in range(1, tree.size + 1):
+        ranks = []
+        n = node
+        while n:
+            ranks.append(tok[tree.depths[n - 1] - 1].index(tree.tokens[n - 1]))
+            n = tree.parents[n]
+        out.append(tuple(reversed(ranks)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 3, 7, 20])
+def test_tree_is_the_top_budget_prefixes_in_pop_order(seed, budget):
+    torch.manual_seed(seed)
+    logits = torch.randn(4, 5) * 2
+    tree = build_tree(logits, budget)
+    assert rank_tuples(tree, logits, budget) == brute_force(logits, budget)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_is_prefix_closed_with_parents_before_children(seed):
+    torch.manual_seed(seed)
+    logits = torch.randn(6, 50)
+    tree = build_tree(logits, 64)
+    assert tree.size == 64
+    for node in range(1, tree.size + 1):
+        parent = tree.parents[node]
+        assert 0 <= parent < node
+        assert tree.depths[node - 1] == (tree.depths[parent - 1] if parent else 0) + 1
+        assert tree.children[parent][tree.tokens[node - 1]] == node
+    siblings = [(tree.parents[n], tree.tokens[n - 1]) for n in range(1, tree.size + 1)]
+    assert len(set(siblings)) == len(siblings)
+
+
+def test_budget_one_per_depth_gives_the_argmax_chain_when_draft_is_confident():
+    logits = torch.full((5, 10), -10.0)
+    for d, t in enumerate([3, 1, 4, 1, 5]):
+        logits[d, t] = 10.0
+    tree = build_tree(logits, 5)
+    assert tree.tokens == [3, 1, 4, 1, 5]
+    assert tree.parents == [-1, 0, 1, 2, 3, 4]
+
+
+def test_spine_reaches_full_depth_under_a_small_budget():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 20) * 0.1  # flat: the plain heap spends the budget on siblings
+    plain = build_tree(logits, 8)
+    spine = build_tree(logits, 8, spine=True)
+    assert max(plain.depths) < 8
+    assert spine.depths == list(range(1, 9))
+    assert spine.tokens == logits.argmax(-1).tolist()
+    bigger = build_tree(logits, 20, spine=True)
+    assert bigger.tokens[:8] == spine.tokens and bigger.size == 20
+    for node in range(1, bigger.size + 1):
+        assert bigger.parents[node] < node
+
+
+def test_zero_budget_is_root_only_and_walk_gives_the_bonus():
+    tree = build_tree(torch.randn(3, 4), 0)
+    assert tree.size == 0
+    assert walk(tree, [7]) == [0]
+    assert visibility(tree).tolist() == [[True]]
+
+
+def test_visibility_is_ancestors_and_self():
+    tree = chain_tree([5, 6])
+    tree.add(0, 9, 1)  # a sibling of node 1
+    vis = visibility(tree).int().tolist()
+    assert vis == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]
+
+
+def test_walk_follows_matching_children_and_stops_at_the_first_miss():
+    tree = chain_tree([5, 6, 7])
+    tree.add(0, 9, 1)  # node 4
+    assert walk(tree, [5, 6, 1, 0, 0]) == [0, 1, 2]
+    assert walk(tree, [9, 0, 0, 0, 3]) == [0, 4]
+    assert walk(tree, [2, 0, 0, 0, 0]) == [0]
