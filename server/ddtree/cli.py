@@ -75,10 +75,44 @@ def _prompt_ids(engine, args: argparse.Namespace) -> list[int]:
     return engine.encode(args.prompt, chat=args.chat)
 
 
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (with Prometheus /metrics)")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: target dir name)")
+    p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
+    p.add_argument("--budget", type=int, default=None, help="DDTree node budget (default: 32)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
+                   "(default: $DDTREE_API_KEY; none: open)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from ddtree.serve import ServeOptions, run
+
+    if not 0 <= args.port <= 65535:
+        raise DDTreeError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise DDTreeError(f"--max-queue must be at least 1, got {args.max_queue}")
+    return run(ServeOptions(
+        target=args.target, draft=args.draft, method=args.method, budget=args.budget, device=args.device,
+        dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
+        drain_timeout=args.drain_timeout, log_level=args.log_level))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 

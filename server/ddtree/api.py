@@ -1,0 +1,646 @@
+"""The OpenAI-compatible HTTP API: request schemas and validation, responses, SSE streaming, errors.
+
+Shaped like vLLM's and SGLang's OpenAI servers so their clients and benchmarks work unchanged, but kept
+small: one engine, one served model, one sequence per request. Every error a client can cause comes back
+as the OpenAI envelope `{"error": {"message", "type", "param", "code"}}` with the right status code.
+Requests are validated here (on the event loop, cheaply) before they reach the engine's worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ddtree import __version__
+from ddtree.metrics import ServerMetrics
+from ddtree.sampling import SamplingParams
+from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
+from ddtree.scheduler import Request as EngineRequest
+
+log = logging.getLogger("ddtree.server")
+
+MAX_LOGPROBS = 20
+# JSON has no -inf; vLLM reports filtered-out alternatives with this value.
+MIN_LOGPROB = -9999.0
+
+
+# --------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class APIError(Exception):
+    """An error to return as the OpenAI envelope."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "ContentPart", "ChatMessage"}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 as an OpenAI 400 naming the first offending field."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return bad_request(f"Invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Union members show up as extra path parts (`stop.str`, `prompt.list[int]`): keep the field path.
+    loc = [part for part in loc if part not in _UNION_TAGS and "[" not in part]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Request schemas (unknown fields are tolerated and logged, as OpenAI clients send vendor extras)
+
+
+class _Tolerant(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Tolerant):
+    include_usage: bool = False
+
+
+class ContentPart(_Tolerant):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Tolerant):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class _SamplingFields(_Tolerant):
+    """Fields shared by chat and completions, OpenAI's plus vLLM's extensions (sent via `extra_body`)."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: int = 1
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+    return_spec_stats: bool = False
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Server state
+
+
+@dataclass
+class ServerConfig:
+    """What `ddtree serve` decides before the model is loaded."""
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = 256
+    drain_timeout: float = 30.0  # seconds queued and running requests get to finish at shutdown
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share; the engine fields fill in once loading finishes."""
+
+    config: ServerConfig
+    engine: Any = None
+    scheduler: Scheduler | None = None
+    metrics: ServerMetrics | None = None
+    model_name: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    load_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None and not self.draining
+
+    def load(self, load_engine: Callable[[], Any]) -> None:
+        """Load the engine and start the scheduler (runs in a thread; the server answers meanwhile)."""
+        engine = load_engine()
+        name = self.config.served_model_name or engine.model_name
+        metrics = ServerMetrics(name, method=engine.method, budget=engine.budget, block_size=engine.block_size,
+                                max_model_len=engine.max_context)
+        self.engine, self.model_name, self.metrics = engine, name, metrics
+        self.scheduler = Scheduler(engine, metrics, max_queue=self.config.max_queue)
+        log.info("serving %s (method %s, budget %s, max context %d)", name, engine.method, engine.budget,
+                 engine.max_context)
+
+    def require_ready(self) -> Scheduler:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", type="service_unavailable")
+        if self.scheduler is None:
+            raise APIError(503, "The model is still loading.", type="service_unavailable",
+                           headers={"Retry-After": "5"})
+        return self.scheduler
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation: request -> prompt ids, sampling params, stop strings
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    prompt_text: str = ""
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
+                       code=404)
+
+
+def _check_unsupported(req: _SamplingFields) -> None:
+    """Refuse what would silently change the output distribution if ignored."""
+    if req.n != 1:
+        raise bad_request("Only n=1 is supported: send one request per sequence.", "n")
+    for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
+                          ("min_p", 0.0)):
+        if getattr(req, name) != neutral:
+            raise bad_request(f"{name} is not supported (it must be {neutral}).", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported.", "logit_bias")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported.", "prompt_logprobs")
+    if req.model_extra:
+        log.info("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
+
+
+def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+              logprobs: int | None, prompt_param: str, max_param: str = "max_tokens") -> Prepared:
+    """Check lengths and sampling fields; unset max tokens means "up to the context length"."""
+    engine = state.engine
+    if not prompt_ids:
+        raise bad_request("The prompt is empty.", prompt_param)
+    limit = engine.max_context
+    if max_tokens is None:
+        max_tokens = limit - len(prompt_ids)
+    if len(prompt_ids) >= limit or len(prompt_ids) + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the length of the prompt or the completion.",
+            max_param if len(prompt_ids) < limit else prompt_param)
+    vocab = engine.target.shape.vocab_size
+    stop_ids = tuple(req.stop_token_ids or ())
+    if any(not 0 <= t < vocab for t in stop_ids):
+        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab}).", "stop_token_ids")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            seed=req.seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return Prepared(prompt_ids, params, tuple(s for s in stop if s))
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"Only text content parts are supported, got {part.type!r}.",
+                              f"messages.{index}.content")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
+    _check_model(state, req.model)
+    _check_unsupported(req)
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise bad_request(f"response_format {fmt!r} is not supported yet (no constrained decoding).",
+                          "response_format")
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("Tool calling is not supported yet; send tool_choice \"none\" or no tools.",
+                          "tool_choice")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+    messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(req.messages)]
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
+    try:
+        # Tokenized as `ddtree generate --chat` does, so both give the same prompt ids.
+        prompt_ids = list(tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False, continue_final_message=req.continue_final_message,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            **(req.chat_template_kwargs or {})))
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
+        raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
+
+
+def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
+    _check_model(state, req.model)
+    _check_unsupported(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported.", "suffix")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of must be 1.", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which are not supported.", "echo")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("Send one prompt per request (batched prompts are not supported).", "prompt")
+        prompt = prompt[0]
+    engine = state.engine
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise bad_request("This model has no tokenizer: send the prompt as token ids.", "prompt")
+        prompt_ids, prompt_text = engine.encode(prompt), prompt
+    else:
+        vocab = engine.target.shape.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise bad_request(f"Prompt token ids must be in [0, {vocab}).", "prompt")
+        prompt_ids, prompt_text = list(prompt), engine.decode(list(prompt))
+    prepared = _sampling(state, req, prompt_ids, req.max_tokens, req.logprobs, "prompt")
+    prepared.prompt_text = prompt_text
+    return prepared
+
+
+# --------------------------------------------------------------------------------------------------------
+# Responses
+
+
+def _usage(request: EngineRequest) -> dict:
+    prompt = len(request.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": request.completion_tokens,
+            "total_tokens": prompt + request.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+class _LogprobFormatter:
+    """Engine TokenLogprobs -> OpenAI's chat or legacy completions shapes."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.token_text = lru_cache(maxsize=65536)(lambda token_id: decode([token_id]))
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, logprobs: list) -> list[dict]:
+        return [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                for lp in logprobs]
+
+    def legacy(self, logprobs: list, offset: int) -> dict:
+        """Completions logprobs; `offset` is where this piece starts in the returned text."""
+        tokens, offsets = [], []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        tops = [{self.token_text(t): _finite(v) for t, v in lp.top} or
+                {self.token_text(lp.token_id): _finite(lp.logprob)} for lp in logprobs]
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": tops, "text_offset": offsets}
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class _Call:
+    """One API call in flight: the engine request plus what its response needs."""
+
+    kind: Literal["chat", "completion"]
+    request: EngineRequest
+    body: ChatCompletionRequest | CompletionRequest
+    prepared: Prepared
+    model: str
+    logprobs: _LogprobFormatter
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_id(self) -> str:
+        return f"chatcmpl-{self.id}" if self.kind == "chat" else f"cmpl-{self.id}"
+
+    def extras(self, top: dict) -> dict:
+        """vLLM's `return_token_ids` and the opt-in per-request speculative stats."""
+        if self.body.return_token_ids:
+            top["prompt_token_ids"] = self.request.prompt_ids
+        if self.body.return_spec_stats and self.request.spec is not None:
+            top["metrics"] = {"speculative_decoding": self.request.spec.to_dict()}
+        return top
+
+
+async def _outputs(scheduler: Scheduler, http: Request, request: EngineRequest) -> AsyncIterator[Output]:
+    """The request's outputs until its final one; a client that disconnects cancels the engine work."""
+
+    async def watch_disconnect() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        scheduler.cancel(request)
+
+    watcher = asyncio.create_task(watch_disconnect())
+    try:
+        while True:
+            output = await request.outputs.get()
+            yield output
+            if output.finish_reason is not None:
+                return
+    finally:
+        watcher.cancel()
+        scheduler.cancel(request)
+
+
+async def _complete(call: _Call, outputs: AsyncIterator[Output]) -> Response:
+    text, token_ids, logprobs = [], [], []
+    final = None
+    async for out in outputs:
+        text.append(out.text)
+        token_ids.extend(out.token_ids)
+        logprobs.extend(out.logprobs or ())
+        final = out
+    if final is None or final.finish_reason == "abort":
+        if final is not None and final.error:
+            return APIError(500, f"The engine failed: {final.error}", type="internal_error").response()
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    content = "".join(text)
+    want_logprobs = call.prepared.params.logprobs is not None
+    if call.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": content},
+                  "logprobs": {"content": call.logprobs.chat(logprobs)} if want_logprobs else None}
+        obj = "chat.completion"
+    else:
+        prefix = call.prepared.prompt_text if call.body.echo else ""
+        choice = {"index": 0, "text": prefix + content,
+                  "logprobs": call.logprobs.legacy(logprobs, len(prefix)) if want_logprobs else None}
+        obj = "text_completion"
+    choice.update(finish_reason=final.finish_reason, stop_reason=final.stop_reason)
+    if call.body.return_token_ids:
+        choice["token_ids"] = token_ids
+    body = {"id": call.object_id, "object": obj, "created": call.created, "model": call.model,
+            "choices": [choice], "usage": _usage(call.request), "system_fingerprint": f"ddtree-{__version__}"}
+    return JSONResponse(call.extras(body))
+
+
+async def _stream(call: _Call, outputs: AsyncIterator[Output]) -> AsyncIterator[str]:
+    """SSE: one chunk per engine round, a finish chunk, an optional usage chunk, then [DONE]."""
+    chat = call.kind == "chat"
+    include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
+    want_logprobs = call.prepared.params.logprobs is not None
+    offset = 0
+
+    def chunk_body(choices: list[dict], **extra: Any) -> str:
+        body = {"id": call.object_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": call.created, "model": call.model, "choices": choices, **extra}
+        if include_usage:
+            body.setdefault("usage", None)
+        return _sse(body)
+
+    def chunk(choice: dict, **extra: Any) -> str:
+        return chunk_body([choice], **extra)
+
+    if chat:
+        yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None})
+    elif call.body.echo:
+        offset = len(call.prepared.prompt_text)
+        yield chunk({"index": 0, "text": call.prepared.prompt_text, "logprobs": None, "finish_reason": None})
+    async for out in outputs:
+        if out.finish_reason == "abort":
+            if out.error:
+                yield _sse(APIError(500, f"The engine failed: {out.error}", type="internal_error").body())
+                yield _sse("[DONE]")
+            return
+        if out.text or (want_logprobs and out.logprobs):
+            if chat:
+                logprobs = {"content": call.logprobs.chat(out.logprobs)} if want_logprobs else None
+                choice = {"index": 0, "delta": {"content": out.text}, "logprobs": logprobs}
+            else:
+                logprobs = call.logprobs.legacy(out.logprobs, offset) if want_logprobs else None
+                choice = {"index": 0, "text": out.text, "logprobs": logprobs}
+            offset += len(out.text)
+            if call.body.return_token_ids:
+                choice["token_ids"] = out.token_ids
+            yield chunk({**choice, "finish_reason": None})
+        if out.finish_reason is not None:
+            final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+            yield chunk({**final, "logprobs": None, "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason}, **call.extras({}))
+    if include_usage:
+        yield chunk_body([], usage=_usage(call.request))
+    yield _sse("[DONE]")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The app
+
+
+class _ApiKeyMiddleware:
+    """Bearer-token check on /v1 (plain ASGI, so streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = None,
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The ASGI app. The engine loads in a thread at startup: /health answers at once, /ready when loaded."""
+    state = ServerState(config or ServerConfig())
+
+    def load() -> None:
+        try:
+            state.load(load_engine)
+        except BaseException as exc:
+            state.load_error = str(exc)
+            log.error("could not load the model: %s", exc)
+            if on_load_error is not None:
+                on_load_error(exc)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=load, name="ddtree-load", daemon=True).start()
+        yield
+        state.draining = True
+        if state.scheduler is not None:
+            await asyncio.to_thread(state.scheduler.shutdown, state.config.drain_timeout)
+
+    app = FastAPI(title="ddtree", version=__version__, lifespan=lifespan)
+    app.state.ddtree = state
+    if state.config.api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=state.config.api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=exc.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return APIError(500, f"Internal server error: {exc}", type="internal_error").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        """Liveness: the process is up (the model may still be loading)."""
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: the model is loaded and the server is not draining."""
+        state.require_ready()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics is None:
+            raise APIError(503, "The model is still loading.", type="service_unavailable")
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        state.require_ready()
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "ddtree", "max_model_len": state.engine.max_context}]}
+
+    async def serve(http: Request, kind: Literal["chat", "completion"], body, prepared: Prepared) -> Response:
+        scheduler = state.require_ready()
+        request = EngineRequest(prepared.prompt_ids, prepared.params, stop=prepared.stop,
+                                include_stop_str=body.include_stop_str_in_output,
+                                client=body.user or (http.client.host if http.client else ""))
+        try:
+            scheduler.submit(request)
+        except QueueFull as exc:
+            raise APIError(429, "The server is at capacity; retry later.", type="rate_limit_error",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        except Draining:
+            raise APIError(503, "The server is shutting down.", type="service_unavailable") from None
+        call = _Call(kind, request, body, prepared, state.model_name, _LogprobFormatter(state.engine.decode))
+        outputs = _outputs(scheduler, http, request)
+        if body.stream:
+            return StreamingResponse(_stream(call, outputs), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _complete(call, outputs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+        state.require_ready()
+        return await serve(http, "chat", body, prepare_chat(state, body))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        state.require_ready()
+        return await serve(http, "completion", body, prepare_completion(state, body))
+
+    return app

@@ -1,0 +1,110 @@
+"""Everything a client can get wrong comes back as the OpenAI error envelope, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MSG = [{"role": "user", "content": "w1 w2"}]
+
+
+def cases(name: str) -> list:
+    """(path, body, status, param) with `MODEL` standing for the served model id."""
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    long_ids = list(range(1, 60)) * 40
+    return [
+        (chat, b"{not json", 400, None),
+        (chat, b"[1, 2]", 400, None),
+        (chat, {"model": name}, 400, "messages"),
+        (chat, {"model": name, "messages": []}, 400, "messages"),
+        (chat, {"model": name, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+        (chat, {"model": name, "messages": MSG, "temperature": -1}, 400, "temperature"),
+        (chat, {"model": name, "messages": MSG, "temperature": "hot"}, 400, "temperature"),
+        (chat, {"model": name, "messages": MSG, "top_p": 0}, 400, "top_p"),
+        (chat, {"model": name, "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+        (chat, {"model": name, "messages": MSG, "n": 2}, 400, "n"),
+        (chat, {"model": name, "messages": MSG, "stop": 5}, 400, "stop"),
+        (chat, {"model": name, "messages": MSG, "stream": "maybe"}, 400, "stream"),
+        (chat, {"model": name, "messages": MSG, "seed": 2**70}, 400, "seed"),
+        (chat, {"model": name, "messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
+        (chat, {"model": name, "messages": MSG, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
+        (chat, {"model": name, "messages": MSG, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        (chat, {"model": name, "messages": MSG, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        (chat, {"model": name, "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+         "response_format"),
+        (chat, {"model": name, "messages": MSG, "tools": [{"type": "function"}]}, 400, "tool_choice"),
+        (chat, {"model": name, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages.0.content"),
+        (chat, {"model": name, "messages": MSG, "max_tokens": 10**6}, 400, "max_tokens"),
+        (chat, {"model": name, "messages": MSG, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+        (chat, {"model": "no-such-model", "messages": MSG}, 404, "model"),
+        (comp, {"model": name}, 400, "prompt"),
+        (comp, {"model": name, "prompt": ""}, 400, "prompt"),
+        (comp, {"model": name, "prompt": [10**9]}, 400, "prompt"),
+        (comp, {"model": name, "prompt": ["a", "b"]}, 400, "prompt"),
+        (comp, {"model": name, "prompt": long_ids}, 400, "prompt"),
+        (comp, {"model": name, "prompt": "w1", "suffix": "w2"}, 400, "suffix"),
+        (comp, {"model": name, "prompt": "w1", "echo": True, "logprobs": 1}, 400, "echo"),
+        (comp, {"model": name, "prompt": "w1", "best_of": 3}, 400, "best_of"),
+        (comp, {"model": "no-such-model", "prompt": "w1"}, 404, "model"),
+    ]
+
+
+def model_name(server) -> str:
+    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
+
+def test_every_bad_request_gets_its_openai_error(server):
+    for path, body, status, param in cases(model_name(server)):
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
+            "json": body}
+        r = httpx.post(f"{server.url}{path}", **kw)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], body
+        assert error["param"] == param, (body, error)
+    # ... and the server is still serving.
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "w1 w2", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_model_is_404_through_the_sdk(server):
+    with pytest.raises(openai.NotFoundError) as err:
+        server.client().chat.completions.create(model="nope", messages=MSG)
+    assert "The model `nope` does not exist." in str(err.value)
+
+
+def test_context_length_error_names_the_limit(server):
+    limit = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": limit})
+    assert r.status_code == 400 and f"maximum context length is {limit} tokens" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": limit - 3})
+    assert r.status_code == 200  # exactly at the limit is fine
+
+
+def test_unknown_fields_are_ignored(server):
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"prompt": "w1", "max_tokens": 2, "some_future_field": {"x": 1}})
+    assert r.status_code == 200
+
+
+def test_unknown_route_and_wrong_method_use_the_envelope(server):
+    r = httpx.get(f"{server.url}/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{server.url}/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_api_key_is_required_on_v1_only(guarded_server):
+    url = guarded_server.url
+    r = httpx.get(f"{url}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    # A bad body without a key is refused for the key, not parsed.
+    assert httpx.post(f"{url}/v1/chat/completions", content=b"{oops").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert guarded_server.client().models.list().data
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
