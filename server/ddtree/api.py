@@ -500,7 +500,7 @@ async def _stream(call: _Call, outputs: AsyncIterator[Output]) -> AsyncIterator[
                 yield _sse(APIError(500, f"The engine failed: {out.error}", type="internal_error").body())
                 yield _sse("[DONE]")
             return
-        if out.text or (want_logprobs and out.logprobs):
+        if out.text or (out.token_ids and (want_logprobs or call.body.return_token_ids)):
             if chat:
                 logprobs = {"content": call.logprobs.chat(out.logprobs)} if want_logprobs else None
                 choice = {"index": 0, "delta": {"content": out.text}, "logprobs": logprobs}

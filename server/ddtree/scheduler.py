@@ -371,27 +371,23 @@ class Scheduler:
     def _step(self) -> None:
         """Advance every running request by one engine round (batch 1: one request)."""
         for run in list(self._running):
-            if not self._advance(run):
-                run.generation.close()
-                self._running.remove(run)
-                self.metrics.running.set(len(self._running))
+            try:
+                final = self._advance(run)
+            except Exception as exc:  # one request's failure must not stop the worker serving the others
+                log.exception("engine failed on request %s", run.request.request_id)
+                final = Output("", [], None, finish_reason="abort", error=str(exc))
+            if final is not None:
+                self._retire(run, final)
 
-    def _advance(self, run: _Running) -> bool:
-        """One round for one request; False when the request is over."""
+    def _advance(self, run: _Running) -> Output | None:
+        """One round for one request: posts its output, or returns the final one when the request is over."""
         request = run.request
         if request.cancelled:
-            self._abort(request)
-            return False
+            return Output("", [], None, finish_reason="abort")
         try:
             out = next(run.generation)
         except StopIteration:
-            reason = getattr(run.generation, "finish_reason", None) or "stop"
-            self._emit(run, [], None, reason, None)
-            return False
-        except Exception as exc:
-            log.exception("engine failed on request %s", request.request_id)
-            self._abort(request, str(exc))
-            return False
+            return self._output(run, [], None, run.generation.finish_reason or "stop", None)
         now = time.monotonic()
         if out.is_prefill:
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -420,31 +416,35 @@ class Scheduler:
                     self.metrics.token_itl.observe(interval / len(tokens))
             request.last_token = now
         if run.text.matched is not None:
-            self._emit(run, tokens, logprobs, "stop", run.text.matched)
-            return False
+            return self._output(run, tokens, logprobs, "stop", run.text.matched)
         if out.finish_reason is not None:
             stop_reason = out.stop_token_id if out.stop_token_id not in self.engine.eos_token_ids else None
-            self._emit(run, tokens, logprobs, out.finish_reason, stop_reason)
-            return False
-        self._emit(run, tokens, logprobs, None, None)
-        return True
+            return self._output(run, tokens, logprobs, out.finish_reason, stop_reason)
+        request.post(self._output(run, tokens, logprobs, None, None))
+        return None
 
-    def _emit(self, run: _Running, tokens: list[int], logprobs: list | None, finish_reason: str | None,
-              stop_reason: str | int | None) -> None:
-        request = run.request
-        request.completion_tokens += len(tokens)
+    def _output(self, run: _Running, tokens: list[int], logprobs: list | None, finish_reason: str | None,
+                stop_reason: str | int | None) -> Output:
+        """Count the tokens a client receives and release the text that is safe to send."""
+        run.request.completion_tokens += len(tokens)
         self.metrics.generation_tokens.inc(len(tokens))
         if finish_reason is not None:
             run.text.flush()
-        request.post(Output(run.text.release(final=finish_reason is not None), tokens, logprobs,
-                            finish_reason, stop_reason))
-        if finish_reason is not None:
-            self._finish(request, finish_reason)
+        return Output(run.text.release(final=finish_reason is not None), tokens, logprobs, finish_reason,
+                      stop_reason)
+
+    def _retire(self, run: _Running, final: Output) -> None:
+        """Free the engine state and record the metrics before the client hears the request is over."""
+        run.generation.close()
+        self._running.remove(run)
+        self.metrics.running.set(len(self._running))
+        self._finish(run.request, final.finish_reason)
+        run.request.post(final)
 
     def _abort(self, request: Request, error: str | None = None) -> None:
-        """End a request early: every request gets exactly one final Output, aborted ones included."""
-        request.post(Output("", [], None, finish_reason="abort", error=error))
+        """End a request that holds no engine state (it never started)."""
         self._finish(request, "abort")
+        request.post(Output("", [], None, finish_reason="abort", error=error))
 
     def _finish(self, request: Request, reason: str) -> None:
         """Record a request's end-of-life metrics (once)."""

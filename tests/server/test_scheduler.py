@@ -1,0 +1,166 @@
+"""The scheduler against a scripted engine: failures stay contained, stops cut rounds, cancels free work."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from ddtree.engine import RoundOutput
+from ddtree.metrics import ServerMetrics
+from ddtree.sampling import SamplingParams
+from ddtree.scheduler import Output, Request, Scheduler
+
+WORDS = ["a", " b", " c", " STOP", " d", " e"]
+
+
+class ScriptedGeneration:
+    """Emits the scripted rounds (one per `gate` permit when gated); an exception in the script is raised."""
+
+    def __init__(self, rounds: list, gate: threading.Semaphore | None) -> None:
+        self.rounds = iter(rounds)
+        self.gate = gate
+        self.closed = False
+        self.finish_reason = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RoundOutput:
+        if self.gate is not None:
+            assert self.gate.acquire(timeout=10)
+        item = next(self.rounds)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedEngine:
+    method, budget, block_size, max_context, eos_token_ids = "ddtree", 4, 4, 64, {99}
+
+    def __init__(self) -> None:
+        self.scripts: list[list] = []
+        self.generations: list[ScriptedGeneration] = []
+        self.gate: threading.Semaphore | None = None
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(WORDS[i] for i in ids)
+
+    def stream(self, prompt_ids, params, method=None, budget=None) -> ScriptedGeneration:
+        gen = ScriptedGeneration(self.scripts.pop(0), self.gate)
+        self.generations.append(gen)
+        return gen
+
+
+def prefill(token: int) -> RoundOutput:
+    return RoundOutput([token], None, 0, 0, {"prefill": 0.001}, is_prefill=True)
+
+
+def round_(tokens: list[int], finish: str | None = None) -> RoundOutput:
+    phases = {"draft": 0.001, "tree": 0.0001, "verify": 0.002, "commit": 0.0001}
+    return RoundOutput(tokens, None, 3, len(tokens) - 1, phases, finish)
+
+
+def counter(metrics: ServerMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels}) or 0.0
+
+
+async def collect(request: Request) -> list[Output]:
+    outs = []
+    while not outs or outs[-1].finish_reason is None:
+        outs.append(await asyncio.wait_for(request.outputs.get(), 10))
+    return outs
+
+
+def make(engine: ScriptedEngine) -> tuple[Scheduler, ServerMetrics]:
+    metrics = ServerMetrics("m", method="ddtree", budget=4, block_size=4, max_model_len=64)
+    return Scheduler(engine, metrics, max_queue=4), metrics
+
+
+def test_engine_failure_fails_that_request_only():
+    engine = ScriptedEngine()
+    engine.scripts = [[prefill(0), RuntimeError("boom")], [prefill(0), round_([1, 2], "length")]]
+    scheduler, metrics = make(engine)
+
+    async def main():
+        bad, good = Request([5], SamplingParams()), Request([5], SamplingParams())
+        scheduler.submit(bad)
+        scheduler.submit(good)
+        return await collect(bad), await collect(good)
+
+    bad, good = asyncio.run(main())
+    assert bad[-1].finish_reason == "abort" and "boom" in bad[-1].error
+    assert "".join(o.text for o in good) == "a b c" and good[-1].finish_reason == "length"
+    assert counter(metrics, "vllm:request_success_total", finished_reason="abort") == 1
+    assert all(g.closed for g in engine.generations)
+    scheduler.shutdown(1)
+
+
+def test_stop_string_cuts_the_round_and_only_kept_tokens_count():
+    engine = ScriptedEngine()
+    engine.scripts = [[prefill(0), round_([1, 2, 3, 4]), round_([5], "length")]]
+    scheduler, metrics = make(engine)
+
+    async def main():
+        request = Request([5], SamplingParams(), stop=("STOP",))
+        scheduler.submit(request)
+        return request, await collect(request)
+
+    request, outs = asyncio.run(main())
+    assert "".join(o.text for o in outs) == "a b c "
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == "STOP"
+    assert request.completion_tokens == 4  # "a", " b", " c", " STOP": " d" was never emitted
+    assert counter(metrics, "vllm:generation_tokens_total") == 4
+    assert engine.generations[0].closed  # the engine stops instead of decoding to max_tokens
+    scheduler.shutdown(1)
+
+
+def test_cancelling_a_running_request_stops_its_generation():
+    engine = ScriptedEngine()
+    engine.gate = threading.Semaphore(0)
+    engine.scripts = [[prefill(0), *[round_([1]) for _ in range(50)]]]
+    scheduler, metrics = make(engine)
+
+    async def main():
+        request = Request([5], SamplingParams())
+        scheduler.submit(request)
+        engine.gate.release()  # the prefill only
+        first = await asyncio.wait_for(request.outputs.get(), 10)
+        scheduler.cancel(request)
+        engine.gate.release()  # the round already under way when the client left
+        return first, await collect(request)
+
+    first, outs = asyncio.run(main())
+    assert first.text == "a"
+    assert outs[-1].finish_reason == "abort" and outs[-1].error is None
+    # At most the round under way when the client left ran; the other 49 never did.
+    assert engine.generations[0].closed and len(list(engine.generations[0].rounds)) >= 49
+    assert counter(metrics, "vllm:request_success_total", finished_reason="abort") == 1
+    assert counter(metrics, "vllm:num_requests_running") == 0
+    scheduler.shutdown(1)
+
+
+def test_spec_counters_follow_the_rounds():
+    engine = ScriptedEngine()
+    engine.scripts = [[prefill(0), round_([1, 2, 4]), round_([5], "length")]]
+    scheduler, metrics = make(engine)
+
+    async def main():
+        request = Request([5, 6], SamplingParams())
+        scheduler.submit(request)
+        await collect(request)
+        return request
+
+    request = asyncio.run(main())
+    assert counter(metrics, "vllm:spec_decode_num_drafts_total") == 2
+    assert counter(metrics, "vllm:spec_decode_num_draft_tokens_total") == 6
+    assert counter(metrics, "vllm:spec_decode_num_accepted_tokens_total") == 2
+    assert counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 1
+    assert counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
+    assert counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="2") == 0
+    assert counter(metrics, "vllm:prompt_tokens_total") == 2
+    assert request.spec.to_dict()["acceptance_length"] == 2.0
+    assert request.spec.accepted_length_counts == [1, 0, 1]
+    scheduler.shutdown(1)
