@@ -71,3 +71,37 @@ def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers:
                 p.normal_(0.0, 0.15)
     write_draft_checkpoint(out, cfg, model.state_dict(), dtype=torch.float32)
     return out
+
+
+def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int = 4) -> dict:
+    """A tiny Qwen3.5-style stack: three Gated DeltaNet layers, then one gated full-attention layer."""
+    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
+    cfg = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               max_position_embeddings=1024, layer_types=layer_types, eos_token_id=vocab - 2,
+               tie_word_embeddings=False, initializer_range=0.2)
+    if arch in ("qwen3_5_moe", "qwen3_next"):
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if arch == "qwen3_next":
+        cfg.update(partial_rotary_factor=0.25, decoder_sparse_step=1, mlp_only_layers=[])
+    return cfg
+
+
+def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimodal: bool = True) -> Path:
+    """Qwen3.5 / Qwen3.5-MoE in the multimodal checkpoint layout (as published), or Qwen3-Next (text only)."""
+    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                              Qwen3_5MoeForConditionalGeneration, Qwen3NextConfig, Qwen3NextForCausalLM)
+
+    torch.manual_seed(seed)
+    text = hybrid_text_config(arch)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN)
+    if arch == "qwen3_next":
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**text))
+    elif arch == "qwen3_5":
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    else:
+        model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision))
+    model.generation_config.eos_token_id = text["eos_token_id"]
+    model.save_pretrained(out)
+    return out

@@ -18,7 +18,7 @@ from ddtree.draft import DFlashDraft, DraftCache, load_draft
 from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams, make_generator, pick_tokens, process_logits
 from ddtree.target import Target, load_target
-from ddtree.tree import DraftTree, build_tree, chain_tree, visibility, walk
+from ddtree.tree import DraftTree, build_tree, chain_tree, walk
 
 METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 32
@@ -252,9 +252,8 @@ class Generation:
             tree = self._tree(draft_logits, max_depth)
             ids = torch.tensor([root, *tree.tokens], device=device)
             positions = torch.tensor([0, *tree.depths], device=device) + start
-            vis = visibility(tree) if tree.size else None
             phases["tree"], t = self._lap(t)
-            logits, taps = target.forward(ids, positions, cache, tree_visibility=vis)
+            logits, taps = target.forward(ids, positions, cache, tree=tree)
             processed = process_logits(logits, params)
             picks = pick_tokens(processed, params, generator).tolist()
             path = walk(tree, picks)
@@ -266,7 +265,7 @@ class Generation:
             for d in range(len(path) - 1):
                 self.stats.accepted_per_depth[d] += 1
             if self.finish_reason is None:
-                Target.compact(cache, start, path)
+                target.compact(cache, start, path)
                 if draft is not None:
                     path_idx = torch.tensor(path, device=device)
                     draft.extend_context(draft_cache, taps[path_idx][None], positions[path_idx][None])

@@ -17,6 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from ddtree.draft import TargetShape, is_draft_dir
 from ddtree.errors import DDTreeError
+from ddtree.hybrid import AttentionKV, HybridCache, TreeGDN, is_hybrid_config
+from ddtree.tree import DraftTree, visibility
 
 
 class Target:
@@ -33,10 +35,8 @@ class Target:
         self._hooks: list = []
         # transformers renamed `past_key_values` to `cache` (5.2x); accept both generations.
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        layer_types = getattr(self.config, "layer_types", None) or []
-        self.sliding_window: int | None = (
-            getattr(self.config, "sliding_window", None) if "sliding_attention" in layer_types else None
-        )
+        self.layer_types: list[str] = list(getattr(self.config, "layer_types", None) or ["full_attention"])
+        self.sliding_window: int | None = getattr(self.config, "sliding_window", None)
 
     @property
     def shape(self) -> TargetShape:
@@ -70,19 +70,19 @@ class Target:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: DynamicCache,
-        tree_visibility: torch.Tensor | None = None,
+        cache,
+        tree: DraftTree | None = None,
         logits_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ids [N] at positions [N] after the cached prefix; returns (logits [N', V], taps [N, k*H]).
 
-        tree_visibility [N, N] (bool) says which new rows each new row may see; None means causal (the
-        prompt prefill, or a single token). logits_rows keeps only the last rows' logits.
+        With a `tree` (ids = root + its nodes), each row sees the prefix, its ancestors and itself;
+        without one the rows are a causal chain (the prompt, or a lone root). logits_rows keeps only
+        the last rows' logits.
         """
-        past = cache.get_seq_length()
         mask = None
-        if tree_visibility is not None:
-            mask = self._masks(tree_visibility, past, positions)
+        if tree is not None and tree.size:
+            mask = self._masks(visibility(tree), cache.get_seq_length(), positions)
         self._captured.clear()
         out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
                          logits_to_keep=logits_rows or 0, **{self._cache_kwarg: cache})
@@ -93,28 +93,35 @@ class Target:
         return out.logits[0], taps
 
     def _masks(self, vis: torch.Tensor, past: int, positions: torch.Tensor) -> torch.Tensor | dict:
-        """Additive [1, 1, N, past + N] mask(s): the whole prefix plus the tree's visibility block."""
+        """Additive [1, 1, N, past + N] mask(s): the whole prefix plus the tree's visibility block.
+
+        One mask per layer type when the model mixes them (sliding windows, recurrent layers).
+        """
         n = vis.shape[0]
         allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
         allowed[:, past:] = vis.to(self.device)
         full = self._additive(allowed)
-        if self.sliding_window is None:
+        if set(self.layer_types) == {"full_attention"}:
             return full
-        key_pos = torch.cat([torch.arange(past, device=self.device), positions.to(self.device)])
-        in_window = positions.to(self.device)[:, None] - key_pos[None, :] < self.sliding_window
-        return {"full_attention": full, "sliding_attention": self._additive(allowed & in_window)}
+        masks: dict[str, torch.Tensor | None] = {"full_attention": full, "linear_attention": None}
+        if "sliding_attention" in self.layer_types:
+            key_pos = torch.cat([torch.arange(past, device=self.device), positions.to(self.device)])
+            in_window = positions.to(self.device)[:, None] - key_pos[None, :] < self.sliding_window
+            masks["sliding_attention"] = self._additive(allowed & in_window)
+        return masks
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
 
-    @staticmethod
     @torch.inference_mode()
-    def compact(cache: DynamicCache, past: int, keep: list[int]) -> None:
+    def compact(self, cache: DynamicCache, past: int, keep: list[int]) -> None:
         """Keep only the tree rows `keep` (node indices, ascending, keep[0] = 0) after `past` committed rows."""
         n = len(keep)
         contiguous = keep == list(range(n))
         for layer in cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue  # a layer without K/V (recurrent, or not yet used)
             if not contiguous:
                 idx = torch.tensor(keep, device=layer.keys.device) + past
                 layer.keys[:, :, past:past + n] = layer.keys[:, :, idx]
@@ -123,8 +130,31 @@ class Target:
             layer.values = layer.values[:, :, :past + n]
 
 
+class HybridTarget(Target):
+    """A target with Gated DeltaNet layers: recurrent layers verify the tree depth by depth (hybrid.py)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.gdn = TreeGDN(model, self.device)
+        self.first_attention_layer = self.layer_types.index("full_attention")
+
+    def new_cache(self) -> HybridCache:
+        return HybridCache(AttentionKV(self.first_attention_layer))
+
+    def forward(self, ids, positions, cache: HybridCache, tree: DraftTree | None = None, logits_rows=None):
+        self.gdn.run(cache, tree.parents if tree is not None and tree.size else None)
+        return super().forward(ids, positions, cache.kv, tree, logits_rows)
+
+    def compact(self, cache: HybridCache, past: int, keep: list[int]) -> None:
+        super().compact(cache.kv, past, keep)
+        TreeGDN.commit(cache, keep[-1])
+
+
 def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype) -> Target:
-    """Load a transformers causal LM checkpoint as a target; one-line errors for what is not one."""
+    """Load a transformers causal LM checkpoint as a target; one-line errors for what is not one.
+
+    Multimodal Qwen3.5/3.6 checkpoints load text-only, from their text config.
+    """
     d = Path(path)
     if not d.is_dir():
         raise DDTreeError(f"target directory {d} does not exist")
@@ -136,10 +166,18 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype) -
         config = AutoConfig.from_pretrained(d)
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         raise DDTreeError(f"cannot read the target config in {d}: {str(exc).splitlines()[0]}") from None
+    text_config = config.get_text_config()
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, config=config, dtype=dtype, attn_implementation="sdpa")
+        model, info = AutoModelForCausalLM.from_pretrained(d, config=text_config, dtype=dtype,
+                                                           attn_implementation="sdpa", output_loading_info=True)
     except (OSError, ValueError) as exc:
         raise DDTreeError(f"cannot load the target in {d}: {str(exc).splitlines()[0]}") from None
+    tied = getattr(text_config, "tie_word_embeddings", False)
+    missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == "lm_head.weight"))
+    if missing:
+        raise DDTreeError(f"{d}: the checkpoint lacks {len(missing)} weight(s) of {type(model).__name__}, "
+                          f"e.g. {missing[0]}")
     if not hasattr(getattr(model, "model", None), "layers"):
         raise DDTreeError(f"{d}: unsupported target architecture {type(model).__name__} (no decoder layers)")
-    return Target(model.to(device))
+    model = model.to(device)
+    return HybridTarget(model) if is_hybrid_config(text_config) else Target(model)

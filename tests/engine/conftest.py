@@ -3,9 +3,8 @@
 from pathlib import Path
 
 import pytest
-from tiny import make_draft, make_target
-
 from ddtree.engine import Engine
+from tiny import make_draft, make_target
 
 
 @pytest.fixture(scope="session")

@@ -4,12 +4,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from tiny import HIDDEN, VOCAB, make_draft
-
 from ddtree.draft import DraftCache, TargetShape, default_taps, load_draft
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
+from safetensors.torch import load_file, save_file
+from tiny import HIDDEN, VOCAB, make_draft
 
 TARGET = TargetShape(hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=4)
 
@@ -110,7 +109,7 @@ def test_missing_tensor_and_missing_files(tmp_path):
     with pytest.raises(DDTreeError, match="does not exist"):
         load_draft(tmp_path / "nowhere", TARGET)
     (d / "config.json").unlink()
-    with pytest.raises(DDTreeError, match="has no config.json"):
+    with pytest.raises(DDTreeError, match=r"has no config\.json"):
         load_draft(d, TARGET)
 
 
@@ -118,7 +117,7 @@ def test_engine_refuses_a_draft_as_target_and_a_mismatched_pair(ckpt, tmp_path):
     with pytest.raises(DDTreeError, match="is a DFlash draft, not a target"):
         Engine.from_pretrained(ckpt / "draft", ckpt / "draft", device="cpu")
     make_draft(tmp_path / "deep", target_layers=8, taps=[1, 5])
-    with pytest.raises(DDTreeError, match="trained for a 8-layer target"):
+    with pytest.raises(DDTreeError, match=r"trained for a 8-layer target"):
         Engine.from_pretrained(ckpt / "qwen3", tmp_path / "deep", device="cpu")
     with pytest.raises(DDTreeError, match="needs a DFlash draft"):
         Engine.from_pretrained(ckpt / "qwen3", None, method="ddtree", device="cpu")

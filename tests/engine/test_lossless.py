@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from tiny import EOS_ID, MASK_ID
-from transformers import AutoModelForCausalLM
-
 from ddtree.engine import Engine, Generation
 from ddtree.sampling import SamplingParams
+from tiny import EOS_ID, MASK_ID
+from transformers import AutoModelForCausalLM
 
 PROMPTS = [[1, 2, 3, 4, 5], [17], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9, 9, 9, 9]]
 GREEDY = SamplingParams(max_new_tokens=48, ignore_eos=True)
@@ -102,9 +101,12 @@ def test_stops_at_eos_and_stop_ids_without_emitting_them(engines):
 
 def test_eos_ends_generation_unless_ignored(engines, monkeypatch):
     engine = engines["qwen3"]
-    monkeypatch.setattr(engine, "eos_token_ids", {EOS_ID, *engine.generate([1, 2, 3], GREEDY, method="ar").token_ids[5:6]})
+    full = engine.generate([1, 2, 3], GREEDY, method="ar").token_ids
+    eos = full[5]
+    monkeypatch.setattr(engine, "eos_token_ids", {EOS_ID, eos})
     res = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=48), method="ddtree")
-    assert res.finish_reason == "stop" and len(res.token_ids) <= 5
+    assert (res.token_ids, res.finish_reason, res.stop_token_id) == (full[:full.index(eos)], "stop", eos)
+    assert engine.generate([1, 2, 3], GREEDY, method="ddtree").token_ids == full
 
 
 def test_tokens_equal_to_the_mask_id_are_kept(engines, monkeypatch):

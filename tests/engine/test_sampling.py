@@ -12,11 +12,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from tiny import make_draft, make_target
-
 from ddtree.engine import Engine
 from ddtree.sampling import SamplingParams, process_logits
+from scipy.stats import chisquare
+from tiny import make_draft, make_target
 
 VOCAB = 12
 STEPS = 3

@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 import torch
-
 from ddtree.tree import build_tree, chain_tree, top_candidates, visibility, walk
 
 

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from ddtree.tree import build_tree, visibility
+from ddtree.tree import build_tree
 
 
 def ancestor_path(tree, node):
@@ -31,7 +30,7 @@ def test_per_node_logits_equal_each_path_alone(engines, arch, budget):
     cache = prefill(target, prefix)
     ids = torch.tensor([root, *tree.tokens])
     positions = torch.tensor([0, *tree.depths]) + len(prefix)
-    logits, taps = target.forward(ids, positions, cache, tree_visibility=visibility(tree))
+    logits, taps = target.forward(ids, positions, cache, tree=tree)
     for node in range(tree.size + 1):
         alone = [*prefix, root, *ancestor_path(tree, node)]
         ref_cache = target.new_cache()
@@ -55,7 +54,7 @@ def test_compaction_equals_recomputing_the_accepted_path(engines, arch):
     cache = prefill(target, prefix)
     ids = torch.tensor([3, *tree.tokens])
     positions = torch.tensor([0, *tree.depths]) + len(prefix)
-    target.forward(ids, positions, cache, tree_visibility=visibility(tree))
+    target.forward(ids, positions, cache, tree=tree)
     target.compact(cache, len(prefix), path)
     committed = [*prefix, 3, *ancestor_path(tree, deepest)]
     ref = prefill(target, committed)
