@@ -448,8 +448,8 @@ async def _complete(call: _Call, outputs: AsyncIterator[Output]) -> Response:
         token_ids.extend(out.token_ids)
         logprobs.extend(out.logprobs or ())
         final = out
-    if final is None or final.finish_reason == "abort":
-        if final is not None and final.error:
+    if final.finish_reason == "abort":
+        if final.error:
             return APIError(500, f"The engine failed: {final.error}", type="internal_error").response()
         return Response(status_code=499)  # the client is gone; nobody reads this
     content = "".join(text)

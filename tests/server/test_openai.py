@@ -70,6 +70,12 @@ def test_completions_streaming_and_not(server):
     assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
 
 
+def test_completion_echo_prepends_the_prompt(server):
+    plain = complete(server, PROMPTS[2], max_tokens=6, temperature=0).choices[0].text
+    echoed = complete(server, PROMPTS[2], max_tokens=6, temperature=0, echo=True).choices[0].text
+    assert echoed == PROMPTS[2] + plain
+
+
 def test_sse_framing_ends_with_done(server):
     body = {"model": model_id(server), "prompt": PROMPTS[0], "max_tokens": 8, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
