@@ -1,0 +1,146 @@
+"""Fixtures for the Kubernetes tests: a real API server (KUBECONFIG, else kubelite from ../shared), the CRD,
+a namespace per test and the operator running in-process under kopf's KopfRunner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+KUBELITE = REPO.parent / "shared" / "kubelite"
+CRD_FILE = REPO / "crds" / "ddtree.io_ddtreedeployments.yaml"
+EXAMPLE = REPO / "examples" / "ddtree.yaml"
+DDT = ("ddtree.io/v1alpha1", "DDTreeDeployment")
+
+# Minimal stand-ins for the Prometheus Operator CRDs, so monitor objects can be applied and inspected.
+MONITOR_CRDS = [
+    {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+     "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+     "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+              "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+              "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                  "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
+    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"))]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("filterwarnings", "ignore:Unverified HTTPS request")  # kubelite's self-signed cert
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
+    """Poll until `check()` returns something truthy; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+@pytest.fixture(scope="session")
+def kubeconfig() -> Iterator[str]:
+    """A KUBECONFIG for a real API server: the caller's, else a fresh kubelite."""
+    if os.environ.get("KUBECONFIG"):
+        yield os.environ["KUBECONFIG"]
+        return
+    if not (KUBELITE / "up").exists():
+        pytest.skip("no Kubernetes API server: set KUBECONFIG (any cluster, e.g. kind) or provide ../shared/kubelite")
+    if not shutil.which("etcd"):
+        pytest.skip("kubelite needs etcd on PATH (apt-get install etcd-server), or set KUBECONFIG to a cluster")
+    out = subprocess.run([str(KUBELITE / "up")], capture_output=True, text=True, check=True).stdout
+    env = dict(kv.split("=", 1) for kv in out.split()[1:])
+    os.environ["KUBECONFIG"] = env["KUBECONFIG"]
+    try:
+        yield env["KUBECONFIG"]
+    finally:
+        os.environ.pop("KUBECONFIG", None)
+        subprocess.run([str(KUBELITE / "down"), env["KUBELITE_DIR"]], check=False)
+
+
+@pytest.fixture(scope="session")
+def cluster(kubeconfig: str):
+    """The operator's own API wrapper, pointed at the test cluster."""
+    from ddtree_operator.reconcile import Cluster
+    from kubernetes import client, config
+
+    config.load_kube_config(config_file=kubeconfig)
+    return Cluster(client.ApiClient())
+
+
+def install_crd(cluster, manifest: dict[str, Any]) -> None:
+    """Create or replace a CRD and wait until it is served (typed client: kubelite's discovery does not
+    list the apiextensions group, which the dynamic client relies on)."""
+    from kubernetes import client
+
+    api = client.ApiextensionsV1Api(cluster.api_client)
+    name = manifest["metadata"]["name"]
+    try:
+        api.create_custom_resource_definition(manifest)
+    except client.ApiException as err:
+        if err.status != 409:
+            raise
+        manifest = {**manifest, "metadata": {**manifest["metadata"],
+                                             "resourceVersion": api.read_custom_resource_definition(name)
+                                             .metadata.resource_version}}
+        api.replace_custom_resource_definition(name, manifest)
+
+    def established() -> bool:
+        conditions = api.read_custom_resource_definition(name).status.conditions or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
+    wait_for(established, what=f"CRD {name} established")
+
+
+@pytest.fixture(scope="session")
+def crd(cluster) -> None:
+    """Our CRD plus stand-ins for the Prometheus Operator's, installed once per session."""
+    for manifest in [yaml.safe_load(CRD_FILE.read_text()), *MONITOR_CRDS]:
+        install_crd(cluster, manifest)
+    cluster.dynamic.resources.invalidate_cache()
+
+
+@pytest.fixture
+def namespace(cluster) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.dynamic.resources.get(api_version="v1", kind="Namespace").create(
+        body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    yield name
+    # Drop our finalizers first so a stopped operator cannot leave the namespace stuck.
+    for obj in cluster.list(*DDT, name, ""):
+        with_finalizers = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
+        with_finalizers.patch(name=obj["metadata"]["name"], namespace=name, body={"metadata": {"finalizers": None}},
+                              content_type="application/merge-patch+json")
+    cluster.delete("v1", "Namespace", "", name)
+
+
+@pytest.fixture(scope="session")
+def operator(crd, kubeconfig: str) -> Iterator[dict[str, Any]]:
+    """The operator, in-process under KopfRunner, watching all namespaces with a 1-second resync."""
+    from kopf.testing import KopfRunner
+
+    metrics_port = free_port()
+    os.environ.update(DDTREE_OPERATOR_RESYNC_SECONDS="1", DDTREE_OPERATOR_METRICS_PORT=str(metrics_port),
+                      DDTREE_OPERATOR_WATCH_TIMEOUT="10", DDTREE_SERVER_IMAGE="ddtree-server:test")
+    liveness = free_port()
+    args = ["run", "--all-namespaces", "--standalone", "-m", "ddtree_operator.handlers",
+            f"--liveness=http://127.0.0.1:{liveness}/healthz"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield {"runner": runner, "metrics_port": metrics_port, "liveness_port": liveness}
+    assert runner.exception is None, runner.output

@@ -1,0 +1,265 @@
+"""The operator against a real API server: children and their shape, the lifecycle driven by patching
+Job/Deployment/Pod status (there are no controllers), spec and model changes, deletion, rejected specs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import urllib.request
+from typing import Any
+
+import pytest
+import yaml
+from conftest import DDT, EXAMPLE, wait_for
+from kubernetes.client import ApiException
+
+pytestmark = pytest.mark.cluster
+
+SPEC: dict[str, Any] = {
+    "target": {"model": {"uri": "hf://Qwen/Qwen3.6-27B", "revision": "main", "secretRef": {"name": "hf"}}},
+    "draft": {"model": {"uri": "hf://z-lab/Qwen3.6-27B-DFlash"}},
+    "replicas": 2,
+    "gpu": {"count": 1, "products": ["NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition"]},
+    "server": {"apiKeySecretRef": {"name": "api"}},
+    "monitoring": {"enabled": True},
+}
+
+
+def create(cluster, ns: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    res = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
+    body = {"apiVersion": DDT[0], "kind": DDT[1], "metadata": {"name": name, "namespace": ns}, "spec": spec}
+    return res.create(body=body, namespace=ns).to_dict()
+
+
+def ddt(cluster, ns: str, name: str) -> dict[str, Any]:
+    return cluster.get(*DDT, ns, name)
+
+
+def ready(obj: dict[str, Any] | None) -> tuple[str, str] | None:
+    """(status, reason) of the Ready condition."""
+    return condition(obj, "Ready")
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> tuple[str, str] | None:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return c["status"], c["reason"]
+    return None
+
+
+def patch(cluster, api_version: str, kind: str, ns: str, name: str, body: dict[str, Any],
+          subresource: str | None = None) -> None:
+    res = cluster.dynamic.resources.get(api_version=api_version, kind=kind)
+    if subresource:
+        res = res.subresources[subresource]
+    res.patch(name=name, namespace=ns, body=body, content_type="application/merge-patch+json")
+
+
+def pull_jobs(cluster, ns: str, name: str) -> list[dict[str, Any]]:
+    return cluster.list("batch/v1", "Job", ns, f"ddtree.io/deployment={name},app.kubernetes.io/component=pull")
+
+
+def complete(cluster, ns: str, job: str) -> None:
+    now = "2026-01-01T00:00:00Z"
+    patch(cluster, "batch/v1", "Job", ns, job, {"status": {
+        "startTime": now, "completionTime": now, "succeeded": 1,
+        "conditions": [{"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": now},
+                       {"type": "Complete", "status": "True", "lastTransitionTime": now}]}}, "status")
+
+
+def deployment_ready(cluster, ns: str, name: str, replicas: int) -> None:
+    dep = cluster.get("apps/v1", "Deployment", ns, name)
+    patch(cluster, "apps/v1", "Deployment", ns, name, {"status": {
+        "observedGeneration": dep["metadata"]["generation"], "replicas": replicas, "readyReplicas": replicas,
+        "updatedReplicas": replicas, "availableReplicas": replicas}}, "status")
+
+
+def event_reasons(cluster, ns: str, name: str) -> set[str]:
+    return {e.get("reason") for e in cluster.list("v1", "Event", ns, "")
+            if e["involvedObject"]["name"] == name}
+
+
+def table_row(cluster, ns: str, name: str) -> dict[str, Any]:
+    res = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
+    table = res.get(name=name, namespace=ns,
+                    header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}).to_dict()
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    return dict(zip(columns, table["rows"][0]["cells"], strict=True))
+
+
+def test_pvc_lifecycle(cluster, operator, namespace):
+    ns, name = namespace, "qwen"
+    create(cluster, ns, name, SPEC)
+
+    # Pulling: storage, pull Job, Service, PDB and ServiceMonitor exist; the server waits for the models.
+    job = wait_for(lambda: pull_jobs(cluster, ns, name), what="pull Job")[0]
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Pulling"), what="Ready=False/Pulling")
+    assert cluster.get("v1", "PersistentVolumeClaim", ns, f"{name}-models")["spec"]["resources"] == {
+        "requests": {"storage": "100Gi"}}
+    pull = job["spec"]["template"]["spec"]["containers"][0]
+    assert pull["args"][:2] == ["pull", "hf://Qwen/Qwen3.6-27B@main"]
+    assert "hf://z-lab/Qwen3.6-27B-DFlash" in pull["args"]
+    assert {"name": "DDTREE_TARGET_HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}} \
+        in pull["env"]
+    assert job["metadata"]["ownerReferences"][0]["kind"] == "DDTreeDeployment"
+    assert cluster.get("v1", "Service", ns, name)["spec"]["ports"][0]["port"] == 8000
+    assert cluster.get("policy/v1", "PodDisruptionBudget", ns, name)["spec"]["maxUnavailable"] == 1
+    monitor = cluster.get("monitoring.coreos.com/v1", "ServiceMonitor", ns, name)
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert cluster.get("apps/v1", "Deployment", ns, name) is None
+    status = ddt(cluster, ns, name)["status"]
+    assert status["phase"] == "Downloading"
+    assert status["url"] == f"http://{name}.{ns}.svc:8000/v1"
+    assert condition(ddt(cluster, ns, name), "ModelsReady") == ("False", "Pulling")
+
+    # The pull succeeds: the Deployment appears with the GPU, affinity, probes and drain settings.
+    complete(cluster, ns, job["metadata"]["name"])
+    dep = wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, name), what="Deployment after the pull")
+    pod = dep["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["values"] == ["NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition"]
+    assert server["startupProbe"]["failureThreshold"] * server["startupProbe"]["periodSeconds"] >= 1800
+    assert server["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
+    assert pod["terminationGracePeriodSeconds"] == 60
+    assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pull["args"][2] in server["args"]  # the server reads exactly what the Job pulled
+    wait_for(lambda: condition(ddt(cluster, ns, name), "ModelsReady") == ("True", "Pulled"), what="ModelsReady")
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Starting"), what="Ready=False/Starting")
+
+    # A pod the scheduler cannot place surfaces as InsufficientCapacity.
+    pods = cluster.dynamic.resources.get(api_version="v1", kind="Pod")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    pods.create(namespace=ns, body={"apiVersion": "v1", "kind": "Pod",
+                                    "metadata": {"name": f"{name}-0", "labels": labels},
+                                    "spec": {"containers": [{"name": "server", "image": "x"}]}})
+    patch(cluster, "v1", "Pod", ns, f"{name}-0", {"status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}, "status")
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "InsufficientCapacity"), what="InsufficientCapacity")
+    assert ddt(cluster, ns, name)["status"]["phase"] == "Pending"
+    cluster.delete("v1", "Pod", ns, f"{name}-0")
+
+    # All replicas ready: Ready=True, and the printer columns say so.
+    deployment_ready(cluster, ns, name, 2)
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("True", "Ready"), what="Ready=True")
+    row = table_row(cluster, ns, name)
+    assert (row["Ready"], row["Reason"], row["Replicas"], row["GPU"]) == ("True", "Ready", "2/2", 1)
+    assert row["Target"] == "hf://Qwen/Qwen3.6-27B" and row["URL"].startswith(f"http://{name}.{ns}.svc")
+    assert ddt(cluster, ns, name)["status"]["observedGeneration"] == 1
+    assert {"Pulling", "Pulled", "InsufficientCapacity", "Ready"} <= wait_for(
+        lambda: (r := event_reasons(cluster, ns, name)) >= {"Pulling", "Pulled", "InsufficientCapacity", "Ready"}
+        and r, what="transition events")
+
+    # Spec change rolls out; one replica needs no PDB and the PodMonitor replaces the ServiceMonitor.
+    patch(cluster, *DDT, ns, name, {"spec": {"decoding": {"budget": 64}, "replicas": 1,
+                                             "monitoring": {"kind": "PodMonitor"}}})
+    wait_for(lambda: "64" in cluster.get("apps/v1", "Deployment", ns, name)["spec"]["template"]["spec"][
+        "containers"][0]["args"], what="new budget in the Deployment")
+    wait_for(lambda: cluster.get("policy/v1", "PodDisruptionBudget", ns, name) is None, what="PDB removed")
+    wait_for(lambda: cluster.get("monitoring.coreos.com/v1", "ServiceMonitor", ns, name) is None,
+             what="ServiceMonitor removed")
+    assert cluster.get("monitoring.coreos.com/v1", "PodMonitor", ns, name)["spec"]["podMetricsEndpoints"]
+    wait_for(lambda: ddt(cluster, ns, name)["status"].get("observedGeneration") == 2, what="observedGeneration 2")
+    assert cluster.get("apps/v1", "Deployment", ns, name)["spec"]["replicas"] == 1
+
+    # A model change re-pulls into a new directory; the running server keeps its models until then.
+    old_args = cluster.get("apps/v1", "Deployment", ns, name)["spec"]["template"]["spec"]["containers"][0]["args"]
+    patch(cluster, *DDT, ns, name, {"spec": {"draft": {"model": {"uri": "hf://z-lab/Qwen3.6-27B-DFlash-b8"}}}})
+    new_job = wait_for(lambda: [j for j in pull_jobs(cluster, ns, name)
+                                if j["metadata"]["name"] != job["metadata"]["name"]], what="new pull Job")[0]
+    wait_for(lambda: cluster.get("batch/v1", "Job", ns, job["metadata"]["name"]) is None, what="old Job pruned")
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Progressing") == ("True", "Pulling"), what="re-pull")
+    assert cluster.get("apps/v1", "Deployment", ns, name)["spec"]["template"]["spec"]["containers"][0][
+        "args"] == old_args
+    complete(cluster, ns, new_job["metadata"]["name"])
+    new_draft = new_job["spec"]["template"]["spec"]["containers"][0]["args"][4]
+    wait_for(lambda: new_draft in cluster.get("apps/v1", "Deployment", ns, name)["spec"]["template"]["spec"][
+        "containers"][0]["args"], what="the Deployment switched to the new draft")
+
+    # Deletion removes the CR (the operator drops its finalizer) and, by ownership, everything it owned.
+    cluster.delete(*DDT, ns, name)
+    wait_for(lambda: ddt(cluster, ns, name) is None, what="CR deleted")
+    wait_for(lambda: not cluster.list("apps/v1", "Deployment", ns, "") and not cluster.list("batch/v1", "Job", ns, "")
+             and not cluster.list("v1", "Service", ns, ""), timeout=30, what="children garbage-collected")
+
+
+def test_pull_failure_is_reported(cluster, operator, namespace):
+    ns, name = namespace, "broken"
+    create(cluster, ns, name, {**SPEC, "replicas": 1})
+    job = wait_for(lambda: pull_jobs(cluster, ns, name), what="pull Job")[0]
+    now = "2026-01-01T00:00:00Z"
+    patch(cluster, "batch/v1", "Job", ns, job["metadata"]["name"], {"status": {"startTime": now, "failed": 4,
+          "conditions": [{"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
+                          "lastTransitionTime": now},
+                         {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                          "message": "Job has reached the specified backoff limit", "lastTransitionTime": now}]}},
+          "status")
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "PullFailed"), what="PullFailed")
+    obj = ddt(cluster, ns, name)
+    assert obj["status"]["phase"] == "Failed"
+    assert "backoff limit" in next(c["message"] for c in obj["status"]["conditions"] if c["type"] == "Ready")
+    warning = wait_for(lambda: [e for e in cluster.list("v1", "Event", ns, "")
+                                if e["reason"] == "PullFailed" and e["involvedObject"]["name"] == name], what="event")
+    assert warning[0]["type"] == "Warning"
+    assert cluster.get("apps/v1", "Deployment", ns, name) is None
+
+
+def test_empty_dir_pulls_in_each_pod(cluster, operator, namespace):
+    ns, name = namespace, "demo"
+    spec = {"target": {"model": {"uri": "/opt/models/tiny"}}, "draft": {"model": {"uri": "pvc://weights/draft"}},
+            "gpu": {"count": 0}, "storage": {"mode": "emptyDir", "size": "5Gi"}}
+    create(cluster, ns, name, spec)
+    dep = wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, name), what="Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["initContainers"]] == ["pull"]
+    assert {"name": "models", "emptyDir": {"sizeLimit": "5Gi"}} in pod["volumes"]
+    assert not pod["containers"][0].get("resources")  # CPU-only: no GPU request
+    assert pull_jobs(cluster, ns, name) == []
+    assert cluster.get("v1", "PersistentVolumeClaim", ns, f"{name}-models") is None
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Starting"), what="Starting")
+    assert condition(ddt(cluster, ns, name), "ModelsReady") is None  # does not apply: each pod pulls
+
+
+def test_operator_serves_metrics_and_liveness(cluster, operator, namespace):
+    create(cluster, namespace, "m", {**SPEC, "replicas": 1, "monitoring": {"enabled": False}})
+    wait_for(lambda: ready(ddt(cluster, namespace, "m")), what="a status")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{operator['metrics_port']}/metrics").read().decode()
+    assert 'ddtree_operator_reconciles_total{result="ok",trigger="create"}' in metrics
+    assert "ddtree_operator_reconcile_seconds_count" in metrics
+    health = urllib.request.urlopen(f"http://127.0.0.1:{operator['liveness_port']}/healthz").read().decode()
+    assert "apiserver" in health
+
+
+def test_example_is_accepted(cluster, crd, namespace):
+    example = yaml.safe_load(EXAMPLE.read_text())
+    res = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
+    created = res.create(body=example, namespace=namespace, query_params=[("dryRun", "All")]).to_dict()
+    assert created["spec"]["storage"]["accessModes"] == ["ReadWriteOnce"]  # defaults applied
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"target": {"model": {"uri": "s3://bucket/model"}}}, "uri must be hf://org/name, pvc://claim/path"),
+    ({"draft": {"model": {"uri": "/x", "revision": "main"}}}, "revision only applies to hf:// models"),
+    ({"decoding": {"method": "beam"}}, 'Unsupported value: "beam"'),
+    ({"storage": {"mode": "existingClaim"}}, "storage.claimName is required when storage.mode is existingClaim"),
+    ({"gpu": {"count": 0, "products": ["NVIDIA-H100"]}}, "gpu.products needs gpu.count > 0"),
+    ({"server": {"extraArgs": ["--port=9000"]}}, "server.extraArgs must not set flags that have spec fields"),
+    ({"server": {"drainSeconds": 90}}, "must be greater than server.drainSeconds"),
+    ({"replicas": -1}, "should be greater than or equal to 0"),
+])
+def test_invalid_specs_are_rejected(cluster, crd, namespace, change, message):
+    spec = copy.deepcopy(SPEC)
+    for key, value in change.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    with pytest.raises(ApiException) as err:
+        create(cluster, namespace, "bad", spec)
+    assert err.value.status == 422
+    assert message in json.loads(err.value.body)["message"]
+
+
+def test_long_names_are_rejected(cluster, crd, namespace):
+    with pytest.raises(ApiException) as err:
+        create(cluster, namespace, "n" * 41, SPEC)
+    assert "metadata.name must be at most 40 characters" in json.loads(err.value.body)["message"]
