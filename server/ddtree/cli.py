@@ -42,14 +42,18 @@ def _generate(args: argparse.Namespace) -> int:
     from ddtree.engine import Engine
     from ddtree.sampling import SamplingParams
 
-    engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
-                                    device=args.device, dtype=args.dtype)
-    prompt_ids = _prompt_ids(engine, args)
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as exc:
         raise DDTreeError(str(exc)) from None
+    if args.budget is not None and args.budget < 0:
+        raise DDTreeError(f"budget must be >= 0, got {args.budget}")
+    prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
+                                    device=args.device, dtype=args.dtype)
+    if prompt_ids is None:
+        prompt_ids = engine.encode(args.prompt, chat=args.chat)
     result = engine.generate(prompt_ids, params)
     text = engine.decode(result.token_ids)
     if args.json:
@@ -63,16 +67,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_ids(engine, args: argparse.Namespace) -> list[int]:
-    if args.prompt_ids is not None:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise DDTreeError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-        if not ids:
-            raise DDTreeError("--prompt-ids is empty")
-        return ids
-    return engine.encode(args.prompt, chat=args.chat)
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DDTreeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise DDTreeError("--prompt-ids is empty")
+    return ids
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
