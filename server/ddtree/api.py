@@ -78,6 +78,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     # Union members show up as extra path parts (`stop.str`, `prompt.list[int]`): keep the field path.
     loc = [part for part in loc if part not in _UNION_TAGS and "[" not in part]
     param = ".".join(loc) or None
+    if param is None and first.get("type") == "model_attributes_type":
+        return bad_request("The request body must be a JSON object (sent with Content-Type: application/json).")
     message = first.get("msg", "invalid request")
     return bad_request(f"{param}: {message}" if param else message, param)
 

@@ -69,6 +69,12 @@ def test_every_bad_request_gets_its_openai_error(server):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_body_without_json_content_type_says_so(server):
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "w1"}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+
+
 def test_unknown_model_is_404_through_the_sdk(server):
     with pytest.raises(openai.NotFoundError) as err:
         server.client().chat.completions.create(model="nope", messages=MSG)
