@@ -110,11 +110,48 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout, log_level=args.log_level))
 
 
+def _add_pull_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pull", help="fetch models for `ddtree serve` (Hub download, or link a local/pvc path)",
+                       description="Pull each URI into its DEST, all pairs concurrently. A completed pull is "
+                       "not repeated.")
+    p.add_argument("pairs", nargs="+", metavar="URI DEST",
+                   help="hf://org/name[@revision], pvc://claim/path or /local/path, then its destination")
+    p.add_argument("--token-env", action="append", default=[], metavar="VAR",
+                   help="environment variable holding the Hub token: once for all pairs or once per pair "
+                   "(default: HF_TOKEN)")
+    p.add_argument("--progress", choices=["text", "json", "none"], default="text",
+                   help="text lines on stderr, or JSON lines on stdout for the operator")
+    p.add_argument("--progress-interval", type=float, default=5.0, metavar="SECONDS")
+    p.set_defaults(handler=_pull)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    import os
+
+    from ddtree.pull import Progress, pull
+
+    if len(args.pairs) % 2:
+        raise DDTreeError("expected URI DEST pairs, got an odd number of arguments")
+    pairs = list(zip(args.pairs[::2], args.pairs[1::2], strict=True))
+    names = args.token_env or ["HF_TOKEN"]
+    if len(names) == 1:
+        names = names * len(pairs)
+    if len(names) != len(pairs):
+        raise DDTreeError(f"--token-env given {len(names)} times for {len(pairs)} pairs; "
+                          "give it once, or once per pair")
+    outcomes = pull(pairs, [os.environ.get(n) or None for n in names],
+                    Progress(args.progress, interval=args.progress_interval))
+    for (uri, dest), outcome in zip(pairs, outcomes, strict=True):
+        print(f"{uri} -> {dest}: {outcome}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_serve_parser(sub)
+    _add_pull_parser(sub)
     return parser
 
 

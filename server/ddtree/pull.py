@@ -1,0 +1,207 @@
+"""`ddtree pull`: put a model where the server will read it, once.
+
+Sources: `hf://org/name[@revision]` (Hugging Face Hub), `pvc://claim/path` (a claim the pod mounts under
+$DDTREE_PVC_ROOT, default /mnt/pvc) and local paths (air-gapped: weights already in the image or on a
+volume). Hub models are downloaded into DEST and marked complete, so a repeated pull (a restarted Job, a
+new pod) costs one stat; local and pvc sources are linked, not copied. Several pairs pull concurrently:
+one process fetches the target and its draft at the same time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ddtree.errors import DDTreeError
+
+MARKER = ".ddtree-pull.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A parsed model URI."""
+
+    uri: str
+    kind: str  # hf | pvc | local
+    location: str  # repo id for hf, a filesystem path otherwise
+    revision: str | None = None
+
+
+def parse_uri(uri: str) -> Source:
+    """Split a model URI; a one-line error for anything else (s3://, relative paths, ...)."""
+    if uri.startswith("hf://"):
+        repo, _, revision = uri[len("hf://"):].partition("@")
+        if repo.count("/") != 1 or not all(repo.split("/")):
+            raise DDTreeError(f"{uri!r}: expected hf://org/name or hf://org/name@revision")
+        return Source(uri, "hf", repo, revision or None)
+    if uri.startswith("pvc://"):
+        claim, _, path = uri[len("pvc://"):].partition("/")
+        if not claim:
+            raise DDTreeError(f"{uri!r}: expected pvc://claim/path")
+        root = os.environ.get("DDTREE_PVC_ROOT", "/mnt/pvc")
+        return Source(uri, "pvc", str(Path(root, claim, path)))
+    if "://" in uri:
+        raise DDTreeError(f"{uri!r}: unsupported scheme; use hf://org/name, pvc://claim/path or a local path")
+    if not os.path.isabs(uri):
+        raise DDTreeError(f"{uri!r}: local model paths must be absolute")
+    return Source(uri, "local", uri)
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes of regular files under root (partial downloads included, symlinks skipped)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p):
+                # a file may be renamed away between listing and stat (a finished .incomplete file)
+                with contextlib.suppress(OSError):
+                    total += os.path.getsize(p)
+    return total
+
+
+class Progress:
+    """Prints progress every `interval` seconds: JSON lines on stdout (read back by the operator from the
+    pod log) or a human line on stderr."""
+
+    def __init__(self, mode: str, interval: float = 5.0, out: TextIO | None = None) -> None:
+        self.mode, self.interval = mode, interval
+        self.out = out or (sys.stdout if mode == "json" else sys.stderr)
+        self.lock = threading.Lock()
+
+    def emit(self, source: Source, dest: str, done_bytes: int, total: int | None, speed: float, done: bool) -> None:
+        if self.mode == "none":
+            return
+        remaining = (total - done_bytes) / speed if total and speed > 0 and not done else (0.0 if done else None)
+        with self.lock:
+            if self.mode == "json":
+                record = {"uri": source.uri, "dest": dest, "bytesDone": done_bytes, "bytesTotal": total,
+                          "speedBytesPerSecond": round(speed, 1),
+                          "remainingSeconds": None if remaining is None else round(remaining, 1), "done": done}
+                print(json.dumps(record), file=self.out, flush=True)
+            else:
+                of = f" of {total / 1e9:.2f} GB" if total else ""
+                state = "done" if done else f"{speed / 1e6:.1f} MB/s"
+                print(f"{source.uri}: {done_bytes / 1e9:.2f} GB{of} ({state})", file=self.out, flush=True)
+
+    def watch(self, source: Source, dest: Path, total: int | None, work: Callable[[], Any]) -> Any:
+        """Run `work` while sampling the bytes under dest; report the final size when it returns."""
+        stop = threading.Event()
+        started = time.monotonic()
+
+        def sample() -> None:
+            last_bytes, last_time = _tree_bytes(dest), time.monotonic()
+            while not stop.wait(self.interval):
+                now_bytes, now = _tree_bytes(dest), time.monotonic()
+                self.emit(source, str(dest), now_bytes, total, (now_bytes - last_bytes) / (now - last_time), False)
+                last_bytes, last_time = now_bytes, now
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            result = work()
+        finally:
+            stop.set()
+            sampler.join()
+        size = _tree_bytes(dest)
+        self.emit(source, str(dest), size, total or size, size / max(time.monotonic() - started, 1e-9), True)
+        return result
+
+
+def _marker(dest: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((dest / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _link(source: Source, dest: Path, progress: Progress) -> str:
+    src = Path(source.location)
+    if not src.is_dir():
+        raise DDTreeError(f"{source.uri}: {src} is not a directory")
+    if not (src / "config.json").is_file():
+        raise DDTreeError(f"{source.uri}: {src} has no config.json; is it a model directory?")
+    if dest.is_symlink() and Path(os.readlink(dest)) == src:
+        return "present"
+    if dest.is_symlink():
+        dest.unlink()  # a link to an earlier source
+    elif dest.is_dir() and not any(dest.iterdir()):
+        dest.rmdir()
+    elif dest.exists():
+        raise DDTreeError(f"{dest} already exists and is not a link to {src}; remove it or pick another DEST")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.symlink_to(src, target_is_directory=True)
+    progress.emit(source, str(dest), 0, 0, 0.0, True)
+    return "linked"
+
+
+def _hub_total(source: Source, token: str | None) -> int | None:
+    """Total bytes of the repo at that revision, for percentages; unknown (None) is fine."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(source.location, revision=source.revision, token=token, files_metadata=True)
+        return sum(s.size or 0 for s in info.siblings or []) or None
+    except Exception:  # progress is a nicety: never fail a pull over it
+        return None
+
+
+def _download(source: Source, dest: Path, token: str | None, progress: Progress) -> str:
+    marker = _marker(dest)
+    if marker and marker.get("uri") == source.uri and marker.get("complete"):
+        return "present"
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        commit = progress.watch(source, dest, _hub_total(source, token), lambda: snapshot_download(
+            source.location, revision=source.revision, local_dir=dest, token=token))
+    except GatedRepoError:
+        raise DDTreeError(f"{source.uri}: gated model; accept its terms on the Hub and pass a token "
+                          "(HF_TOKEN or --token-env)") from None
+    except RevisionNotFoundError:
+        raise DDTreeError(f"{source.uri}: revision {source.revision!r} not found") from None
+    except RepositoryNotFoundError:
+        raise DDTreeError(f"{source.uri}: repository not found (or private: pass a token)") from None
+    except LocalEntryNotFoundError as exc:
+        raise DDTreeError(f"{source.uri}: cannot reach the Hub and no local copy ({exc})") from None
+    except HfHubHTTPError as exc:
+        raise DDTreeError(f"{source.uri}: download failed: {exc}") from None
+    (dest / MARKER).write_text(json.dumps({"uri": source.uri, "revision": source.revision,
+                                           "commit": Path(str(commit)).name, "complete": True}))
+    return "downloaded"
+
+
+def pull_one(uri: str, dest: str, token: str | None, progress: Progress) -> str:
+    """Pull one model; returns what happened: downloaded, linked or present (nothing to do)."""
+    source = parse_uri(uri)
+    target = Path(dest)
+    if source.kind == "hf":
+        return _download(source, target, token, progress)
+    return _link(source, target, progress)
+
+
+def pull(pairs: list[tuple[str, str]], tokens: list[str | None], progress: Progress) -> list[str]:
+    """Pull every (uri, dest) pair concurrently; the first error (a DDTreeError) wins."""
+    for uri, _ in pairs:
+        parse_uri(uri)  # reject bad URIs before starting any download
+    with ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+        futures = [pool.submit(pull_one, uri, dest, token, progress)
+                   for (uri, dest), token in zip(pairs, tokens, strict=True)]
+        return [f.result() for f in futures]
