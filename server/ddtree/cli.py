@@ -146,12 +146,81 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_corpus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
+                   help="text files or directories (walked for --glob); 1 file in 50 is held out for evaluation")
+    p.add_argument("--glob", default="*.py,*.txt,*.md,*.rst", help="comma-separated file patterns for directories")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seq-len", type=int, default=512, help="training window in tokens")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 1000 unless --minutes)")
+    p.add_argument("--minutes", type=float, default=None, help="wall-clock budget; stops at whichever comes first")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=200, help="held-out evaluation interval in steps")
+
+
+def _add_train_target_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-target", help="train a small Qwen3 causal LM (and its tokenizer) on local text")
+    _add_corpus_args(p)
+    p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory (default: train a byte-level BPE)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="size of a newly trained tokenizer")
+    p.add_argument("--layers", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.set_defaults(handler=_train_target)
+
+
+def _train_target(args: argparse.Namespace) -> int:
+    from ddtree.training.target import TargetArch, train_target
+
+    arch = TargetArch(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                      head_dim=args.head_dim, intermediate=args.intermediate, max_positions=max(1024, args.seq_len))
+    train_target(args.corpus, args.out, arch=arch, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                 globs=args.glob.split(","), seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                 steps=args.steps, minutes=args.minutes, device=args.device, seed=args.seed,
+                 eval_every=args.eval_every)
+    return 0
+
+
+def _add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-draft", help="train a DFlash drafter for a frozen target on local text")
+    p.add_argument("--target", required=True, help="target model directory (transformers format, with tokenizer)")
+    _add_corpus_args(p)
+    p.add_argument("--layers", type=int, default=5, help="draft depth")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--taps", default="auto", help="'auto' (z-lab default) or target layer ids, e.g. 1,9,17")
+    p.add_argument("--blocks", type=int, default=16, help="random anchors (blocks) trained per window")
+    p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block slots: exp(-(k-1)/gamma)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--save-every", type=int, default=1000, help="checkpoint interval in steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --out (its config wins over --layers/--taps/--block-size)")
+    p.set_defaults(handler=_train_draft)
+
+
+def _train_draft(args: argparse.Namespace) -> int:
+    from ddtree.training.drafter import train_draft
+
+    train_draft(args.target, args.corpus, args.out, layers=args.layers, block_size=args.block_size, taps=args.taps,
+                globs=args.glob.split(","), seq_len=args.seq_len, blocks=args.blocks, batch_size=args.batch_size,
+                lr=args.lr, gamma=args.gamma, steps=args.steps, minutes=args.minutes, device=args.device,
+                seed=args.seed, eval_every=args.eval_every, save_every=args.save_every, resume=args.resume)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_serve_parser(sub)
     _add_pull_parser(sub)
+    _add_train_target_parser(sub)
+    _add_train_draft_parser(sub)
     return parser
 
 
