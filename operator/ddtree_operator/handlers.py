@@ -78,6 +78,8 @@ def apiserver_reachable(**_: Any) -> str:
 def _run(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
     """Reconcile one object and write its status; serialized per object so Events are not doubled."""
     assert _cluster is not None
+    if body.metadata.get("deletionTimestamp"):
+        return  # being deleted: garbage collection removes the children; do not re-create them
     manifest = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body.metadata),
                 "spec": dict(body.spec)}
     started = time.monotonic()

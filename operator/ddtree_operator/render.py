@@ -284,8 +284,14 @@ def server_args(spec: Manifest) -> list[str]:
             "--host", "0.0.0.0", "--port", str(server["port"]),
             "--served-model-name", served_model_name(spec),
             "--method", decoding.get("method", "ddtree"), "--budget", str(decoding.get("budget", 32)),
-            "--max-queue", str(server["maxQueue"])]
+            "--max-queue", str(server["maxQueue"]), "--drain-timeout", str(drain_timeout(spec))]
     return args + list(server["extraArgs"])
+
+
+def drain_timeout(spec: Manifest) -> int:
+    """What the grace period leaves the server after the preStop pause, with 5 s to spare for exit."""
+    server = _server(spec)
+    return max(1, server["terminationGracePeriodSeconds"] - server["drainSeconds"] - 5)
 
 
 def _server_resources(spec: Manifest) -> Manifest:

@@ -180,7 +180,7 @@ def test_pvc_lifecycle(cluster, operator, namespace):
 
     # Deletion removes the CR (the operator drops its finalizer) and, by ownership, everything it owned.
     cluster.delete(*DDT, ns, name)
-    wait_for(lambda: ddt(cluster, ns, name) is None, what="CR deleted")
+    wait_for(lambda: ddt(cluster, ns, name) is None, timeout=60, what="CR deleted")
     wait_for(lambda: not cluster.list("apps/v1", "Deployment", ns, "") and not cluster.list("batch/v1", "Job", ns, "")
              and not cluster.list("v1", "Service", ns, ""), timeout=30, what="children garbage-collected")
 

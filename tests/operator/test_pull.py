@@ -11,11 +11,10 @@ from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
-from huggingface_hub.errors import RepositoryNotFoundError
-
 from ddtree import cli
 from ddtree.errors import DDTreeError
 from ddtree.pull import Progress, parse_uri, pull
+from huggingface_hub.errors import RepositoryNotFoundError
 
 
 def model_dir(path: Path) -> Path:
@@ -80,7 +79,7 @@ def test_local_source_errors(tmp_path):
     with pytest.raises(DDTreeError, match="is not a directory"):
         pull([(str(tmp_path / "missing"), str(tmp_path / "d"))], [None], quiet)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DDTreeError, match="no config.json"):
+    with pytest.raises(DDTreeError, match=r"no config\.json"):
         pull([(str(tmp_path / "empty"), str(tmp_path / "d"))], [None], quiet)
     src = model_dir(tmp_path / "src")
     occupied = tmp_path / "occupied"
