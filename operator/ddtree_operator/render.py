@@ -385,7 +385,10 @@ def render_monitor(body: Manifest) -> Manifest | None:
     kind = monitoring.get("kind", "ServiceMonitor")
     meta = _meta(body, name, "server")
     meta["labels"].update(monitoring.get("labels", {}))
-    endpoint = {"port": "http", "path": "/metrics", "interval": monitoring.get("interval", "15s")}
+    # Dashboards select deployments by this label, whichever monitor kind scraped them.
+    relabel = {"sourceLabels": ["__meta_kubernetes_pod_label_ddtree_io_deployment"], "targetLabel": "ddtree_deployment"}
+    endpoint = {"port": "http", "path": "/metrics", "interval": monitoring.get("interval", "15s"),
+                "relabelings": [relabel]}
     endpoints_key = "endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": kind, "metadata": meta,
             "spec": {"selector": {"matchLabels": selector(name)}, endpoints_key: [endpoint]}}

@@ -3,6 +3,7 @@ a namespace per test and the operator running in-process under kopf's KopfRunner
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -144,3 +145,44 @@ def operator(crd, kubeconfig: str) -> Iterator[dict[str, Any]]:
     with KopfRunner(args, timeout=60) as runner:
         yield {"runner": runner, "metrics_port": metrics_port, "liveness_port": liveness}
     assert runner.exception is None, runner.output
+
+
+def ddtree_serve_available() -> bool:
+    """`ddtree serve` is the server team's part; the end-to-end tests need it."""
+    exe = shutil.which("ddtree")
+    return bool(exe) and subprocess.run([exe, "serve", "--help"], capture_output=True).returncode == 0
+
+
+def http_get(url: str, timeout: float = 2) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    except OSError:
+        return 0, ""
+
+
+@contextlib.contextmanager
+def running(argv: list[str], ready_url: str, env: dict[str, str] | None = None, timeout: float = 120,
+            log: Path | None = None) -> Iterator[subprocess.Popen]:
+    """Run a process until the block ends; wait until `ready_url` answers 200 first."""
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is not None or http_get(ready_url)[0] == 200, timeout=timeout,
+                 what=f"{argv[0]} ready at {ready_url}")
+        assert proc.poll() is None, f"{argv} exited with {proc.returncode}: {log.read_text() if log else ''}"
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log:
+            out.close()

@@ -183,7 +183,8 @@ def test_secure_defaults_and_ownership():
 def test_monitors(monitoring, kind, key):
     monitor = render.render(cr({"monitoring": monitoring})).monitor
     assert monitor["kind"] == kind
-    assert monitor["spec"][key] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    relabel = {"sourceLabels": ["__meta_kubernetes_pod_label_ddtree_io_deployment"], "targetLabel": "ddtree_deployment"}
+    assert monitor["spec"][key] == [{"port": "http", "path": "/metrics", "interval": "15s", "relabelings": [relabel]}]
     assert monitor["metadata"]["labels"].get("release") == monitoring.get("labels", {}).get("release")
     assert render.render(cr({"monitoring": {"enabled": False}})).monitor is None
 

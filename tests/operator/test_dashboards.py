@@ -1,0 +1,99 @@
+"""The Grafana dashboards against real data: a real Prometheus scrapes a real `ddtree serve` (the demo
+model), and every panel query must evaluate without error and return data once requests have run."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import REPO, ddtree_serve_available, free_port, http_get, running
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus (apt-get install prometheus)"),
+    pytest.mark.skipif(not ddtree_serve_available(), reason="`ddtree serve` is not available yet"),
+]
+DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
+# Grafana's variables as a single deployment scraped with the labels our ServiceMonitor/PodMonitor add.
+VARIABLES = {"$__rate_interval": "2m", "$namespace": "demo-ns", "$deployment": "demo", "$model_name": ".*"}
+
+
+def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def substitute(expr: str) -> str:
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, f"unknown variable in {expr}"
+    return expr
+
+
+def test_dashboards_are_well_formed():
+    assert DASHBOARDS, "no dashboards in dashboards/"
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        assert dashboard["uid"] and dashboard["title"]
+        names = {v["name"] for v in dashboard["templating"]["list"]}
+        assert {"datasource", "namespace", "deployment", "model_name"} <= names  # per-deployment selector
+        ids = [p["id"] for p in dashboard["panels"]]
+        assert len(ids) == len(set(ids))
+        for _, expr in panel_queries(dashboard):
+            assert 'ddtree_deployment=~"$deployment"' in expr, expr
+        titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+        for topic in ("acceptance length", "per-position", "tokens/s", "ttft", "tpot", "queue", "phase", "tree size"):
+            assert topic in titles, topic
+
+
+def test_every_panel_returns_data_from_a_real_server(tmp_path: Path):
+    server_port, prom_port = free_port(), free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "ddtree", "static_configs": [{
+            "targets": [f"127.0.0.1:{server_port}"],
+            "labels": {"namespace": "demo-ns", "ddtree_deployment": "demo"}}]}],
+    }))
+    prom = f"http://127.0.0.1:{prom_port}"
+    server = ["ddtree", "serve", "--host", "127.0.0.1", "--port", str(server_port), "--served-model-name", "demo"]
+    prometheus = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                  f"--web.listen-address=127.0.0.1:{prom_port}"]
+    with running(server, f"http://127.0.0.1:{server_port}/ready", log=tmp_path / "server.log"), \
+            running(prometheus, f"{prom}/-/ready", log=tmp_path / "prometheus.log"):
+        with httpx.Client(base_url=f"http://127.0.0.1:{server_port}/v1", timeout=60) as client:
+            for i in range(6):  # spread over several scrapes so rates have two samples
+                reply = client.post("/chat/completions", json={
+                    "model": "demo", "messages": [{"role": "user", "content": f"count to {i + 3}"}], "max_tokens": 24})
+                assert reply.status_code == 200, reply.text
+                time.sleep(0.7)
+        time.sleep(3)  # the last scrape lands
+
+        def query(expr: str) -> list[dict[str, Any]]:
+            status, body = http_get(f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+            assert status == 200, body
+            return json.loads(body)["data"]["result"]
+
+        assert query('up{job="ddtree"}')[0]["value"][1] == "1"
+        empty = []
+        for path in DASHBOARDS:
+            dashboard = json.loads(path.read_text())
+            for title, expr in panel_queries(dashboard):
+                values = [float(r["value"][1]) for r in query(substitute(expr))]
+                if not any(math.isfinite(v) for v in values):
+                    empty.append(f"{path.name}: {title}: {expr}")
+            for var in dashboard["templating"]["list"]:
+                match = re.fullmatch(r"label_values\((?:(.+), )?(\w+)\)", var.get("definition", ""))
+                if match:
+                    selector, label = substitute(match.group(1) or ""), match.group(2)
+                    status, body = http_get(f"{prom}/api/v1/label/{label}/values?" +
+                                            urllib.parse.urlencode({"match[]": selector}))
+                    assert status == 200 and json.loads(body)["data"], f"variable {var['name']}: {body}"
+        assert not empty, "panels without data:\n" + "\n".join(empty)
