@@ -15,12 +15,16 @@ otherwise transformers' pure-torch implementations, which are the CPU reference.
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import types
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
 
 
 def is_hybrid_config(config) -> bool:
@@ -44,8 +48,9 @@ class GDNKernels:
                 return GDNKernels(fla_ops.chunk_gated_delta_rule, fla_ops.fused_recurrent_gated_delta_rule, "fla")
             except ImportError:
                 pass
-        return GDNKernels(modeling_module.torch_chunk_gated_delta_rule,
-                          modeling_module.torch_recurrent_gated_delta_rule, "torch")
+        # transformers wraps its torch functions to dispatch to fla when installed; unwrap for the reference.
+        return GDNKernels(inspect.unwrap(modeling_module.torch_chunk_gated_delta_rule),
+                          inspect.unwrap(modeling_module.torch_recurrent_gated_delta_rule), "torch")
 
 
 class AttentionKV(DynamicCache):
@@ -80,6 +85,7 @@ class TreeGDN:
         self.layers = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
         modeling = importlib.import_module(type(self.layers[0]).__module__)
         self.kernels = GDNKernels.select(modeling, device)
+        logger.info("Gated DeltaNet kernels: %s (%d recurrent layers)", self.kernels.name, len(self.layers))
         self.cache: HybridCache | None = None
         self.parents: list[int] | None = None  # None: the new tokens are a chain after the committed state
         self.levels: list[torch.Tensor] = []
@@ -193,8 +199,15 @@ def project(module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def split_heads(module, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Conv output [N, conv_dim] -> q, k [N, heads_k, d_k] and v [N, heads_v, d_v]."""
+    """Conv output [N, conv_dim] -> q, k, v [N, heads_v, d].
+
+    q and k are repeated to the value heads here: some transformers versions' torch kernels expect the
+    caller to do it (grouped value attention), and the fla kernels accept either.
+    """
     q, k, v = torch.split(u, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     n = u.shape[0]
-    return (q.reshape(n, -1, module.head_k_dim), k.reshape(n, -1, module.head_k_dim),
-            v.reshape(n, -1, module.head_v_dim))
+    q, k = q.reshape(n, -1, module.head_k_dim), k.reshape(n, -1, module.head_k_dim)
+    groups = module.num_v_heads // q.shape[1]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+    return q, k, v.reshape(n, -1, module.head_v_dim)
