@@ -232,11 +232,12 @@ def test_operator_serves_metrics_and_liveness(cluster, operator, namespace):
     assert "apiserver" in health
 
 
-def test_example_is_accepted(cluster, crd, namespace):
-    example = yaml.safe_load(EXAMPLE.read_text())
+@pytest.mark.parametrize("path", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_accepted(cluster, crd, namespace, path):
+    example = yaml.safe_load(path.read_text())
     res = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
     created = res.create(body=example, namespace=namespace, query_params=[("dryRun", "All")]).to_dict()
-    assert created["spec"]["storage"]["accessModes"] == ["ReadWriteOnce"]  # defaults applied
+    assert created["spec"]["decoding"] == {"method": "ddtree", "budget": 32}  # defaults applied
 
 
 @pytest.mark.parametrize(("change", "message"), [
