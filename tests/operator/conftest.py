@@ -117,30 +117,39 @@ def crd(cluster) -> None:
     cluster.dynamic.resources.invalidate_cache()
 
 
-@pytest.fixture
-def namespace(cluster) -> Iterator[str]:
-    name = f"t-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def new_namespace(cluster, prefix: str) -> Iterator[str]:
+    """A fresh namespace, deleted afterwards (our finalizers dropped first: no operator may be running)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     cluster.dynamic.resources.get(api_version="v1", kind="Namespace").create(
         body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    yield name
-    # Drop our finalizers first so a stopped operator cannot leave the namespace stuck.
-    for obj in cluster.list(*DDT, name, ""):
-        with_finalizers = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
-        with_finalizers.patch(name=obj["metadata"]["name"], namespace=name, body={"metadata": {"finalizers": None}},
-                              content_type="application/merge-patch+json")
-    cluster.delete("v1", "Namespace", "", name)
+    try:
+        yield name
+    finally:
+        ddts = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
+        for obj in cluster.list(*DDT, name, ""):
+            ddts.patch(name=obj["metadata"]["name"], namespace=name, body={"metadata": {"finalizers": None}},
+                       content_type="application/merge-patch+json")
+        cluster.delete("v1", "Namespace", "", name)
+
+
+@pytest.fixture
+def namespace(cluster) -> Iterator[str]:
+    """A namespace the session's operator watches (it watches t-*)."""
+    with new_namespace(cluster, "t") as name:
+        yield name
 
 
 @pytest.fixture(scope="session")
 def operator(crd, kubeconfig: str) -> Iterator[dict[str, Any]]:
-    """The operator, in-process under KopfRunner, watching all namespaces with a 1-second resync."""
+    """The operator, in-process under KopfRunner, watching the t-* namespaces with a 1-second resync."""
     from kopf.testing import KopfRunner
 
     metrics_port = free_port()
     os.environ.update(DDTREE_OPERATOR_RESYNC_SECONDS="1", DDTREE_OPERATOR_METRICS_PORT=str(metrics_port),
                       DDTREE_OPERATOR_WATCH_TIMEOUT="10", DDTREE_SERVER_IMAGE="ddtree-server:test")
     liveness = free_port()
-    args = ["run", "--all-namespaces", "--standalone", "-m", "ddtree_operator.handlers",
+    args = ["run", "--namespace=t-*", "--standalone", "-m", "ddtree_operator.handlers",
             f"--liveness=http://127.0.0.1:{liveness}/healthz"]
     with KopfRunner(args, timeout=60) as runner:
         yield {"runner": runner, "metrics_port": metrics_port, "liveness_port": liveness}

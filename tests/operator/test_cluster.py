@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 import urllib.request
 from typing import Any
 
 import pytest
 import yaml
-from conftest import DDT, EXAMPLE, wait_for
+from conftest import DDT, EXAMPLE, new_namespace, wait_for
 from kubernetes.client import ApiException
 
 pytestmark = pytest.mark.cluster
@@ -264,3 +265,27 @@ def test_long_names_are_rejected(cluster, crd, namespace):
     with pytest.raises(ApiException) as err:
         create(cluster, namespace, "n" * 41, SPEC)
     assert "metadata.name must be at most 40 characters" in json.loads(err.value.body)["message"]
+
+
+def test_restart_loses_nothing(cluster, operator, monkeypatch):
+    """What happens while the operator is down is picked up when it comes back (state lives in the API)."""
+    from kopf.testing import KopfRunner
+
+    monkeypatch.setenv("DDTREE_OPERATOR_METRICS_PORT", "0")  # the session's operator holds the metrics port
+    with new_namespace(cluster, "r") as ns:
+        args = ["run", "--standalone", "-m", "ddtree_operator.handlers", f"--namespace={ns}"]
+        with KopfRunner(args, timeout=60) as first:
+            create(cluster, ns, "qwen", {**SPEC, "replicas": 1})
+            job = wait_for(lambda: pull_jobs(cluster, ns, "qwen"), what="pull Job")[0]
+            wait_for(lambda: ready(ddt(cluster, ns, "qwen")) == ("False", "Pulling"), what="Pulling")
+        assert first.exception is None, first.output
+        complete(cluster, ns, job["metadata"]["name"])  # the pull finishes while nobody watches
+        time.sleep(2)
+        assert cluster.get("apps/v1", "Deployment", ns, "qwen") is None
+        with KopfRunner(args, timeout=60) as second:
+            wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, "qwen"), what="Deployment after restart")
+            wait_for(lambda: ready(ddt(cluster, ns, "qwen")) == ("False", "Starting"), what="Starting")
+            assert pull_jobs(cluster, ns, "qwen")[0]["metadata"]["name"] == job["metadata"]["name"]  # no re-pull
+            cluster.delete(*DDT, ns, "qwen")
+            wait_for(lambda: ddt(cluster, ns, "qwen") is None, timeout=60, what="CR deleted")
+        assert second.exception is None, second.output
