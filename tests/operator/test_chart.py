@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CRD_FILE, EXAMPLE, REPO, wait_for
+from conftest import CRD_FILE, EXAMPLE, REPO, free_port, http_get, new_namespace, running, wait_for
 from ddtree_operator import render
 
 CHART = REPO / "charts" / "ddtree"
@@ -120,3 +120,31 @@ def test_helm_install_and_uninstall(cluster, crd, kubeconfig):
 def test_chart_links_resolve():
     for link in (CHART / "crds" / CRD_FILE.name, CHART / "dashboards"):
         assert link.resolve().exists() and Path(os.path.realpath(link)).is_relative_to(REPO)
+
+
+@pytest.mark.cluster
+def test_console_script_runs_with_the_charts_arguments(cluster, crd, kubeconfig, tmp_path):
+    """`ddtree-operator` started exactly as the chart starts it (ports aside) serves health and metrics
+    and reconciles a DDTreeDeployment in the namespace it was given."""
+    with new_namespace(cluster, "c") as ns:
+        dep = next(d for d in template("rbac.cluster=false", f"watchNamespaces={{{ns}}}") if d["kind"] == "Deployment")
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        health, metrics = free_port(), free_port()
+        ports = {"--liveness=http://0.0.0.0:8080/healthz": f"--liveness=http://127.0.0.1:{health}/healthz",
+                 "--metrics-port=8081": f"--metrics-port={metrics}"}
+        argv = ["ddtree-operator", *[ports.get(a, a) for a in args]]
+        assert f"--namespace={ns}" in argv
+        with running(argv, f"http://127.0.0.1:{health}/healthz", env={"KUBECONFIG": kubeconfig},
+                     log=tmp_path / "operator.log"):
+            body = {"apiVersion": "ddtree.io/v1alpha1", "kind": "DDTreeDeployment", "metadata": {"name": "m"},
+                    "spec": {"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}},
+                             "draft": {"model": {"uri": "hf://z-lab/Qwen3-8B-DFlash-b16"}}}}
+            cluster.dynamic.resources.get(api_version="ddtree.io/v1alpha1", kind="DDTreeDeployment").create(
+                body=body, namespace=ns)
+            job = wait_for(lambda: cluster.list("batch/v1", "Job", ns, "ddtree.io/deployment=m"), what="pull Job")
+            assert job[0]["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/ddtree/ddtree-server:0.1.0"
+            status, text = http_get(f"http://127.0.0.1:{metrics}/metrics")
+            assert status == 200 and "ddtree_operator_reconciles_total" in text
+            cluster.delete("ddtree.io/v1alpha1", "DDTreeDeployment", ns, "m")
+            wait_for(lambda: cluster.get("ddtree.io/v1alpha1", "DDTreeDeployment", ns, "m") is None, timeout=60,
+                     what="CR deleted")

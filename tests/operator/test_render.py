@@ -263,3 +263,12 @@ def test_parse_progress_maps_destinations_to_roles():
         {"dest": "/elsewhere", "bytesDone": 1}])])
     assert parse_progress(text, spec) == {"target": {"bytesDone": 50, "bytesTotal": 100, "done": False}}
     assert parse_progress("", spec) is None
+
+
+def test_operator_cli_requires_a_scope(capsys):
+    from ddtree_operator.main import main
+
+    assert main([]) == 2
+    assert "--namespace NS (repeatable) or --all-namespaces" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--namespace", "a", "--all-namespaces"])  # mutually exclusive
