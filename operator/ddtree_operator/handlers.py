@@ -85,7 +85,7 @@ def _run(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> N
     started = time.monotonic()
     with memo.setdefault("lock", threading.Lock()):  # memo is per object; setdefault is atomic
         try:
-            seen, warnings = reconcile(_cluster, manifest, os.environ.get("DDTREE_SERVER_IMAGE",
+            seen, monitoring_error = reconcile(_cluster, manifest, os.environ.get("DDTREE_SERVER_IMAGE",
                                                                           render.DEFAULT_IMAGE))
         except Exception:
             RECONCILES.labels(trigger, "error").inc()
@@ -106,10 +106,9 @@ def _run(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> N
         for t in transitions:
             TRANSITIONS.labels(t.type, t.reason).inc()
             kopf.event(body, type=t.event_type, reason=t.reason, message=f"{t.type}={t.status}: {t.message}")
-        for warning in warnings:
-            if warning != memo.get("warning"):
-                kopf.event(body, type="Warning", reason="MonitoringUnavailable", message=warning)
-        memo["warning"] = warnings[0] if warnings else None
+        if monitoring_error and monitoring_error != memo.get("monitoring_error"):
+            kopf.event(body, type="Warning", reason="MonitoringUnavailable", message=monitoring_error)
+        memo["monitoring_error"] = monitoring_error
 
 
 @kopf.on.resume(*RESOURCE, backoff=RESYNC_SECONDS)

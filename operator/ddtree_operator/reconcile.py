@@ -101,12 +101,13 @@ def parse_progress(text: str, spec: Manifest) -> Manifest | None:
     return out or None
 
 
-def reconcile(cluster: Cluster, body: Manifest, default_image: str) -> tuple[Observed, list[str]]:
-    """Bring the children in line with the spec; returns what was observed and warnings worth an Event."""
+def reconcile(cluster: Cluster, body: Manifest, default_image: str) -> tuple[Observed, str | None]:
+    """Bring the children in line with the spec; returns what was observed and, when monitoring is on but
+    cannot be set up, why (worth a Warning event, not a failure)."""
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     children = render.render(body, default_image)
-    warnings: list[str] = []
+    monitoring_error = None
 
     if children.pvc:
         cluster.apply(children.pvc)
@@ -126,8 +127,8 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str) -> tuple[Obs
         try:
             cluster.apply(children.monitor)
         except ResourceNotFoundError:
-            warnings.append(f"monitoring is enabled but the {children.monitor['kind']} CRD (Prometheus "
-                            "Operator) is not installed")
+            monitoring_error = (f"monitoring is enabled but the {children.monitor['kind']} CRD (Prometheus "
+                                "Operator) is not installed")
 
     keep = {(m["kind"], m["metadata"]["name"]) for m in children.all()}
     for api_version, kind in PRUNABLE:
@@ -142,4 +143,4 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str) -> tuple[Obs
 
     pods = tuple(cluster.list("v1", "Pod", ns, render.selector_string(name))) if deployment else ()
     download = download_progress(cluster, body, job) if job and not models_ready else None
-    return Observed(job=job, deployment=deployment, pods=pods, download=download), warnings
+    return Observed(job=job, deployment=deployment, pods=pods, download=download), monitoring_error
