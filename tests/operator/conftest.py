@@ -3,57 +3,19 @@ a namespace per test and the operator running in-process under kopf's KopfRunner
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import socket
 import subprocess
-import time
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parents[2]
-KUBELITE = REPO.parent / "shared" / "kubelite"
-CRD_FILE = REPO / "crds" / "ddtree.io_ddtreedeployments.yaml"
-EXAMPLE = REPO / "examples" / "ddtree.yaml"
-DDT = ("ddtree.io/v1alpha1", "DDTreeDeployment")
-
-# Minimal stand-ins for the Prometheus Operator CRDs, so monitor objects can be applied and inspected.
-MONITOR_CRDS = [
-    {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-     "metadata": {"name": f"{plural}.monitoring.coreos.com"},
-     "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-              "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-              "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                  "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
-    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"))]
+from k8s_testing import CRD_FILE, KUBELITE, MONITOR_CRDS, free_port, install_crd, new_namespace
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore:Unverified HTTPS request")  # kubelite's self-signed cert
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
-    """Poll until `check()` returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 @pytest.fixture(scope="session")
@@ -86,51 +48,12 @@ def cluster(kubeconfig: str):
     return Cluster(client.ApiClient())
 
 
-def install_crd(cluster, manifest: dict[str, Any]) -> None:
-    """Create or replace a CRD and wait until it is served (typed client: kubelite's discovery does not
-    list the apiextensions group, which the dynamic client relies on)."""
-    from kubernetes import client
-
-    api = client.ApiextensionsV1Api(cluster.api_client)
-    name = manifest["metadata"]["name"]
-    try:
-        api.create_custom_resource_definition(manifest)
-    except client.ApiException as err:
-        if err.status != 409:
-            raise
-        manifest = {**manifest, "metadata": {**manifest["metadata"],
-                                             "resourceVersion": api.read_custom_resource_definition(name)
-                                             .metadata.resource_version}}
-        api.replace_custom_resource_definition(name, manifest)
-
-    def established() -> bool:
-        conditions = api.read_custom_resource_definition(name).status.conditions or []
-        return any(c.type == "Established" and c.status == "True" for c in conditions)
-    wait_for(established, what=f"CRD {name} established")
-
-
 @pytest.fixture(scope="session")
 def crd(cluster) -> None:
     """Our CRD plus stand-ins for the Prometheus Operator's, installed once per session."""
     for manifest in [yaml.safe_load(CRD_FILE.read_text()), *MONITOR_CRDS]:
         install_crd(cluster, manifest)
     cluster.dynamic.resources.invalidate_cache()
-
-
-@contextlib.contextmanager
-def new_namespace(cluster, prefix: str) -> Iterator[str]:
-    """A fresh namespace, deleted afterwards (our finalizers dropped first: no operator may be running)."""
-    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    cluster.dynamic.resources.get(api_version="v1", kind="Namespace").create(
-        body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    try:
-        yield name
-    finally:
-        ddts = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
-        for obj in cluster.list(*DDT, name, ""):
-            ddts.patch(name=obj["metadata"]["name"], namespace=name, body={"metadata": {"finalizers": None}},
-                       content_type="application/merge-patch+json")
-        cluster.delete("v1", "Namespace", "", name)
 
 
 @pytest.fixture
@@ -155,43 +78,3 @@ def operator(crd, kubeconfig: str) -> Iterator[dict[str, Any]]:
         yield {"runner": runner, "metrics_port": metrics_port, "liveness_port": liveness}
     assert runner.exception is None, runner.output
 
-
-def ddtree_serve_available() -> bool:
-    """`ddtree serve` is the server team's part; the end-to-end tests need it."""
-    exe = shutil.which("ddtree")
-    return bool(exe) and subprocess.run([exe, "serve", "--help"], capture_output=True).returncode == 0
-
-
-def http_get(url: str, timeout: float = 2) -> tuple[int, str]:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-    except OSError:
-        return 0, ""
-
-
-@contextlib.contextmanager
-def running(argv: list[str], ready_url: str, env: dict[str, str] | None = None, timeout: float = 120,
-            log: Path | None = None) -> Iterator[subprocess.Popen]:
-    """Run a process until the block ends; wait until `ready_url` answers 200 first."""
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: proc.poll() is not None or http_get(ready_url)[0] == 200, timeout=timeout,
-                 what=f"{argv[0]} ready at {ready_url}")
-        assert proc.poll() is None, f"{argv} exited with {proc.returncode}: {log.read_text() if log else ''}"
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if log:
-            out.close()

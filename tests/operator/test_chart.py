@@ -13,8 +13,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CRD_FILE, EXAMPLE, REPO, free_port, http_get, new_namespace, running, wait_for
 from ddtree_operator import render
+from k8s_testing import CRD_FILE, EXAMPLE, REPO, free_port, http_get, new_namespace, running, wait_for
 
 CHART = REPO / "charts" / "ddtree"
 HELM = shutil.which("helm") or (str(REPO / ".tools" / "helm") if (REPO / ".tools" / "helm").exists() else None)

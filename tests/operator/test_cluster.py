@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import DDT, EXAMPLE, new_namespace, wait_for
+from k8s_testing import DDT, EXAMPLE, new_namespace, wait_for
 from kubernetes.client import ApiException
 
 pytestmark = pytest.mark.cluster

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import REPO, ddtree_serve_available, free_port, http_get, running
+from k8s_testing import REPO, ddtree_serve_available, free_port, http_get, running
 
 pytestmark = [
     pytest.mark.slow,

@@ -13,8 +13,8 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import REPO, ddtree_serve_available, free_port, http_get, running
 from ddtree_operator import render
+from k8s_testing import REPO, ddtree_serve_available, free_port, http_get, running
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not ddtree_serve_available(), reason="`ddtree serve` is not available yet")]

@@ -7,7 +7,7 @@ import re
 import tomllib
 
 import pytest
-from conftest import REPO
+from k8s_testing import REPO
 
 IMAGES = {"server": "ddtree", "operator": "ddtree-operator"}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from ddtree_operator.reconcile import reconcile
+from k8s_testing import cr
 from kubernetes.client import ApiException
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
-from test_render import cr
 
 
 class FakeCluster:

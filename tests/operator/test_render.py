@@ -8,16 +8,9 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import EXAMPLE
 from ddtree_operator import render, status
 from ddtree_operator.reconcile import parse_progress
-
-
-def cr(spec: dict[str, Any] | None = None, name: str = "qwen") -> dict[str, Any]:
-    base = {"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}}, "draft": {"model": {"uri": "hf://z-lab/Qwen3-8B-DFlash-b16"}}}
-    return {"apiVersion": "ddtree.io/v1alpha1", "kind": "DDTreeDeployment",
-            "metadata": {"name": name, "namespace": "ml", "uid": "u-1", "generation": 3},
-            "spec": {**base, **(spec or {})}}
+from k8s_testing import EXAMPLE, cr
 
 
 def pod_spec(children: render.Children) -> dict[str, Any]:
