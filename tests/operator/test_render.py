@@ -265,3 +265,16 @@ def test_operator_cli_requires_a_scope(capsys):
     assert "--namespace NS (repeatable) or --all-namespaces" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--namespace", "a", "--all-namespaces"])  # mutually exclusive
+
+
+@pytest.mark.parametrize("spec", [
+    {"storage": {"mode": "pvc", "storageClassName": "fast"}, "replicas": 3, "gpu": {"count": 2, "products": ["A"]}},
+    {"storage": {"mode": "existingClaim", "claimName": "mine"}, "server": {"apiKeySecretRef": {"name": "k"}}},
+    {"storage": {"mode": "emptyDir"}, "gpu": {"count": 0}, "draft": {"model": {"uri": "pvc://w/d"}}},
+], ids=["pvc", "existingClaim", "emptyDir"])
+def test_children_validate_against_the_kubernetes_schemas(spec):
+    import kubernetes_validate
+
+    for child in render.render(cr(spec)).all():
+        if child["apiVersion"] != "monitoring.coreos.com/v1":
+            kubernetes_validate.validate(child, "1.30.0", strict=True)
