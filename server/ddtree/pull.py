@@ -10,6 +10,7 @@ one process fetches the target and its draft at the same time.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import sys
@@ -24,6 +25,8 @@ from typing import Any, TextIO
 from ddtree.errors import DDTreeError
 
 MARKER = ".ddtree-pull.json"
+# Weights in formats the server never reads (Flax, TF, ONNX, GGUF, Meta's originals): not worth the bytes.
+SKIP = ["*.msgpack", "*.h5", "*.onnx", "*.onnx_data", "*.gguf", "original/*"]
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,8 @@ def _hub_total(source: Source, token: str | None) -> int | None:
 
     try:
         info = HfApi().model_info(source.location, revision=source.revision, token=token, files_metadata=True)
-        return sum(s.size or 0 for s in info.siblings or []) or None
+        return sum(s.size or 0 for s in info.siblings or []
+                   if not any(fnmatch.fnmatch(s.rfilename, p) for p in SKIP)) or None
     except Exception:  # progress is a nicety: never fail a pull over it
         return None
 
@@ -171,7 +175,7 @@ def _download(source: Source, dest: Path, token: str | None, progress: Progress)
     dest.mkdir(parents=True, exist_ok=True)
     try:
         commit = progress.watch(source, dest, _hub_total(source, token), lambda: snapshot_download(
-            source.location, revision=source.revision, local_dir=dest, token=token))
+            source.location, revision=source.revision, local_dir=dest, token=token, ignore_patterns=SKIP))
     except GatedRepoError:
         raise DDTreeError(f"{source.uri}: gated model; accept its terms on the Hub and pass a token "
                           "(HF_TOKEN or --token-env)") from None

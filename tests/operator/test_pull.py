@@ -31,8 +31,8 @@ class FakeHub:
         self.calls: list[dict] = []
         self.barrier, self.error = barrier, error
 
-    def snapshot_download(self, repo_id, revision=None, local_dir=None, token=None):
-        self.calls.append({"repo_id": repo_id, "revision": revision, "token": token})
+    def snapshot_download(self, repo_id, revision=None, local_dir=None, token=None, ignore_patterns=None):
+        self.calls.append({"repo_id": repo_id, "revision": revision, "token": token, "ignore": ignore_patterns})
         if self.error:
             raise self.error
         if self.barrier:
@@ -43,7 +43,9 @@ class FakeHub:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
         monkeypatch.setattr(huggingface_hub, "snapshot_download", self.snapshot_download)
-        info = SimpleNamespace(siblings=[SimpleNamespace(size=2), SimpleNamespace(size=4094)])
+        info = SimpleNamespace(siblings=[SimpleNamespace(rfilename="config.json", size=2),
+                                         SimpleNamespace(rfilename="model.safetensors", size=4094),
+                                         SimpleNamespace(rfilename="model.gguf", size=10**9)])
         monkeypatch.setattr(huggingface_hub, "HfApi", lambda: SimpleNamespace(model_info=lambda *a, **k: info))
         return self
 
@@ -96,6 +98,7 @@ def test_hub_download_is_concurrent_idempotent_and_reports_progress(tmp_path, mo
     assert pull(pairs, ["tok-t", None], Progress("json", interval=0.05, out=out)) == ["downloaded", "downloaded"]
     assert sorted((c["repo_id"], c["revision"], c["token"]) for c in hub.calls) == [
         ("Qwen/Qwen3-8B", "abc", "tok-t"), ("z-lab/Qwen3-8B-DFlash-b16", None, None)]
+    assert all("*.gguf" in c["ignore"] for c in hub.calls)  # formats the server never reads are skipped
     final = [json.loads(line) for line in out.getvalue().splitlines() if json.loads(line)["done"]]
     assert {r["dest"] for r in final} == {str(tmp_path / "t"), str(tmp_path / "d")}
     assert all(r["bytesDone"] >= 4098 and r["bytesTotal"] == 4096 and r["remainingSeconds"] == 0 for r in final)
