@@ -149,6 +149,12 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     assert (row["Ready"], row["Reason"], row["Replicas"], row["GPU"]) == ("True", "Ready", "2/2", 1)
     assert row["Target"] == "hf://Qwen/Qwen3.6-27B" and row["URL"].startswith(f"http://{name}.{ns}.svc")
     assert ddt(cluster, ns, name)["status"]["observedGeneration"] == 1
+    assert ddt(cluster, ns, name)["metadata"]["finalizers"] == ["ddtree.io/finalizer"]
+    scale = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1]).subresources["scale"].get(
+        name=name, namespace=ns).to_dict()  # what kubectl scale and HPA/KEDA use
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"] == "app.kubernetes.io/name=ddtree,app.kubernetes.io/instance=qwen," \
+        "app.kubernetes.io/component=server"
     assert {"Pulling", "Pulled", "InsufficientCapacity", "Ready"} <= wait_for(
         lambda: (r := event_reasons(cluster, ns, name)) >= {"Pulling", "Pulled", "InsufficientCapacity", "Ready"}
         and r, what="transition events")

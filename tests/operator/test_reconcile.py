@@ -3,8 +3,10 @@ Prometheus Operator (monitoring on, its CRDs absent)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from ddtree_operator import render
 from ddtree_operator.reconcile import reconcile
 from k8s_testing import cr
 from kubernetes.client import ApiException
@@ -16,6 +18,7 @@ class FakeCluster:
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.log: str | None = None
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         if manifest["apiVersion"].startswith("monitoring.coreos.com"):
@@ -36,7 +39,9 @@ class FakeCluster:
         self.objects.pop((kind, name), None)
 
     def pod_log_tail(self, namespace: str, pod: str, container: str, lines: int = 40) -> str:
-        raise ApiException(status=400, reason="no kubelet")
+        if self.log is None:
+            raise ApiException(status=400, reason="no kubelet")
+        return self.log
 
 
 def test_gating_pruning_and_missing_monitoring_api():
@@ -54,3 +59,17 @@ def test_gating_pruning_and_missing_monitoring_api():
     body["spec"]["replicas"] = 1
     reconcile(cluster, body, "img:1")
     assert ("PodDisruptionBudget", "qwen") not in cluster.objects  # pruned with the spec change
+
+
+def test_pull_progress_comes_from_the_pull_pods_log():
+    cluster = FakeCluster()
+    body = cr()
+    seen, _ = reconcile(cluster, body, "img:1")
+    assert seen.download is None  # no pod yet
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "pull-abc", "creationTimestamp": "t"}}
+    cluster.objects[("Pod", "pull-abc")] = pod
+    assert reconcile(cluster, body, "img:1")[0].download is None  # a pod without a log (no kubelet here)
+    dest = render.model_dest(body["spec"], "draft")
+    cluster.log = json.dumps({"dest": dest, "bytesDone": 5, "bytesTotal": 10, "remainingSeconds": 2.5, "done": False})
+    assert reconcile(cluster, body, "img:1")[0].download == {
+        "draft": {"bytesDone": 5, "bytesTotal": 10, "remainingSeconds": 2.5, "done": False}}
