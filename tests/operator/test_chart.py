@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import textwrap
 import uuid
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,13 @@ def test_rbac_covers_every_child_and_nothing_broader():
 @pytest.mark.cluster
 def test_helm_install_and_uninstall(cluster, crd, kubeconfig):
     ns = f"helm-{uuid.uuid4().hex[:6]}"
-    helm("install", "ddt", str(CHART), "--namespace", ns, "--create-namespace",
-         "--set", "metrics.serviceMonitor.enabled=true", kubeconfig=kubeconfig)
+    out = helm("install", "ddt", str(CHART), "--namespace", ns, "--create-namespace",
+               "--set", "metrics.serviceMonitor.enabled=true", kubeconfig=kubeconfig)
     try:
+        # The manifest NOTES.txt tells users to apply is accepted as written.
+        notes_manifest = textwrap.dedent(out.split("<<'YAML'\n", 1)[1].split("  YAML\n", 1)[0])
+        cluster.dynamic.resources.get(api_version="ddtree.io/v1alpha1", kind="DDTreeDeployment").create(
+            body=yaml.safe_load(notes_manifest), namespace=ns, query_params=[("dryRun", "All")])
         dep = wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, "ddt-ddtree"), what="operator Deployment")
         assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "ddt-ddtree"
         assert cluster.get("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", "", "ddt-ddtree")
