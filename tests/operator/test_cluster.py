@@ -295,3 +295,16 @@ def test_restart_loses_nothing(cluster, operator, monkeypatch):
             cluster.delete(*DDT, ns, "qwen")
             wait_for(lambda: ddt(cluster, ns, "qwen") is None, timeout=60, what="CR deleted")
         assert second.exception is None, second.output
+
+
+@pytest.mark.parametrize(("storage", "message"), [
+    ({"mode": "emptyDir"}, "storage.mode cannot change"),
+    ({"storageClassName": "other"}, "storageClassName and storage.accessModes of a PVC cannot change"),
+    ({"size": "50Gi"}, "storage.size of a PVC can only grow"),
+])
+def test_storage_changes_a_pvc_cannot_take_are_rejected(cluster, crd, namespace, storage, message):
+    create(cluster, namespace, "s", {**SPEC, "storage": {"mode": "pvc", "size": "100Gi"}})
+    patch(cluster, *DDT, namespace, "s", {"spec": {"storage": {"size": "200Gi"}}})  # growing is fine
+    with pytest.raises(ApiException) as err:
+        patch(cluster, *DDT, namespace, "s", {"spec": {"storage": storage}})
+    assert message in json.loads(err.value.body)["message"]
