@@ -7,7 +7,8 @@ from ddtree.engine import ASSETS, Engine
 from ddtree.sampling import SamplingParams
 from ddtree.training.corpus import find_files, read_texts, split_files
 
-# Measured: tau 4.05 at budget 32 on 6 held-out stdlib files x 128 tokens (benchmarks/RESULTS.md).
+# Measured (benchmarks/RESULTS.md): pooled tau 3.90 (CPython 3.11 stdlib) and 4.29 (3.12) at budget 32 on 8
+# held-out files x 128 tokens; dflash 2.81 / 3.06. Per file it ranges about 2.8-4.5, hence a pooled floor.
 TAU_FLOOR_DDTREE_32 = 3.0
 
 
@@ -20,8 +21,8 @@ def demo() -> Engine:
 def held_out_prompts(demo) -> list[list[int]]:
     """Beginnings of this interpreter's stdlib files that the demo pair never trained on."""
     _, held = split_files(find_files([sysconfig.get_paths()["stdlib"]], ["*.py"]))
-    texts = [t for t in read_texts(held) if len(t) > 3000][:3]
-    assert len(texts) == 3
+    texts = [t for t in read_texts(held) if len(t) > 3000][:6]
+    assert len(texts) == 6
     return [demo.encode(t)[:192] for t in texts]
 
 
@@ -31,15 +32,22 @@ def test_demo_pair_is_shipped_small():
     assert (ASSETS / "README.md").is_file()
 
 
-def test_demo_ddtree_equals_ar_and_keeps_its_acceptance(demo, held_out_prompts):
+def test_demo_ddtree_equals_ar(demo, held_out_prompts):
     params = SamplingParams(max_new_tokens=96, ignore_eos=True)
-    taus = []
-    for ids in held_out_prompts:
-        ar = demo.generate(ids, params, method="ar")
-        tree = demo.generate(ids, params, method="ddtree", budget=32)
-        assert tree.token_ids == ar.token_ids
-        taus.append(tree.stats.acceptance_length)
-    assert sum(taus) / len(taus) >= TAU_FLOOR_DDTREE_32, taus
+    for ids in held_out_prompts[:2]:
+        assert demo.generate(ids, params, method="ddtree", budget=32).token_ids == \
+            demo.generate(ids, params, method="ar").token_ids
+
+
+def test_demo_acceptance_stays_above_its_floor_and_above_dflash(demo, held_out_prompts):
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+
+    def pooled_tau(method: str) -> float:
+        stats = [demo.generate(ids, params, method=method, budget=32).stats for ids in held_out_prompts]
+        return sum(s.committed_tokens for s in stats) / sum(s.rounds for s in stats)
+
+    tree, linear = pooled_tau("ddtree"), pooled_tau("dflash")
+    assert tree >= TAU_FLOOR_DDTREE_32 and tree > linear, (tree, linear)
 
 
 def test_demo_chat_prompt_decodes_to_text(demo):
