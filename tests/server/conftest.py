@@ -9,14 +9,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tiny import EOS_ID, MASK_ID, make_draft, make_target
 
 API_KEY = "test-key"
 
@@ -35,16 +34,27 @@ class Server:
     proc: subprocess.Popen
     log: Path
     api_key: str = "unused"
+    _client: openai.OpenAI | None = None
+    _model: str | None = None
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))  # generous: CI may be slow
 
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, **kw)
+    def client(self) -> openai.OpenAI:
+        """One SDK client per server: building one (TLS context and all) costs more than a tiny request."""
+        if self._client is None:
+            self._client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0)
+        return self._client
 
-    def async_client(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0, **kw)
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0)
+
+    def model(self) -> str:
+        if self._model is None:
+            self._model = self.client().models.list().data[0].id
+        return self._model
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample of /metrics, keyed by (name, sorted labels), parsed by prometheus-client."""
-        text = httpx.get(f"{self.url}/metrics").text
+        text = self.http.get(f"{self.url}/metrics").text
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -82,48 +92,23 @@ def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, a
     raise RuntimeError(f"server not ready after 120 s:\n{log.read_text()}")
 
 
-def save_word_tokenizer(target: Path) -> None:
-    """A word-level tokenizer with a chat template for the tiny random target (ids match tiny.VOCAB)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(90)}
-    vocab.update({"<system>": 90, "<user>": 91, "<assistant>": 92, "<tool>": 93, "<|endoftext|>": EOS_ID,
-                  "<|MASK|>": MASK_ID})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="w0")
-    fast.chat_template = ("{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}"
-                          "{% if add_generation_prompt %}<assistant> {% endif %}")
-    fast.save_pretrained(target)
-
-
-@pytest.fixture(scope="session")
-def model_args(tmp_path_factory) -> tuple[str, ...]:
-    """`--target/--draft` of a tiny random pair with a tokenizer."""
-    root = tmp_path_factory.mktemp("model")
-    make_target(root / "target")
-    save_word_tokenizer(root / "target")
-    make_draft(root / "draft")
-    return ("--target", str(root / "target"), "--draft", str(root / "draft"))
-
-
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("server-logs")
 
 
 @pytest.fixture(scope="session")
-def server(logs, model_args) -> Iterator[Server]:
-    srv = start_server(logs, *model_args, "--max-queue", "64", name="main")
+def server(logs) -> Iterator[Server]:
+    """The embedded demo pair, as a newcomer runs it: `ddtree serve` with no model flags."""
+    srv = start_server(logs, "--max-queue", "64", name="main")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="session")
-def guarded_server(logs, model_args) -> Iterator[Server]:
+def guarded_server(logs) -> Iterator[Server]:
     """A one-slot queue behind an API key (from the environment), for overload and auth tests."""
-    srv = start_server(logs, *model_args, "--max-queue", "1", env={"DDTREE_API_KEY": API_KEY}, api_key=API_KEY,
+    srv = start_server(logs, "--max-queue", "1", env={"DDTREE_API_KEY": API_KEY}, api_key=API_KEY,
                        name="guarded")
     yield srv
     srv.stop()

@@ -13,19 +13,19 @@ from conftest import start_server
 
 
 @pytest.mark.slow
-def test_sigterm_lets_the_running_stream_finish(logs, model_args):
-    srv = start_server(logs, *model_args, name="drain")
+def test_sigterm_lets_the_running_stream_finish(logs):
+    srv = start_server(logs, "--drain-timeout", "300", name="drain")
     try:
-        body = {"prompt": "w1 w2", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True,
+        body = {"prompt": "import os", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
+        with srv.http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             srv.proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
-        assert usage["completion_tokens"] == 120
+        assert usage["completion_tokens"] == 48
         srv.proc.wait(timeout=60)
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{srv.url}/health")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 VLLM_SERIES = [
@@ -26,7 +25,7 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 def test_series_exist_with_model_label_and_fine_buckets(server):
     samples = server.metrics()
-    name = server.client().models.list().data[0].id
+    name = server.model()
     names = {n for n, _ in samples}
     assert not [s for s in VLLM_SERIES if s not in names]
     assert all(dict(lab).get("model_name") == name for n, lab in samples if n.startswith(("vllm:", "ddtree_")))
@@ -38,7 +37,7 @@ def test_series_exist_with_model_label_and_fine_buckets(server):
 
 
 def stream_usage_and_spec(server, body: dict) -> tuple[dict, dict, str]:
-    with httpx.stream("POST", f"{server.url}/v1/completions",
+    with server.http.stream("POST", f"{server.url}/v1/completions",
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     finish = next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"])
@@ -50,14 +49,16 @@ def test_counters_move_by_exactly_what_the_requests_did(server):
     before = server.metrics()
     extra = {"return_spec_stats": True, "ignore_eos": True, "temperature": 0}
     done = []  # (usage, spec, finish_reason)
-    r = httpx.post(f"{server.url}/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": "w3 w4"}], "max_tokens": 14, **extra}).json()
+    messages = [{"role": "user", "content": "Write a function."}]
+    url = server.url
+    r = server.http.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 14, **extra}).json()
     done.append((r["usage"], r["metrics"]["speculative_decoding"], r["choices"][0]["finish_reason"]))
-    done.append(stream_usage_and_spec(server, {"prompt": "w5 w6 w7", "max_tokens": 9, **extra}))
-    text = httpx.post(f"{server.url}/v1/completions", json={"prompt": "w8", "max_tokens": 12, **extra}).json()
-    stop = text["choices"][0]["text"].split()[3]  # a later word: the stop request ends early, "stop"
-    r = httpx.post(f"{server.url}/v1/completions",
-                   json={"prompt": "w8", "max_tokens": 12, "stop": [stop], **extra}).json()
+    done.append(stream_usage_and_spec(server, {"prompt": "import sys", "max_tokens": 9, **extra}))
+    text = server.http.post(f"{url}/v1/completions", json={"prompt": "class Node:", "max_tokens": 12, **extra}).json()
+    middle = len(text["choices"][0]["text"]) // 2
+    stop = text["choices"][0]["text"][middle:middle + 3]  # the stop request ends early, with "stop"
+    r = server.http.post(f"{server.url}/v1/completions",
+                   json={"prompt": "class Node:", "max_tokens": 12, "stop": [stop], **extra}).json()
     done.append((text["usage"], text["metrics"]["speculative_decoding"], text["choices"][0]["finish_reason"]))
     done.append((r["usage"], r["metrics"]["speculative_decoding"], r["choices"][0]["finish_reason"]))
     after = server.metrics()

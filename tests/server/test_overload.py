@@ -23,8 +23,8 @@ def wait_for(predicate, timeout: float = 60.0) -> None:
 
 
 def long_body(server, stream: bool) -> dict:
-    limit = httpx.get(f"{server.url}/v1/models", headers=auth(server)).json()["data"][0]["max_model_len"]
-    return {"prompt": "w1 w2 w3", "max_tokens": min(1000, limit - 10), "temperature": 0, "ignore_eos": True,
+    limit = server.http.get(f"{server.url}/v1/models", headers=auth(server)).json()["data"][0]["max_model_len"]
+    return {"prompt": "import os", "max_tokens": min(1000, limit - 10), "temperature": 0, "ignore_eos": True,
             "stream": stream}
 
 
@@ -39,25 +39,24 @@ def test_full_queue_gives_429_and_disconnects_free_the_engine(guarded_server):
     aborted = metric(srv, "vllm:request_success_total", finished_reason="abort")
     generated = metric(srv, "vllm:generation_tokens_total")
     body = long_body(srv, stream=True)
-    with httpx.Client(timeout=120) as running, running.stream("POST", url, json=body, headers=auth(srv)) as a:
+    with httpx.Client(timeout=300) as running, running.stream("POST", url, json=body, headers=auth(srv)) as a:
         lines = a.iter_lines()
         assert next(lines).startswith("data: ")  # A is decoding
         # B waits in the one-slot queue...
         done: dict = {}
 
         def queued() -> None:
-            done["response"] = httpx.post(url, json={**long_body(srv, False), "max_tokens": 8}, headers=auth(srv),
-                                          timeout=120)
+            done["response"] = srv.http.post(url, json={**long_body(srv, False), "max_tokens": 8}, headers=auth(srv))
 
         b = threading.Thread(target=queued)
         b.start()
         wait_for(lambda: metric(srv, "vllm:num_requests_waiting") == 1)
         # ... so C is refused, with a hint of when to come back.
-        r = httpx.post(url, json=long_body(srv, False), headers=auth(srv))
+        r = srv.http.post(url, json=long_body(srv, False), headers=auth(srv))
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
-            srv.client().completions.create(model=_model(srv), prompt="w1", max_tokens=2)
+            srv.client().completions.create(model=srv.model(), prompt="x = 1", max_tokens=2)
     # A's client hung up mid-stream: the engine drops it and serves B.
     b.join(timeout=120)
     assert done["response"].status_code == 200 and done["response"].json()["usage"]["completion_tokens"] == 8
@@ -66,20 +65,16 @@ def test_full_queue_gives_429_and_disconnects_free_the_engine(guarded_server):
     wait_for(lambda: metric(srv, "vllm:num_requests_running") == 0)
 
 
-def _model(server) -> str:
-    return server.client().models.list().data[0].id
-
-
 @pytest.mark.slow
 def test_a_queued_request_whose_client_leaves_is_dropped(guarded_server):
     srv = guarded_server
     url = f"{srv.url}/v1/completions"
     aborted = metric(srv, "vllm:request_success_total", finished_reason="abort")
-    with httpx.Client(timeout=120) as running, running.stream("POST", url, json=long_body(srv, True),
+    with httpx.Client(timeout=300) as running, running.stream("POST", url, json=long_body(srv, True),
                                                              headers=auth(srv)) as a:
         lines = a.iter_lines()  # keep a reference: a collected iterator closes the connection
         next(lines)
-        with httpx.Client(timeout=120) as waiting, waiting.stream("POST", url, json=long_body(srv, True),
+        with httpx.Client(timeout=300) as waiting, waiting.stream("POST", url, json=long_body(srv, True),
                                                                  headers=auth(srv)):
             wait_for(lambda: metric(srv, "vllm:num_requests_waiting") == 1)
         # The waiting client left: its queue slot frees up while A still runs.
