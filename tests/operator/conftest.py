@@ -63,7 +63,7 @@ def namespace(cluster) -> Iterator[str]:
         yield name
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped after the module, not left running under other teams' tests
 def operator(crd, kubeconfig: str) -> Iterator[dict[str, Any]]:
     """The operator, in-process under KopfRunner, watching the t-* namespaces with a 1-second resync."""
     from kopf.testing import KopfRunner
