@@ -11,7 +11,7 @@ from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams
 from ddtree.training.corpus import find_files, is_held_out, split_files
-from ddtree.training.drafter import STATE_FILE, block_batch, parse_taps, train_draft
+from ddtree.training.drafter import STATE_FILE, FrozenTarget, block_batch, parse_taps, train_draft
 from ddtree.training.tokenizer import EOS, MASK
 from tiny import HIDDEN, VOCAB, make_draft
 from transformers import AutoTokenizer
@@ -111,3 +111,15 @@ def test_cli_reports_a_missing_corpus_in_one_line(tiny_pair, capsys, tmp_path):
                "--out", str(tmp_path / "o"), "--device", "cpu", "--steps", "1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "does not exist" in err and len(err.splitlines()) == 1
+
+
+def test_taps_are_decoder_layer_outputs(tiny_pair):
+    """Tap t is the OUTPUT of layer t, i.e. HF hidden_states[t + 1] (the classic off-by-one)."""
+    target = FrozenTarget(tiny_pair["root"] / "target", torch.device("cpu"))
+    target.taps = (0, 2)  # not the last layer: HF's last hidden_states entry is post final-norm
+    ids = torch.randint(4, 300, (2, 16))
+    feats, hidden = target.features(ids)
+    with torch.no_grad():
+        ref = target.model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(feats, torch.cat([ref[1], ref[3]], dim=-1))
+    torch.testing.assert_close(hidden, ref[-1])

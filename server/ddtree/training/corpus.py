@@ -39,7 +39,7 @@ def is_held_out(relpath: str) -> bool:
 
 
 def find_files(paths: Sequence[str | Path], globs: Sequence[str] = DEFAULT_GLOBS) -> list[CorpusFile]:
-    """Files named directly, plus files under directories whose name matches one of `globs`.
+    """Files named directly, plus the files under each directory whose name matches one of `globs`.
 
     Hidden directories, `__pycache__` and nested `site-packages`/`dist-packages` are not walked.
     """

@@ -68,7 +68,7 @@ class FrozenTarget:
     def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tap features [B, T, k*H], last hidden states [B, T, H]) of ids [B, T]."""
         self._captured.clear()
-        hidden = self.model.model(input_ids=ids).last_hidden_state
+        hidden = self.model.model(input_ids=ids, use_cache=False).last_hidden_state
         feats = torch.cat([self._captured[t] for t in self.taps], dim=-1)
         self._captured.clear()
         return feats, hidden
@@ -211,6 +211,7 @@ def train_draft(
     device: str | None = None, seed: int = 0, eval_every: int = 200, save_every: int = 1000,
     resume: bool = False, log=print,
 ) -> dict:
+    """Train (or with `resume`, continue) a drafter for the target into `out`; returns the run's summary."""
     dev = pick_device(device)
     torch.manual_seed(seed)
     out = Path(out)

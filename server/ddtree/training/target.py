@@ -51,7 +51,7 @@ def evaluate_lm(model, windows: list[torch.Tensor], device: torch.device) -> dic
     loss = acc = 0.0
     for x in windows:
         with autocast(device):
-            logits = model(input_ids=x[:, :-1]).logits.float()
+            logits = model(input_ids=x[:, :-1], use_cache=False).logits.float()
         loss += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item()
         acc += (logits.argmax(-1) == x[:, 1:]).float().mean().item()
     model.train()
@@ -64,13 +64,19 @@ def train_target(
     steps: int | None = None, minutes: float | None = None, device: str | None = None, seed: int = 0,
     eval_every: int = 200, log=print,
 ) -> dict:
+    """Train a target on the corpus' training split and save it to `out`; returns the run's summary."""
+    if seq_len > arch.max_positions:
+        raise DDTreeError(f"--seq-len {seq_len} exceeds the model's {arch.max_positions} positions")
     dev = pick_device(device)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     out = Path(out)
     files = corpus_files(corpus, globs)
     if tokenizer:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        except (OSError, ValueError) as exc:
+            raise DDTreeError(f"cannot load the tokenizer in {tokenizer}: {str(exc).splitlines()[0]}") from None
     else:
         train_files, _ = split_files(files)
         log(f"training a byte-level BPE tokenizer ({vocab_size} tokens) on {len(train_files)} files")
@@ -95,7 +101,7 @@ def train_target(
         set_lr(opt, budget.lr_at(step))
         x = train.windows(batch_size, seq_len + 1, gen)
         with autocast(dev):
-            logits = model(input_ids=x[:, :-1]).logits
+            logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
