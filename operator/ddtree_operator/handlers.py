@@ -48,6 +48,9 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     settings.watching.client_timeout = settings.watching.server_timeout + 30
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
+    # On deletion kopf waits for a running resync to finish: wait for it in place, re-check often (default 60 s).
+    settings.background.instant_exit_timeout = 10
+    settings.background.cancellation_polling = 2
     settings.posting.level = logging.WARNING  # our own Events carry the transitions; skip kopf's chatter
     _cluster = Cluster(_api_client())
     port = int(os.environ.get("DDTREE_OPERATOR_METRICS_PORT", "8081"))
