@@ -182,15 +182,12 @@ class ServerState:
     draining: bool = False
     load_error: str | None = None
 
-    @property
-    def ready(self) -> bool:
-        return self.scheduler is not None and not self.draining
-
     def load(self, load_engine: Callable[[], Any]) -> None:
         """Load the engine and start the scheduler (runs in a thread; the server answers meanwhile)."""
         engine = load_engine()
         name = self.config.served_model_name or engine.model_name
-        metrics = ServerMetrics(name, method=engine.method, budget=engine.budget, block_size=engine.block_size,
+        budget = engine.budget if engine.method == "ddtree" else None
+        metrics = ServerMetrics(name, method=engine.method, budget=budget, block_size=engine.block_size,
                                 max_model_len=engine.max_context)
         self.engine, self.model_name, self.metrics = engine, name, metrics
         self.scheduler = Scheduler(engine, metrics, max_queue=self.config.max_queue)
@@ -200,6 +197,8 @@ class ServerState:
     def require_ready(self) -> Scheduler:
         if self.draining:
             raise APIError(503, "The server is shutting down.", type="service_unavailable")
+        if self.load_error is not None:
+            raise APIError(503, f"The model could not be loaded: {self.load_error}", type="service_unavailable")
         if self.scheduler is None:
             raise APIError(503, "The model is still loading.", type="service_unavailable",
                            headers={"Retry-After": "5"})
@@ -300,7 +299,9 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
                           "tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(req.messages)]
+    # OpenAI's "developer" role is the system prompt under a new name; chat templates only know "system".
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+                for i, m in enumerate(req.messages)]
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")

@@ -187,6 +187,10 @@ class Request:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    def mark_cancelled(self) -> None:
+        """The worker stops this request before its next round (thread-safe)."""
+        self._cancelled.set()
+
     def post(self, output: Output) -> None:
         """Hand an output to the waiting coroutine (safe from any thread, even after the loop closed)."""
         with contextlib.suppress(RuntimeError):
@@ -279,14 +283,12 @@ class _Running:
 class Scheduler:
     """Owns the engine: admits requests from the fair queue and runs them in one worker thread."""
 
-    def __init__(self, engine, metrics: ServerMetrics, *, max_queue: int, max_running: int = 1,
-                 method: str | None = None, budget: int | None = None) -> None:
+    def __init__(self, engine, metrics: ServerMetrics, *, max_queue: int, max_running: int = 1) -> None:
+        """`max_running` > 1 needs a batched engine: today's holds one Generation at a time."""
         self.engine = engine
         self.metrics = metrics
         self.queue = FairQueue(max_queue)
         self.max_running = max_running
-        self.method = method or engine.method
-        self.budget = budget if budget is not None else engine.budget
         self.draining = False
         self._running: list[_Running] = []  # touched by the worker thread only
         self._mean_seconds = 1.0  # moving average of request service time, for Retry-After
@@ -309,7 +311,7 @@ class Scheduler:
         """The client went away: drop the request if waiting, or stop it at its next round."""
         if request.finish_reason is not None:
             return
-        request._cancelled.set()
+        request.mark_cancelled()
         if self.queue.remove(request):
             self.metrics.waiting.set(len(self.queue))
             self._abort(request)
@@ -317,10 +319,6 @@ class Scheduler:
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely to free up."""
         return max(1, math.ceil(self._mean_seconds * (len(self.queue) + 1) / self.max_running))
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
 
     def idle(self) -> bool:
         return not self._running and not len(self.queue)
@@ -357,13 +355,13 @@ class Scheduler:
             request.scheduled = time.monotonic()
             self.metrics.queue_time.observe(request.scheduled - request.arrival)
             try:
-                generation = self.engine.stream(request.prompt_ids, request.params, method=self.method,
-                                                budget=self.budget)
+                generation = self.engine.stream(request.prompt_ids, request.params)
             except Exception as exc:  # a bad request the validation missed must not kill the worker
                 log.exception("could not start request %s", request.request_id)
                 self._abort(request, str(exc))
                 continue
-            request.spec = SpecStats(self.method, self.budget, self.engine.block_size)
+            budget = self.engine.budget if self.engine.method == "ddtree" else None  # only trees have one
+            request.spec = SpecStats(self.engine.method, budget, self.engine.block_size)
             text = StopStringDetokenizer(self.engine.decode, request.stop, request.include_stop_str)
             self._running.append(_Running(request, generation, text))
             self.metrics.running.set(len(self._running))

@@ -51,7 +51,8 @@ def test_load_failure_is_reported_and_never_ready():
 
     with TestClient(create_app(load, on_load_error=on_load_error)) as client:
         assert done.wait(10)
-        assert client.get("/ready").status_code == 503
+        r = client.get("/ready")
+        assert r.status_code == 503 and "no such checkpoint" in r.json()["error"]["message"]
     assert str(errors[0]) == "no such checkpoint"
 
 
