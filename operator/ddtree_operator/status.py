@@ -79,6 +79,18 @@ def _pulling_in_pod(pods: tuple[Manifest, ...]) -> bool:
     return False
 
 
+def _progress_text(download: Manifest) -> str:
+    """`target 12.0/54.0 GB, draft done` for condition messages (kubectl describe)."""
+    parts = []
+    for role, p in sorted(download.items(), reverse=True):
+        if p.get("done"):
+            parts.append(f"{role} done")
+        else:
+            total = f"/{p['bytesTotal'] / 1e9:.1f}" if p.get("bytesTotal") else ""
+            parts.append(f"{role} {p.get('bytesDone', 0) / 1e9:.1f}{total} GB")
+    return ", ".join(parts)
+
+
 def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, tuple[str, str, str]]]:
     """The status fields and the conditions as {type: (status, reason, message)}."""
     spec = body["spec"]
@@ -86,6 +98,8 @@ def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, tuple[s
     dep_status = (seen.deployment or {}).get("status") or {}
     ready = dep_status.get("readyReplicas") or 0
     models = _models(body, seen.job)
+    if models and models[1] == "Pulling" and seen.download:
+        models = (models[0], models[1], f"{models[2]}: {_progress_text(seen.download)}")
     conditions: dict[str, tuple[str, str, str]] = {}
     if models:
         conditions["ModelsReady"] = models

@@ -278,3 +278,11 @@ def test_children_validate_against_the_kubernetes_schemas(spec):
     for child in render.render(cr(spec)).all():
         if child["apiVersion"] != "monitoring.coreos.com/v1":
             kubernetes_validate.validate(child, "1.30.0", strict=True)
+
+
+def test_pull_progress_shows_in_the_models_condition():
+    download = {"target": {"bytesDone": 12_000_000_000, "bytesTotal": 54_000_000_000, "done": False},
+                "draft": {"bytesDone": 3_000_000_000, "done": True}}
+    fields, conditions = status.compute(cr(), status.Observed(job=job(None), download=download))
+    assert conditions["ModelsReady"][2].endswith(": target 12.0/54.0 GB, draft done")
+    assert fields["download"] == download
