@@ -113,3 +113,28 @@ def test_api_key_is_required_on_v1_only(guarded_server):
     assert guarded_server.client().models.list().data
     assert guarded_server.http.get(f"{url}/health").status_code == 200
     assert guarded_server.http.get(f"{url}/metrics").status_code == 200
+
+
+FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "stream",
+          "stream_options", "logprobs", "ignore_eos", "user", "logit_bias", "include_stop_str_in_output",
+          "return_token_ids", "return_spec_stats", "frequency_penalty"]
+ODD_VALUES = [None, "x", -1, 10**12, [], {"a": [1]}]
+
+
+@pytest.mark.slow
+def test_no_odd_field_value_breaks_the_server(server):
+    """Every field gets values of the wrong type or range: the answer is a result or a 400, never a 500."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "top_logprobs": None,
+            "max_completion_tokens": None, "chat_template_kwargs": None, "response_format": None, "tools": None}
+    bases = [("/v1/completions", {"prompt": "x", "max_tokens": 1, "echo": False, "suffix": None}),
+             ("/v1/chat/completions", chat)]
+    for path, base in bases:
+        for name in [*FIELDS, *(k for k in base if k not in FIELDS)]:
+            for value in ODD_VALUES:
+                if value is None and name.startswith("max_"):
+                    continue  # a valid "no limit": decoding up to the context length is just slow
+                r = server.http.post(f"{server.url}{path}", json={**base, name: value})
+                assert r.status_code in (200, 400, 404), (path, name, value, r.text)
+                if r.status_code != 200:
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert server.http.get(f"{server.url}/ready").status_code == 200
