@@ -90,8 +90,14 @@ def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int
 
 def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimodal: bool = True) -> Path:
     """Qwen3.5 / Qwen3.5-MoE in the multimodal checkpoint layout (as published), or Qwen3-Next (text only)."""
-    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
-                              Qwen3_5MoeForConditionalGeneration, Qwen3NextConfig, Qwen3NextForCausalLM)
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
 
     torch.manual_seed(seed)
     text = hybrid_text_config(arch)
