@@ -254,7 +254,7 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
             "completion). Please reduce the length of the prompt or the completion.",
             max_param if len(prompt_ids) < limit else prompt_param)
-    vocab = engine.target.shape.vocab_size
+    vocab = engine.vocab_size
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < vocab for t in stop_ids):
         raise bad_request(f"stop_token_ids must be token ids in [0, {vocab}).", "stop_token_ids")
@@ -341,7 +341,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
             raise bad_request("This model has no tokenizer: send the prompt as token ids.", "prompt")
         prompt_ids, prompt_text = engine.encode(prompt), prompt
     else:
-        vocab = engine.target.shape.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise bad_request(f"Prompt token ids must be in [0, {vocab}).", "prompt")
         prompt_ids, prompt_text = list(prompt), engine.decode(list(prompt))

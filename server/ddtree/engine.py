@@ -141,7 +141,7 @@ class Engine:
                 mask_from_tok = None if mask_from_tok == tokenizer.unk_token_id else mask_from_tok
             drf = load_draft(draft, tgt.shape, device=dev, dtype=torch_dtype,
                              mask_token_from_tokenizer=mask_from_tok)
-        return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=Path(target).name)
+        return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)))
 
     def _check_method(self, method: str | None, budget: int | None) -> tuple[str, int]:
         method = method or getattr(self, "method", "ddtree")
@@ -157,6 +157,11 @@ class Engine:
     @property
     def max_context(self) -> int:
         return self.target.max_context
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the target's embedding: valid token ids are below this."""
+        return self.target.shape.vocab_size
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -336,6 +341,11 @@ class Generation:
     def _lap(self, t: float) -> tuple[float, float]:
         now = self._now()
         return now - t, now
+
+
+def _served_name(target_dir: Path) -> str:
+    """The default model id: the target directory's name, or `ddtree-demo` for the embedded pair."""
+    return "ddtree-demo" if target_dir.resolve() == (ASSETS / "target").resolve() else target_dir.name
 
 
 def _load_tokenizer(target_dir: Path):

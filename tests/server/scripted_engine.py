@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 from ddtree.engine import RoundOutput
 
@@ -40,7 +39,7 @@ class ScriptedEngine:
     method, budget, block_size, max_context, eos_token_ids = "ddtree", 4, 4, 64, {99}
     model_name = "scripted"
     tokenizer = None  # token-id prompts only
-    target = SimpleNamespace(shape=SimpleNamespace(vocab_size=len(WORDS)))
+    vocab_size = len(WORDS)
 
     def __init__(self) -> None:
         self.scripts: list[list] = []
