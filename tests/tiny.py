@@ -111,3 +111,15 @@ def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimod
     model.generation_config.eos_token_id = text["eos_token_id"]
     model.save_pretrained(out)
     return out
+
+
+def prefill(target, tokens: list[int]):
+    """A fresh target cache holding `tokens` (run as a causal chain)."""
+    cache = target.new_cache()
+    target.forward(torch.tensor(tokens), torch.arange(len(tokens)), cache)
+    return cache
+
+
+def path_tokens(tree, node: int) -> list[int]:
+    """The draft tokens on the way from the root to `node`."""
+    return [tree.tokens[n - 1] for n in tree.path_to(node)[1:]]

@@ -27,6 +27,17 @@ class DraftTree:
         """Number of draft nodes (root excluded)."""
         return len(self.tokens)
 
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, both included."""
+        path = [node]
+        while path[-1]:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+    def deepest(self) -> int:
+        """The last-added node of the greatest depth (the root when the tree is empty)."""
+        return max(range(self.size + 1), key=lambda n: (self.depths[n - 1] if n else 0, n))
+
     def add(self, parent: int, token: int, depth: int) -> int:
         node = len(self.parents)
         self.tokens.append(token)

@@ -6,7 +6,7 @@ from ddtree.engine import Engine
 from ddtree.hybrid import TreeGDN
 from ddtree.sampling import SamplingParams
 from ddtree.tree import build_tree, chain_tree
-from tiny import make_draft, make_hybrid_target
+from tiny import make_draft, make_hybrid_target, path_tokens, prefill
 from transformers import AutoModelForCausalLM
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -22,20 +22,6 @@ def hybrid(tmp_path_factory):
         make_hybrid_target(root / arch, arch, seed=seed)
         out[arch] = (root / arch, Engine.from_pretrained(root / arch, root / "draft", device="cpu"))
     return out
-
-
-def prefill(target, tokens):
-    cache = target.new_cache()
-    target.forward(torch.tensor(tokens), torch.arange(len(tokens)), cache)
-    return cache
-
-
-def path_to(tree, node):
-    tokens = []
-    while node:
-        tokens.append(tree.tokens[node - 1])
-        node = tree.parents[node]
-    return tokens[::-1]
 
 
 def states(cache):
@@ -69,7 +55,7 @@ def test_per_node_logits_equal_each_path_alone_and_committed_state_is_untouched(
     logits, _ = target.forward(ids, positions, cache, tree=tree)
     assert_states_equal(states(cache), before, atol=0)
     for node in range(tree.size + 1):
-        alone = [*prefix, 13, *path_to(tree, node)]
+        alone = [*prefix, 13, *path_tokens(tree, node)]
         ref_logits, _ = target.forward(torch.tensor(alone), torch.arange(len(alone)), target.new_cache())
         # float32; the chunked (prompt) and recurrent (tree) kernels sum in different orders
         torch.testing.assert_close(logits[node], ref_logits[-1], atol=1e-3, rtol=1e-3)
@@ -81,16 +67,12 @@ def test_state_after_commit_equals_running_the_committed_tokens_one_by_one(hybri
     torch.manual_seed(1)
     prefix = torch.randint(0, 90, (6,)).tolist()
     tree = build_tree(torch.randn(7, 96) * 3, 20)
-    deepest = max(range(1, tree.size + 1), key=lambda n: (tree.depths[n - 1], n))
-    path = [deepest]
-    while path[-1]:
-        path.append(tree.parents[path[-1]])
-    path = path[::-1]
+    path = tree.path_to(tree.deepest())
     cache = prefill(target, prefix)
     ids = torch.tensor([13, *tree.tokens])
     target.forward(ids, torch.tensor([0, *tree.depths]) + len(prefix), cache, tree=tree)
     target.compact(cache, len(prefix), path)
-    committed = [*prefix, 13, *path_to(tree, deepest)]
+    committed = [*prefix, 13, *path_tokens(tree, path[-1])]
     one_by_one = target.new_cache()
     for pos, token in enumerate(committed):
         target.forward(torch.tensor([token]), torch.tensor([pos]), one_by_one)

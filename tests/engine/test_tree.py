@@ -104,3 +104,14 @@ def test_walk_follows_matching_children_and_stops_at_the_first_miss():
     assert walk(tree, [5, 6, 1, 0, 0]) == [0, 1, 2]
     assert walk(tree, [9, 0, 0, 0, 3]) == [0, 4]
     assert walk(tree, [2, 0, 0, 0, 0]) == [0]
+
+
+def test_path_to_and_deepest():
+    tree = chain_tree([5, 6])
+    tree.add(0, 9, 1)  # node 3, a sibling of node 1
+    tree.add(3, 4, 2)  # node 4: depth 2, added after node 2
+    assert tree.path_to(0) == [0]
+    assert tree.path_to(2) == [0, 1, 2]
+    assert tree.path_to(4) == [0, 3, 4]
+    assert tree.deepest() == 4
+    assert build_tree(torch.randn(2, 3), 0).deepest() == 0

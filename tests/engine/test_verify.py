@@ -3,20 +3,7 @@
 import pytest
 import torch
 from ddtree.tree import build_tree
-
-
-def ancestor_path(tree, node):
-    tokens = []
-    while node:
-        tokens.append(tree.tokens[node - 1])
-        node = tree.parents[node]
-    return tokens[::-1]
-
-
-def prefill(target, prefix):
-    cache = target.new_cache()
-    target.forward(torch.tensor(prefix), torch.arange(len(prefix)), cache)
-    return cache
+from tiny import path_tokens, prefill
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "moe", "swa"])
@@ -32,7 +19,7 @@ def test_per_node_logits_equal_each_path_alone(engines, arch, budget):
     positions = torch.tensor([0, *tree.depths]) + len(prefix)
     logits, taps = target.forward(ids, positions, cache, tree=tree)
     for node in range(tree.size + 1):
-        alone = [*prefix, root, *ancestor_path(tree, node)]
+        alone = [*prefix, root, *path_tokens(tree, node)]
         ref_cache = target.new_cache()
         ref_logits, ref_taps = target.forward(torch.tensor(alone), torch.arange(len(alone)), ref_cache)
         torch.testing.assert_close(logits[node], ref_logits[-1], atol=1e-4, rtol=1e-4)
@@ -45,18 +32,14 @@ def test_compaction_equals_recomputing_the_accepted_path(engines, arch):
     torch.manual_seed(1)
     prefix = torch.randint(0, 90, (5,)).tolist()
     tree = build_tree(torch.randn(7, 96) * 3, 30)
-    deepest = max(range(1, tree.size + 1), key=lambda n: (tree.depths[n - 1], n))
-    path = [deepest]
-    while path[-1]:
-        path.append(tree.parents[path[-1]])
-    path = path[::-1]
+    path = tree.path_to(tree.deepest())
     assert path != list(range(len(path))), "the test needs a path that is not the first rows"
     cache = prefill(target, prefix)
     ids = torch.tensor([3, *tree.tokens])
     positions = torch.tensor([0, *tree.depths]) + len(prefix)
     target.forward(ids, positions, cache, tree=tree)
     target.compact(cache, len(prefix), path)
-    committed = [*prefix, 3, *ancestor_path(tree, deepest)]
+    committed = [*prefix, 3, *path_tokens(tree, path[-1])]
     ref = prefill(target, committed)
     assert cache.get_seq_length() == len(committed)
     for layer, ref_layer in zip(cache.layers, ref.layers, strict=True):
