@@ -35,6 +35,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--fast", action="store_true",
+                   help="static caches + CUDA graphs (greedy, Qwen3/Llama targets; others use the reference path)")
     p.set_defaults(handler=_generate)
 
 
@@ -51,7 +53,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise DDTreeError(f"budget must be >= 0, got {args.budget}")
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
-                                    device=args.device, dtype=args.dtype)
+                                    device=args.device, dtype=args.dtype, fast=args.fast)
+    if args.fast and engine.fast is None:
+        print(f"ddtree generate: reference path ({engine.fast_unsupported})", file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
     result = engine.generate(prompt_ids, params)
@@ -213,6 +217,30 @@ def _train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="ar, dflash and ddtree side by side, fast and eager paths, one process")
+    p.add_argument("--target", help="target model directory (default: the embedded demo pair)")
+    p.add_argument("--draft", help="DFlash draft directory (default: the demo pair's)")
+    p.add_argument("--shape", help="a random-weight model of this shape instead (qwen3-8b, tiny)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--methods", nargs="+", choices=["ar", "dflash", "ddtree"], default=["ar", "dflash", "ddtree"])
+    p.add_argument("--budgets", nargs="+", type=int, default=[16, 32, 64, 128])
+    p.add_argument("--paths", nargs="+", choices=["fast", "eager"], default=["fast", "eager"],
+                   help="fast: static caches + CUDA graphs; eager: the reference loop")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--corpus", default=None, help="held-out prompt files for a real pair (default: the stdlib)")
+    p.add_argument("--json", help="also write the full results here")
+    p.set_defaults(handler=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ddtree.fast.bench import bench
+
+    return bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pull_parser(sub)
     _add_train_target_parser(sub)
     _add_train_draft_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 

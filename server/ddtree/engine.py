@@ -16,6 +16,7 @@ import torch
 
 from ddtree.draft import DFlashDraft, DraftCache, load_draft
 from ddtree.errors import DDTreeError
+from ddtree.fast import FastPath, unsupported
 from ddtree.sampling import SamplingParams, make_generator, pick_tokens, process_logits
 from ddtree.target import Target, load_target
 from ddtree.tree import DraftTree, build_tree, chain_tree, walk
@@ -99,7 +100,8 @@ class Engine:
     """A target, an optional drafter and their tokenizer, decoding one sequence at a time."""
 
     def __init__(self, target: Target, draft: DFlashDraft | None, tokenizer=None, *, method: str = "ddtree",
-                 budget: int | None = None, model_name: str = "ddtree") -> None:
+                 budget: int | None = None, model_name: str = "ddtree", fast: bool = False,
+                 fast_capacity: int = 4096) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -113,11 +115,14 @@ class Engine:
         self.eos_token_ids: set[int] = eos
         if draft is not None:
             target.set_taps(draft.config.target_layer_ids)
+        # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.
+        self.fast_unsupported = unsupported(target) if fast else "off"
+        self.fast = FastPath(target, draft, fast_capacity) if self.fast_unsupported is None else None
 
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                         method: str = "ddtree", budget: int | None = None, device: str | None = None,
-                        dtype: str | None = None) -> Engine:
+                        dtype: str | None = None, fast: bool = False, fast_capacity: int = 4096) -> Engine:
         """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package."""
         if target is None:
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
@@ -141,7 +146,8 @@ class Engine:
                 mask_from_tok = None if mask_from_tok == tokenizer.unk_token_id else mask_from_tok
             drf = load_draft(draft, tgt.shape, device=dev, dtype=torch_dtype,
                              mask_token_from_tokenizer=mask_from_tok)
-        return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)))
+        return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)),
+                   fast=fast, fast_capacity=fast_capacity)
 
     def _check_method(self, method: str | None, budget: int | None) -> tuple[str, int]:
         method = method or getattr(self, "method", "ddtree")
@@ -214,7 +220,9 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else engine.eos_token_ids)
-        self._rounds = self._run()
+        fast = engine.fast
+        self.on_fast_path = fast is not None and fast.accepts(self)
+        self._rounds = fast.rounds(self) if self.on_fast_path else self._run()
 
     def __iter__(self) -> Iterator[RoundOutput]:
         return self

@@ -1,0 +1,255 @@
+"""`ddtree bench`: ar, dflash and ddtree side by side, in one process, on the same prompts.
+
+For each decoding path (`fast`: ddtree.fast, static caches and CUDA graphs; `eager`: the reference loop) and
+each method, every prompt is decoded greedily after a warm-up; outputs must equal `ar`'s. Reported per run:
+TPOT, tokens/s, τ, the mean time per round of each phase (draft, tree, verify, commit, host = the rest of
+the round's wall time), round time and verify time relative to one AR step on the same path, and the
+batch-1 bandwidth floor of one target step (weights + KV read once).
+
+Models: a target/draft pair from disk (default: the embedded demo pair, real τ) or `--shape qwen3-8b`, a
+Qwen3-8B-shaped target and a Qwen3-8B-DFlash-b16-shaped draft with random weights built on the GPU in bf16
+(per-round costs; τ is meaningless there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+import time
+
+import torch
+
+from ddtree.engine import Engine
+from ddtree.sampling import SamplingParams
+
+SPEC_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s (datasheet)
+SHAPES = {
+    "qwen3-8b": dict(
+        target=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False),
+        draft=dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
+                   block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], rope_theta=1e6)),
+    # The tiny shape runs anywhere in seconds: for smoke tests of the suite itself.
+    "tiny": dict(
+        target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}, tie_word_embeddings=False),
+        draft=dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=8,
+                   mask_token_id=511, target_layer_ids=[1, 2], rope_theta=1e4)),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int) -> tuple[Engine, Engine]:
+    """(fast engine, eager engine) over one random-weight model of a published shape, built on the device."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ddtree.draft import DFlashDraft, draft_config_dict, parse_draft_config
+    from ddtree.target import Target
+
+    shape = SHAPES[name]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # weights are born in bf16 on the GPU: an 8B model never exists in fp32
+    try:
+        with torch.device(device):
+            target = Target(Qwen3ForCausalLM(Qwen3Config(**shape["target"])).eval())
+            d = shape["draft"]
+            t = shape["target"]
+            cfg = draft_config_dict(hidden_size=t["hidden_size"], vocab_size=t["vocab_size"],
+                                    num_target_layers=t["num_hidden_layers"], **d)
+            draft = DFlashDraft(parse_draft_config(cfg, target.shape)).place(device, dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
+    fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name)
+    return fast, Engine(target, draft, model_name=name)
+
+
+def build_pair(target: str | None, draft: str | None, device: str, fast_capacity: int) -> tuple[Engine, Engine]:
+    fast = Engine.from_pretrained(target, draft, device=device, fast=True, fast_capacity=fast_capacity)
+    return fast, Engine(fast.target, fast.draft, fast.tokenizer, model_name=fast.model_name)
+
+
+def prompts_for(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
+    """Held-out source files for a real pair (text it never trained on); random ids for a random-weight shape."""
+    if args.shape:
+        gen = torch.Generator().manual_seed(0)
+        vocab = engine.target.shape.vocab_size
+        return [torch.randint(0, vocab - 2, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]
+    from ddtree.training.corpus import find_files, read_texts, split_files
+
+    _, held = split_files(find_files([args.corpus or sysconfig.get_paths()["stdlib"]], ["*.py"]))
+    texts = [t for t in read_texts(held) if len(t) > 4 * args.prompt_tokens][:args.prompts]
+    return [engine.encode(t)[:args.prompt_tokens] for t in texts]
+
+
+def weight_bytes(engine: Engine, context: int) -> int:
+    """Bytes one batch-1 target step must read: every weight but the input embedding (unless tied), plus KV."""
+    model, cfg = engine.target.model, engine.target.config
+    embed = engine.target.embed_tokens.weight
+    tied = engine.target.lm_head.weight.data_ptr() == embed.data_ptr()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = params - (0 if tied else embed.numel() * embed.element_size())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * embed.element_size() * context
+    return weights + kv
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Measured device-to-device copy bandwidth (bytes read + written per second), median of 10."""
+    if device.type != "cuda":
+        return None
+    src = torch.randn(256 * 2**20, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[2:])
+
+
+def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, max_new_tokens: int) -> dict:
+    """Decode every prompt (after one warm-up that also captures the graphs); totals and per-round means."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    engine.generate(prompts[0], SamplingParams(max_new_tokens=16, ignore_eos=True), method=method, budget=budget)
+    totals = dict(rounds=0, committed=0, decoded=0, seconds=0.0)
+    phases: dict[str, float] = {}
+    outputs, on_fast = [], True
+    for ids in prompts:
+        gen = engine.stream(ids, params, method=method, budget=budget)
+        on_fast &= gen.on_fast_path
+        for _ in gen:
+            pass
+        s = gen.stats
+        outputs.append(gen.token_ids)
+        totals["rounds"] += s.rounds
+        totals["committed"] += s.committed_tokens
+        totals["decoded"] += max(s.generated_tokens - 1, 0)
+        totals["seconds"] += s.decode_seconds
+        for name, seconds in s.phase_seconds.items():
+            phases[name] = phases.get(name, 0.0) + seconds
+    rounds = max(totals["rounds"], 1)
+    per_round = {name: 1e3 * seconds / rounds for name, seconds in phases.items()}
+    per_round["host"] = per_round.get("host", 0.0) + max(1e3 * totals["seconds"] / rounds - sum(per_round.values()), 0)
+    round_ms = 1e3 * totals["seconds"] / rounds
+    graphs = engine.fast.plan(method, budget).eager_reason or "graphs" if on_fast and engine.fast else None
+    return dict(method=method, budget=budget if method == "ddtree" else None, on_fast_path=on_fast, graphs=graphs,
+                tau=totals["committed"] / rounds, tpot_ms=1e3 * totals["seconds"] / max(totals["decoded"], 1),
+                tokens_per_second=totals["decoded"] / totals["seconds"] if totals["seconds"] else 0.0,
+                round_ms=round_ms, phase_ms=per_round,
+                non_verify_share=1 - per_round.get("verify", 0.0) / round_ms if round_ms else 0.0,
+                rounds=totals["rounds"], outputs=outputs)
+
+
+def bench(args: argparse.Namespace) -> int:
+    from ddtree.errors import DDTreeError
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
+    if args.shape and args.shape not in SHAPES:
+        raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
+    if any(b < 1 for b in args.budgets):
+        raise DDTreeError("budgets must be >= 1")
+    capacity = args.prompt_tokens + args.max_new_tokens + max(args.budgets) + 64
+    log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
+    if args.shape:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast, eager = build_shape(args.shape, device, dtype, capacity)
+    else:
+        fast, eager = build_pair(args.target, args.draft, str(device), capacity)
+    if fast.fast is None:
+        raise DDTreeError(f"no fast path for this target: {fast.fast_unsupported}")
+    prompts = prompts_for(fast, args)
+    if not prompts:
+        raise DDTreeError("no prompts (no held-out files long enough in --corpus)")
+    bandwidth = copy_bandwidth(device)
+    context = args.prompt_tokens + args.max_new_tokens // 2
+    step_bytes = weight_bytes(fast, context)
+    runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [0])]
+    results = []
+    for path in args.paths:
+        engine = fast if path == "fast" else eager
+        for method, budget in runs:
+            log(f"{path} {method}{' B=' + str(budget) if budget else ''} ...")
+            t = time.perf_counter()
+            r = run(engine, prompts, method, budget or 1, args.max_new_tokens)
+            r["path"] = path
+            results.append(r)
+            log(f"  {r['tokens_per_second']:.1f} tok/s, tau {r['tau']:.2f} ({time.perf_counter() - t:.1f} s)")
+    for r in results:
+        ar = next((a for a in results if a["path"] == r["path"] and a["method"] == "ar"), None)
+        r["lossless"] = r["outputs"] == ar["outputs"] if ar else None
+        r["prefix_match"] = prefix_match(r["outputs"], ar["outputs"]) if ar else None
+        r["round_vs_ar_step"] = r["round_ms"] / ar["round_ms"] if ar else None
+        r["verify_vs_ar_step"] = r["phase_ms"].get("verify", 0.0) / ar["phase_ms"]["verify"] if ar else None
+    floor_ms = {"spec": 1e3 * step_bytes / SPEC_BANDWIDTH}
+    if bandwidth:
+        floor_ms["measured_copy"] = 1e3 * step_bytes / bandwidth
+    report = dict(model=args.shape or fast.model_name, device=torch.cuda.get_device_name(device)
+                  if device.type == "cuda" else "cpu", torch=torch.__version__, prompts=len(prompts),
+                  prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, step_bytes=step_bytes,
+                  copy_bandwidth=bandwidth, floor_ms=floor_ms, results=results)
+    if len(args.paths) == 2 and "ar" in args.methods:
+        fast_ar, eager_ar = (next(r for r in results if r["path"] == p and r["method"] == "ar") for p in args.paths)
+        report["fast_vs_eager_ar_prefix_match"] = prefix_match(fast_ar["outputs"], eager_ar["outputs"])
+    for r in results:
+        r.pop("outputs")
+    print(table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def prefix_match(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean share of each output that equals the reference before the first difference (1.0: identical).
+
+    Greedy decoding is identical in exact arithmetic; in bf16, batching a tree changes rounding, and a
+    near-tie in the target's logits can then flip one argmax, after which the continuations part.
+    """
+    shares = []
+    for out, ref in zip(outputs, reference, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+        shares.append(same / max(len(ref), 1))
+    return sum(shares) / len(shares)
+
+
+def table(report: dict) -> str:
+    floor = report["floor_ms"]
+    lines = [f"{report['model']} on {report['device']}, torch {report['torch']}: {report['prompts']} prompts x "
+             f"{report['prompt_tokens']} tokens, {report['max_new_tokens']} new, greedy. One target step reads "
+             f"{report['step_bytes'] / 1e9:.2f} GB: floor " + ", ".join(f"{v:.2f} ms ({k})" for k, v in floor.items()),
+             "", "| path | method | B | tau | TPOT ms | tok/s | round ms | round/AR | verify/AR | draft | tree | "
+             "verify | commit | host | non-verify | == ar |", "|" + "---|" * 16]
+    for r in report["results"]:
+        p = r["phase_ms"]
+        path = r["path"] + ("" if r["path"] == "eager" or r["on_fast_path"] else " (declined: reference)")
+        lines.append(f"| {path} | {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tpot_ms']:.2f} | "
+                     f"{r['tokens_per_second']:.1f} | {r['round_ms']:.2f} | {_ratio(r['round_vs_ar_step'])} | "
+                     f"{_ratio(r['verify_vs_ar_step'])} | "
+                     + " | ".join(f"{p.get(k, 0.0):.2f}" for k in ("draft", "tree", "verify", "commit", "host"))
+                     + f" | {100 * r['non_verify_share']:.0f}% | {_same(r)} |")
+    if "fast_vs_eager_ar_prefix_match" in report:
+        lines.append(f"\nfast ar vs eager ar: {100 * report['fast_vs_eager_ar_prefix_match']:.0f}% common prefix")
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+def _same(r: dict) -> str:
+    if r["lossless"] is None:
+        return "-"
+    return "yes" if r["lossless"] else f"{100 * r['prefix_match']:.0f}% prefix"

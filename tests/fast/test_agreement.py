@@ -1,0 +1,76 @@
+"""The fast path emits exactly the reference path's greedy tokens, round for round."""
+
+import pytest
+import torch
+from ddtree.engine import Engine
+from ddtree.sampling import SamplingParams
+
+PROMPTS = [[1, 2, 3, 4, 5], [17], [40, 41, 42, 43, 44, 45, 46, 47], list(range(60, 90))]
+GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
+RUNS = [("ar", None), ("dflash", None), ("ddtree", 1), ("ddtree", 5), ("ddtree", 15), ("ddtree", 64), ("ddtree", 128)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_same_tokens_and_same_acceptance_as_the_reference(pairs, arch):
+    reference, fast = pairs[arch]
+    for prompt in PROMPTS:
+        ar = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in RUNS:
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            assert gen.on_fast_path
+            rounds = list(gen)
+            ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
+            ref_rounds = list(ref)
+            assert gen.token_ids == ref.token_ids == ar, (method, budget)
+            # Same trees and same verify picks: every round accepts the same number of tokens.
+            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+            assert [r.draft_nodes for r in rounds] == [r.draft_nodes for r in ref_rounds]
+            assert gen.stats.accepted_per_depth == ref.stats.accepted_per_depth
+            assert set(gen.stats.phase_seconds) >= {"draft", "tree", "verify", "commit", "host"} - (
+                {"draft"} if method == "ar" else set())
+
+
+def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
+    reference, fast = pairs["qwen3"]
+    full = reference.generate([1, 2, 3], GREEDY, method="ar").token_ids
+    stop = full[9]
+    for params in (SamplingParams(max_new_tokens=24, stop_token_ids=[stop], ignore_eos=True),
+                   SamplingParams(max_new_tokens=7, ignore_eos=True)):
+        for method in ("ar", "ddtree"):
+            want = reference.generate([1, 2, 3], params, method=method)
+            got = fast.generate([1, 2, 3], params, method=method)
+            assert (got.token_ids, got.finish_reason, got.stop_token_id) == (
+                want.token_ids, want.finish_reason, want.stop_token_id)
+    assert got.finish_reason == "length" and len(got.token_ids) == 7
+    monkeypatch.setattr(fast, "eos_token_ids", {full[4]})
+    got = fast.generate([1, 2, 3], SamplingParams(max_new_tokens=24), method="ddtree")
+    assert (got.token_ids, got.finish_reason) == (full[:full.index(full[4])], "stop")
+
+
+def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast_ckpt):
+    reference, fast = pairs["qwen3"]
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)
+    assert not fast.stream([1, 2, 3], sampled).on_fast_path
+    assert fast.generate([1, 2, 3], sampled).token_ids == reference.generate([1, 2, 3], sampled).token_ids
+    with_logprobs = SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True)
+    assert not fast.stream([1, 2, 3], with_logprobs).on_fast_path
+    assert fast.generate([1, 2, 3], with_logprobs).logprobs
+    too_long = SamplingParams(max_new_tokens=fast.fast.capacity, ignore_eos=True)
+    assert not fast.stream([1, 2, 3], too_long).on_fast_path
+    assert not fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=0).on_fast_path
+    swa = Engine.from_pretrained(fast_ckpt / "swa", fast_ckpt / "draft", device="cpu", fast=True)
+    assert swa.fast is None and "sliding" in swa.fast_unsupported
+    assert Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu").fast is None
+
+
+def test_one_generation_at_a_time_on_the_static_caches(pairs):
+    reference, fast = pairs["qwen3"]
+    first = fast.stream([1, 2, 3], GREEDY)
+    next(first)
+    second = fast.stream([4, 5, 6], GREEDY)
+    assert first.on_fast_path and not second.on_fast_path
+    list(first)
+    list(second)
+    assert second.token_ids == reference.generate([4, 5, 6], GREEDY).token_ids
+    assert fast.stream([4, 5, 6], GREEDY).on_fast_path  # released once the first one ended
+    assert torch.equal(torch.tensor(first.token_ids), torch.tensor(reference.generate([1, 2, 3], GREEDY).token_ids))

@@ -1,0 +1,51 @@
+"""The device tree builder picks the same prefixes as the host's best-first search."""
+
+import pytest
+import torch
+from ddtree.fast import ancestors, chain, top_prefixes
+from ddtree.tree import build_tree, chain_tree, visibility
+
+
+def paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """Each node as its root-to-node token path (node indices differ only on score ties)."""
+    out, memo = set(), {0: ()}
+    for i in range(1, len(parents)):
+        memo[i] = (*memo[parents[i]], tokens[i - 1])
+        out.add(memo[i])
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 3, 16, 64, 200])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_same_prefix_set_and_order_as_build_tree(budget, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(7, 50, generator=gen) * 3
+    host = build_tree(logits, budget)
+    tokens, parents, depths = top_prefixes(logits, budget)
+    parents = parents.tolist()
+    assert len(parents) == host.size + 1
+    assert paths(tokens.tolist(), parents) == paths(host.tokens, host.parents)
+    assert tokens.tolist() == host.tokens and parents[1:] == host.parents[1:]  # best-first numbering, no ties
+    assert depths.tolist() == [0, *host.depths]
+    assert all(parents[i] < i for i in range(1, len(parents)))
+
+
+def test_tied_scores_still_give_a_prefix_closed_tree():
+    logits = torch.full((5, 20), -30.0)
+    logits[:, 3] = 30.0  # every depth certain: the best paths tie with their own prefixes
+    tokens, parents, depths = top_prefixes(logits, 12)
+    parents, depths = parents.tolist(), depths.tolist()
+    assert all(parents[i] < i and depths[i] == depths[parents[i]] + 1 for i in range(1, len(parents)))
+    assert tokens[:5].tolist() == [3] * 5 and depths[1:6] == [1, 2, 3, 4, 5]
+
+
+def test_chain_and_ancestors_match_the_host_versions():
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))
+    host = chain_tree(logits.argmax(-1).tolist())
+    tokens, parents, depths = chain(logits)
+    assert (tokens.tolist(), parents.tolist()[1:], depths.tolist()) == (host.tokens, host.parents[1:],
+                                                                        [0, *host.depths])
+    for budget in (5, 40):
+        tree = build_tree(logits, budget)
+        _, parents, _ = top_prefixes(logits, budget)
+        assert torch.equal(ancestors(parents, max_depth=6), visibility(tree))
