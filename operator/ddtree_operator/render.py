@@ -285,6 +285,8 @@ def server_args(spec: Manifest) -> list[str]:
             "--served-model-name", served_model_name(spec),
             "--method", decoding.get("method", "ddtree"), "--budget", str(decoding.get("budget", 32)),
             "--max-queue", str(server["maxQueue"]), "--drain-timeout", str(drain_timeout(spec))]
+    if "temperature" in decoding:
+        args += ["--default-temperature", str(decoding["temperature"])]
     return args + list(server["extraArgs"])
 
 

@@ -167,6 +167,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 256
     drain_timeout: float = 30.0  # seconds queued and running requests get to finish at shutdown
+    default_temperature: float = 1.0  # for requests that send none (OpenAI's default is 1.0)
 
 
 @dataclass
@@ -262,7 +263,7 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=state.config.default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0),
             seed=req.seed,

@@ -94,6 +94,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: $DDTREE_API_KEY; none: open)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--default-temperature", type=float, default=1.0,
+                   help="temperature for requests that send none (default: 1.0 as OpenAI; 0 = greedy)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 
@@ -107,11 +109,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise DDTreeError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
         raise DDTreeError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if not 0 <= args.default_temperature <= 2:
+        raise DDTreeError(f"--default-temperature must be in [0, 2], got {args.default_temperature}")
     return run(ServeOptions(
         target=args.target, draft=args.draft, method=args.method, budget=args.budget, device=args.device,
         dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
-        drain_timeout=args.drain_timeout, log_level=args.log_level))
+        drain_timeout=args.drain_timeout, default_temperature=args.default_temperature,
+        log_level=args.log_level))
 
 
 def _add_pull_parser(sub: argparse._SubParsersAction) -> None:

@@ -29,6 +29,7 @@ class ServeOptions:
     api_key: str | None = None
     max_queue: int = 256
     drain_timeout: float = 30.0
+    default_temperature: float = 1.0
     log_level: str = "info"
 
 
@@ -60,7 +61,8 @@ def run(options: ServeOptions) -> int:
         server.should_exit = True
 
     config = ServerConfig(served_model_name=options.served_model_name, api_key=options.api_key,
-                          max_queue=options.max_queue, drain_timeout=options.drain_timeout)
+                          max_queue=options.max_queue, drain_timeout=options.drain_timeout,
+                          default_temperature=options.default_temperature)
     app = create_app(load, config, on_load_error)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                timeout_graceful_shutdown=options.drain_timeout)

@@ -244,13 +244,16 @@ def test_examples_are_accepted(cluster, crd, namespace, path):
     example = yaml.safe_load(path.read_text())
     res = cluster.dynamic.resources.get(api_version=DDT[0], kind=DDT[1])
     created = res.create(body=example, namespace=namespace, query_params=[("dryRun", "All")]).to_dict()
-    assert created["spec"]["decoding"] == {"method": "ddtree", "budget": 32}  # defaults applied
+    decoding = created["spec"]["decoding"]
+    assert (decoding["method"], decoding["budget"]) == ("ddtree", 32)  # given or defaulted
+    assert decoding.get("temperature") == example["spec"].get("decoding", {}).get("temperature")
 
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"target": {"model": {"uri": "s3://bucket/model"}}}, "uri must be hf://org/name, pvc://claim/path"),
     ({"draft": {"model": {"uri": "/x", "revision": "main"}}}, "revision only applies to hf:// models"),
     ({"decoding": {"method": "beam"}}, 'Unsupported value: "beam"'),
+    ({"decoding": {"temperature": 3}}, "should be less than or equal to 2"),
     ({"storage": {"mode": "existingClaim"}}, "storage.claimName is required when storage.mode is existingClaim"),
     ({"gpu": {"count": 0, "products": ["NVIDIA-H100"]}}, "gpu.products needs gpu.count > 0"),
     ({"server": {"extraArgs": ["--port=9000"]}}, "server.extraArgs must not set flags that have spec fields"),

@@ -68,18 +68,33 @@ def test_every_panel_returns_data_from_a_real_server(tmp_path: Path):
                   f"--web.listen-address=127.0.0.1:{prom_port}"]
     with running(server, f"http://127.0.0.1:{server_port}/ready", log=tmp_path / "server.log"), \
             running(prometheus, f"{prom}/-/ready", log=tmp_path / "prometheus.log"):
-        with httpx.Client(base_url=f"http://127.0.0.1:{server_port}/v1", timeout=60) as client:
-            for i in range(6):  # spread over several scrapes so rates have two samples
-                reply = client.post("/chat/completions", json={
-                    "model": "demo", "messages": [{"role": "user", "content": f"count to {i + 3}"}], "max_tokens": 24})
-                assert reply.status_code == 200, reply.text
-                time.sleep(0.7)
-        time.sleep(3)  # the last scrape lands
-
         def query(expr: str) -> list[dict[str, Any]]:
             status, body = http_get(f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
             assert status == 200, body
             return json.loads(body)["data"]["result"]
+
+        def wait_for(expr: str, want: str | None, what: str) -> None:
+            """Poll until Prometheus has a sample of `expr` (equal to `want` when given): scrapes can
+            time out while the engine is busy, so a fixed sleep is not enough on a loaded machine."""
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                result = query(expr)
+                if result and (want is None or result[0]["value"][1] == want):
+                    return
+                time.sleep(0.5)
+            raise AssertionError(f"Prometheus never scraped {what}")
+
+        # A first sample of the (zero) counters, so the rates below have a starting point.
+        wait_for("vllm:spec_decode_num_drafts_total", None, "the server before the requests")
+        with httpx.Client(base_url=f"http://127.0.0.1:{server_port}/v1", timeout=60) as client:
+            for i in range(6):  # spread over several scrapes
+                reply = client.post("/chat/completions", json={
+                    "model": "demo", "messages": [{"role": "user", "content": f"count to {i + 3}"}], "max_tokens": 24})
+                assert reply.status_code == 200, reply.text
+                time.sleep(0.7)
+        _, text = http_get(f"http://127.0.0.1:{server_port}/metrics")
+        final = next(line.split()[-1] for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+        wait_for("vllm:generation_tokens_total", str(int(float(final))), "the server after the last request")
 
         assert query('up{job="ddtree"}')[0]["value"][1] == "1"
         empty = []

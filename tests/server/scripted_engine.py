@@ -45,11 +45,13 @@ class ScriptedEngine:
         self.scripts: list[list] = []
         self.generations: list[ScriptedGeneration] = []
         self.gate: threading.Semaphore | None = None
+        self.params: list = []  # the SamplingParams of each request, in order
 
     def decode(self, ids: list[int]) -> str:
         return "".join(WORDS[i] for i in ids)
 
     def stream(self, prompt_ids, params, method=None, budget=None) -> ScriptedGeneration:
+        self.params.append(params)
         gen = ScriptedGeneration(self.scripts.pop(0), self.gate)
         self.generations.append(gen)
         return gen

@@ -6,7 +6,7 @@ import json
 import threading
 import time
 
-from ddtree.api import create_app
+from ddtree.api import ServerConfig, create_app
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedEngine, prefill, round_
 
@@ -72,3 +72,17 @@ def test_engine_failure_mid_stream_sends_an_error_event_then_done():
         # The worker survived: the next request is served.
         r = client.post("/v1/completions", json={"prompt": [0], "max_tokens": 10})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "a b"
+
+
+def test_default_temperature_applies_only_to_requests_that_send_none():
+    engine = ScriptedEngine()
+    engine.scripts = [[prefill(0), round_([1], "length")] for _ in range(3)]
+    app = create_app(lambda: engine, ServerConfig(default_temperature=0.0))
+    with TestClient(app) as client:
+        wait_ready(client)
+        for extra in ({}, {"temperature": 0.7}):
+            assert client.post("/v1/completions", json={"prompt": [0], "max_tokens": 5, **extra}).status_code == 200
+    with TestClient(create_app(lambda: engine)) as client:
+        wait_ready(client)
+        assert client.post("/v1/completions", json={"prompt": [0], "max_tokens": 5}).status_code == 200
+    assert [p.temperature for p in engine.params] == [0.0, 0.7, 1.0]
