@@ -1,4 +1,4 @@
-"""docs/kubernetes.md works as written: its helm values exist, its patches are accepted by the API server,
+"""The README's Kubernetes section works as written: its helm values exist, its patches are accepted by the API server,
 the files it names exist."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import yaml
 from k8s_testing import DDT, EXAMPLE, REPO
 from test_chart import HELM, template
 
-DOC = (REPO / "docs" / "kubernetes.md").read_text()
+DOC = (REPO / "README.md").read_text()
 
 
 def commands(prefix: str) -> list[list[str]]:
