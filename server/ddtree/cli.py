@@ -96,6 +96,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature for requests that send none (default: 1.0 as OpenAI; 0 = greedy)")
+    p.add_argument("--fast", action="store_true",
+                   help="greedy requests on the fast path (static caches + CUDA graphs; Qwen3/Llama targets)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 
@@ -115,7 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, method=args.method, budget=args.budget, device=args.device,
         dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
-        drain_timeout=args.drain_timeout, default_temperature=args.default_temperature,
+        drain_timeout=args.drain_timeout, default_temperature=args.default_temperature, fast=args.fast,
         log_level=args.log_level))
 
 

@@ -30,6 +30,7 @@ class ServeOptions:
     max_queue: int = 256
     drain_timeout: float = 30.0
     default_temperature: float = 1.0
+    fast: bool = False
     log_level: str = "info"
 
 
@@ -54,7 +55,8 @@ def run(options: ServeOptions) -> int:
 
     def load() -> Engine:
         return Engine.from_pretrained(options.target, options.draft, method=options.method,
-                                      budget=options.budget, device=options.device, dtype=options.dtype)
+                                      budget=options.budget, device=options.device, dtype=options.dtype,
+                                      fast=options.fast)
 
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)
