@@ -49,8 +49,6 @@ def _generate(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     except ValueError as exc:
         raise DDTreeError(str(exc)) from None
-    if args.budget is not None and args.budget < 0:
-        raise DDTreeError(f"budget must be >= 0, got {args.budget}")
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
                                     device=args.device, dtype=args.dtype, fast=args.fast)

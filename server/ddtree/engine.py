@@ -47,10 +47,6 @@ class RoundOutput:
     stop_token_id: int | None = None
     is_prefill: bool = False
 
-    @property
-    def accepted_depth(self) -> int:
-        return self.accepted
-
 
 @dataclass
 class GenerationStats:
@@ -96,6 +92,18 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def check_method(method: str, budget: int | None, *, has_draft: bool) -> tuple[str, int]:
+    """Validate a decoding method and budget (default budget filled in); one-line errors."""
+    if method not in METHODS:
+        raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "ar" and not has_draft:
+        raise DDTreeError(f"method {method} needs a DFlash draft (--draft DIR), or use --method ar")
+    budget = DEFAULT_BUDGET if budget is None else budget
+    if budget < 0:
+        raise DDTreeError(f"budget must be >= 0, got {budget}")
+    return method, budget
+
+
 class Engine:
     """A target, an optional drafter and their tokenizer, decoding one sequence at a time."""
 
@@ -106,7 +114,7 @@ class Engine:
         self.draft = draft
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.method, self.budget = self._check_method(method, budget)
+        self.method, self.budget = check_method(method, budget, has_draft=draft is not None)
         self.block_size = draft.config.block_size if draft is not None else 1
         eos = set()
         for source in (target.config, getattr(target.model, "generation_config", None), tokenizer):
@@ -132,10 +140,7 @@ class Engine:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
         torch_dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        if method not in METHODS:
-            raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if draft is None and method != "ar":
-            raise DDTreeError(f"method {method} needs a DFlash draft (--draft DIR), or use --method ar")
+        check_method(method, budget, has_draft=draft is not None)  # before the (slow) loading
         tgt = load_target(target, device=dev, dtype=torch_dtype)
         tokenizer = _load_tokenizer(Path(target))
         drf = None
@@ -148,17 +153,6 @@ class Engine:
                              mask_token_from_tokenizer=mask_from_tok)
         return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)),
                    fast=fast, fast_capacity=fast_capacity)
-
-    def _check_method(self, method: str | None, budget: int | None) -> tuple[str, int]:
-        method = method or getattr(self, "method", "ddtree")
-        if method not in METHODS:
-            raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if method != "ar" and self.draft is None:
-            raise DDTreeError(f"method {method} needs a DFlash draft")
-        budget = budget if budget is not None else getattr(self, "budget", DEFAULT_BUDGET)
-        if budget < 0:
-            raise DDTreeError(f"budget must be >= 0, got {budget}")
-        return method, budget
 
     @property
     def max_context(self) -> int:
@@ -184,7 +178,8 @@ class Engine:
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, method: str | None = None,
                budget: int | None = None) -> Generation:
-        method, budget = self._check_method(method, budget)
+        method, budget = check_method(method or self.method, self.budget if budget is None else budget,
+                                      has_draft=self.draft is not None)
         return Generation(self, list(prompt_ids), params, method, budget)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams, *, method: str | None = None,

@@ -142,8 +142,7 @@ class ServerMetrics:
         """Count a request refused before it reached the engine (`queue_full`, `draining`, ...)."""
         self._rejected.labels(**self._labels, reason=reason).inc()
 
-    def observe_round(self, *, draft_nodes: int, accepted: int, accepted_depth: int,
-                      phase_seconds: dict[str, float]) -> None:
+    def observe_round(self, *, draft_nodes: int, accepted: int, phase_seconds: dict[str, float]) -> None:
         """Record one verify round (never the prefill)."""
         self.iteration_tokens.observe(draft_nodes + 1)
         self.verify_batch_tokens.observe(draft_nodes + 1)
@@ -159,7 +158,7 @@ class ServerMetrics:
         self.num_drafts.inc()
         self.num_draft_tokens.inc(draft_nodes)
         self.num_accepted_tokens.inc(accepted)
-        for pos in range(min(accepted_depth, self.block_size)):
+        for pos in range(min(accepted, self.block_size)):  # the accepted nodes form one root path
             self.accepted_per_pos[pos].inc()
         self.accepted_length.observe(accepted + 1)
         self.tree_nodes.observe(draft_nodes)

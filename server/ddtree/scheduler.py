@@ -395,7 +395,7 @@ class Scheduler:
             request.first_token = now
         else:
             self.metrics.observe_round(draft_nodes=out.draft_nodes, accepted=out.accepted,
-                                       accepted_depth=out.accepted_depth, phase_seconds=out.phase_seconds)
+                                       phase_seconds=out.phase_seconds)
             request.spec.add_round(out.draft_nodes, out.accepted)
         # Cut the round at the first completed stop string.
         kept = 0
