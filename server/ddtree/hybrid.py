@@ -88,7 +88,8 @@ class TreeGDN:
         logger.info("Gated DeltaNet kernels: %s (%d recurrent layers)", self.kernels.name, len(self.layers))
         self.cache: HybridCache | None = None
         self.parents: list[int] | None = None  # None: the new tokens are a chain after the committed state
-        self.levels: list[torch.Tensor] = []
+        # Per depth: (its nodes, their parents); the root's parents are None (it starts from the committed state).
+        self.levels: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for module in self.layers:
             module.forward = types.MethodType(self._make_forward(), module)
 
@@ -104,7 +105,9 @@ class TreeGDN:
             for node, d in enumerate(depth):
                 by_depth.setdefault(d, []).append(node)
             device = next(self.layers[0].parameters()).device
-            self.levels = [torch.tensor(by_depth[d], device=device) for d in sorted(by_depth)]
+            self.levels = [(torch.tensor(nodes, device=device),
+                            torch.tensor([parents[n] for n in nodes], device=device) if d else None)
+                           for d, nodes in sorted(by_depth.items())]
         return self
 
     def _make_forward(self):
@@ -149,14 +152,12 @@ class TreeGDN:
         """Depth by depth: each node starts from its parent's conv window and recurrent state."""
         conv_state, state = self._committed(module)
         n = qkv.shape[0]
-        parents = torch.tensor(self.parents, device=qkv.device)
         node_conv = conv_state.new_empty(n, *conv_state.shape[1:])
         node_state = state.new_empty(n, *state.shape[1:])
         out = qkv.new_empty(n, module.num_v_heads, module.head_v_dim)
         weight = module.conv1d.weight[:, 0]  # [C, K]
-        for nodes in self.levels:
-            par = parents[nodes]
-            if par[0] < 0:  # the root: from the committed state
+        for nodes, par in self.levels:
+            if par is None:  # the root: from the committed state
                 conv0, state0 = conv_state, state
             else:
                 conv0, state0 = node_conv[par], node_state[par]
