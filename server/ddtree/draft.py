@@ -218,14 +218,10 @@ class DraftCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.positions: torch.Tensor | None = None  # [B, T]
 
-    def __len__(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[1]
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         old_k, old_v = self.keys[layer], self.values[layer]
         self.keys[layer] = k if old_k is None else torch.cat([old_k, k], dim=2)
         self.values[layer] = v if old_v is None else torch.cat([old_v, v], dim=2)
-        return self.keys[layer], self.values[layer]
 
 
 class DFlashDraft(nn.Module):
@@ -335,7 +331,7 @@ def load_draft(
     for borrowed in ("embed_tokens.weight", "lm_head.weight"):
         tensors.pop(borrowed, None)  # the target's embedding and head stay authoritative
     model = DFlashDraft(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    expected = {k: v.shape for k, v in model.state_dict().items()}  # RoPE buffers are not persistent
     missing = sorted(set(expected) - set(tensors))
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -356,8 +352,7 @@ def write_draft_checkpoint(out_dir: str | Path, config: dict, state_dict: dict[s
     """Write config.json + model.safetensors in the z-lab layout (no `model.` prefix, no embeddings)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state_dict.items()
-               if not k.startswith("rotary.")}
+    tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state_dict.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
