@@ -20,64 +20,31 @@ import sys
 import time
 
 import torch
-from ddtree.draft import DFlashDraft, DraftCache, draft_config_dict, parse_draft_config
+from ddtree.draft import DraftCache
+from ddtree.fast.bench import SHAPES as BENCH_SHAPES
+from ddtree.fast.bench import build_draft, build_target, hybrid_shape
 from ddtree.hybrid import GDNKernels
-from ddtree.target import HybridTarget
 from ddtree.tree import build_tree
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+# The Qwen3.6-27B shape, hybrid_shape and the builders are `ddtree bench`'s: one definition of each.
 SHAPES = {
-    # Qwen3.6-27B text stack: 64 layers = 48 Gated DeltaNet + 16 gated attention (every 4th).
-    "qwen3.6-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320,
-                        draft=dict(num_layers=5, intermediate_size=17408, taps=[1, 16, 31, 46, 61])),
+    "qwen3.6-27b": BENCH_SHAPES["qwen3.6-27b"],
     # Real Gated DeltaNet head shapes in a short, narrow stack: for comparing kernels cheaply.
-    "gdn-heads": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
-                      linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=4096,
-                      draft=dict(num_layers=1, intermediate_size=2048, taps=[1])),
-    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                  linear_key_head_dim=32, linear_value_head_dim=32, vocab_size=4096,
-                  draft=dict(num_layers=2, intermediate_size=512, taps=[1, 6])),
+    "gdn-heads": hybrid_shape(
+        target=dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
+                    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128),
+        draft=dict(num_layers=1, intermediate_size=2048, target_layer_ids=[1])),
+    "small": hybrid_shape(
+        target=dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32),
+        draft=dict(num_layers=2, intermediate_size=512, target_layer_ids=[1, 6])),
 }
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def build_target(shape: dict, device: torch.device, dtype: torch.dtype) -> HybridTarget:
-    layers = shape["num_hidden_layers"]
-    cfg = Qwen3_5TextConfig(**{k: v for k, v in shape.items() if k != "draft"}, linear_conv_kernel_dim=4,
-                            layer_types=["linear_attention", "linear_attention", "linear_attention",
-                                         "full_attention"] * (layers // 4),
-                            max_position_embeddings=262144, initializer_range=0.02,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
-                                             "partial_rotary_factor": 0.25})
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # create the weights directly in bf16: a 27B model never exists in fp32
-    try:
-        with torch.device(device):
-            model = Qwen3_5ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    return HybridTarget(model.eval())
-
-
-def build_draft(shape: dict, target: HybridTarget, device: torch.device, dtype: torch.dtype) -> DFlashDraft:
-    d = shape["draft"]
-    cfg = draft_config_dict(hidden_size=shape["hidden_size"], num_layers=d["num_layers"], num_heads=32, num_kv_heads=8,
-                            head_dim=128, intermediate_size=d["intermediate_size"], vocab_size=shape["vocab_size"],
-                            block_size=16, mask_token_id=shape["vocab_size"] - 2, target_layer_ids=d["taps"],
-                            num_target_layers=shape["num_hidden_layers"], rope_theta=1e7,
-                            max_position_embeddings=262144,
-                            layer_types=["sliding_attention"] * (d["num_layers"] - 1) + ["full_attention"],
-                            sliding_window=2048)
-    with torch.device(device):
-        model = DFlashDraft(parse_draft_config(cfg, target.shape))
-    return model.place(device, dtype).eval()
 
 
 def crop(cache, past: int) -> None:
@@ -165,7 +132,8 @@ def cost(shape_name: str, device: torch.device, dtype: torch.dtype, budgets: lis
     params = sum(p.numel() for p in target.model.parameters())
     log(f"built {shape_name}: {params / 1e9:.2f} B parameters in {time.perf_counter() - t:.0f} s "
         f"(GDN kernels: {target.gdn.kernels.name})")
-    prompt = torch.randint(0, shape["vocab_size"] - 2, (context,), device=device)
+    vocab = shape["target"]["vocab_size"]
+    prompt = torch.randint(0, vocab - 2, (context,), device=device)
     cache = target.new_cache()
     _, taps = target.forward(prompt, torch.arange(context, device=device), cache, logits_rows=1)
     draft_cache = DraftCache(len(draft.layers))
@@ -191,8 +159,9 @@ def cost(shape_name: str, device: torch.device, dtype: torch.dtype, budgets: lis
         restore()
 
     out["ar_step_ms"] = timed(ar_step_restoring, device, repeats)
-    block = torch.full((16,), shape["vocab_size"] - 2, device=device)
-    block_pos = torch.arange(context, context + 16, device=device)[None]
+    block_size = draft.config.block_size
+    block = torch.full((block_size,), draft.config.mask_token_id, device=device)
+    block_pos = torch.arange(context, context + block_size, device=device)[None]
 
     def draft_pass():
         hidden = draft(target.embed_tokens(block)[None], block_pos, cache=draft_cache)
@@ -200,7 +169,7 @@ def cost(shape_name: str, device: torch.device, dtype: torch.dtype, budgets: lis
 
     out["draft_pass_ms"] = timed(draft_pass, device, repeats)
     for budget in budgets:
-        tree = random_tree(shape["vocab_size"], budget, seed=budget)
+        tree = random_tree(vocab, budget, seed=budget)
         ids = torch.tensor([11, *tree.tokens], device=device)
         pos = torch.tensor([0, *tree.depths], device=device) + context
 

@@ -226,7 +226,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="ar, dflash and ddtree side by side, fast and eager paths, one process")
     p.add_argument("--target", help="target model directory (default: the embedded demo pair)")
     p.add_argument("--draft", help="DFlash draft directory (default: the demo pair's)")
-    p.add_argument("--shape", help="a random-weight model of this shape instead (qwen3-8b, tiny)")
+    p.add_argument("--shape", help="a random-weight model instead: qwen3-8b, qwen3.6-27b (hybrid), tiny, tiny-hybrid")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--methods", nargs="+", choices=["ar", "dflash", "ddtree"], default=["ar", "dflash", "ddtree"])
     p.add_argument("--budgets", nargs="+", type=int, default=[16, 32, 64, 128])

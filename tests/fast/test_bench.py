@@ -2,6 +2,7 @@
 
 import json
 
+import torch
 from ddtree.cli import main
 
 
@@ -28,6 +29,39 @@ def test_bench_reports_every_run_and_phase_and_agrees_with_ar(tmp_path, capsys):
 def test_bench_rejects_an_unknown_shape(capsys):
     assert main(["bench", "--shape", "qwen9-1t", "--device", "cpu"]) == 2
     assert "unknown shape" in capsys.readouterr().err
+
+
+def test_bench_runs_a_hybrid_shape_on_the_eager_path_only(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--shape", "tiny-hybrid", "--device", "cpu", "--methods", "ar", "dflash", "ddtree",
+               "--budgets", "8", "--prompts", "1", "--prompt-tokens", "12", "--max-new-tokens", "10",
+               "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["fast_path"].startswith("declined: hybrid")
+    assert [(r["path"], r["method"]) for r in report["results"]] == [("eager", m) for m in ("ar", "dflash", "ddtree")]
+    assert all(r["lossless"] for r in report["results"])
+    assert "fast_vs_eager_ar_prefix_match" not in report
+    captured = capsys.readouterr()
+    assert "fast path declined (hybrid" in captured.err and "| fast |" not in captured.out
+
+
+def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
+    from ddtree.fast.bench import SHAPES, build_shape, weight_bytes
+
+    fast, _ = build_shape("tiny-hybrid", "cpu", torch.float32, fast_capacity=64)
+    t = SHAPES["tiny-hybrid"]["target"]
+    params = sum(p.numel() for p in fast.target.model.parameters()) - t["vocab_size"] * t["hidden_size"]
+    kv_per_token = 2 * 1 * 2 * 16 * 4  # K and V x 1 attention layer x 2 kv heads x head_dim 16 x fp32
+    recurrent = 4 * 16 * 16 * 4  # value heads x key dim x value dim, fp32
+    conv = (2 * 2 * 16 + 4 * 16) * 3 * 4  # (q, k, v channels) x (kernel - 1) x fp32
+    assert weight_bytes(fast, 100) == 4 * params + 100 * kv_per_token + 2 * 3 * (recurrent + conv)
+
+
+def test_bench_fast_path_only_on_a_hybrid_shape_is_an_error(capsys):
+    assert main(["bench", "--shape", "tiny-hybrid", "--device", "cpu", "--paths", "fast"]) == 2
+    err = capsys.readouterr().err
+    assert "no fast path for this target (hybrid" in err and "--paths eager" in err and "Traceback" not in err
 
 
 def test_generate_fast_gives_the_reference_tokens(fast_ckpt, capsys):

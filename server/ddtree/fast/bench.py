@@ -4,28 +4,52 @@ For each decoding path (`fast`: ddtree.fast, static caches and CUDA graphs; `eag
 each method, every prompt is decoded greedily after a warm-up; outputs must equal `ar`'s. Reported per run:
 TPOT, tokens/s, τ, the mean time per round of each phase (draft, tree, verify, commit, host = the rest of
 the round's wall time), round time and verify time relative to one AR step on the same path, and the
-batch-1 bandwidth floor of one target step (weights + KV read once).
+batch-1 bandwidth floor of one target step (weights + KV + recurrent state, see weight_bytes).
 
-Models: a target/draft pair from disk (default: the embedded demo pair, real τ) or `--shape qwen3-8b`, a
-Qwen3-8B-shaped target and a Qwen3-8B-DFlash-b16-shaped draft with random weights built on the GPU in bf16
-(per-round costs; τ is meaningless there).
+Models: a target/draft pair from disk (default: the embedded demo pair, real τ) or `--shape NAME`, a
+random-weight target and DFlash draft of a published shape, built on the GPU in bf16 (per-round costs; τ
+is meaningless there): `qwen3-8b` (Qwen3-8B + Qwen3-8B-DFlash-b16) or `qwen3.6-27b` (the Qwen3.6-27B text
+stack, 48 Gated DeltaNet + 16 gated attention layers, + its DFlash draft); `tiny` and `tiny-hybrid` are
+their smoke-test miniatures. The fast path declines hybrid targets: the bench then runs the eager path
+only, says so on stderr and reports `fast_path: "declined: <reason>"`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 
 import torch
 
+from ddtree.draft import DFlashDraft
 from ddtree.engine import Engine
+from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams
+from ddtree.target import HybridTarget, Target
 
 SPEC_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s (datasheet)
+
+
+def hybrid_shape(target: dict, draft: dict) -> dict:
+    """A Qwen3.5/3.6-style shape: three Gated DeltaNet layers then one gated attention layer, repeated; partial
+    RoPE. Its DFlash draft (Qwen3.6-27B-DFlash's layout unless `draft` says otherwise) keeps a 2048-token
+    sliding window in every layer but the last."""
+    vocab, layers, draft_layers = target["vocab_size"], target["num_hidden_layers"], draft["num_layers"]
+    return dict(
+        target=dict(target, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+                    linear_conv_kernel_dim=4, max_position_embeddings=262144, initializer_range=0.02,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+        draft=dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, mask_token_id=vocab - 2,
+                   rope_theta=1e7, max_position_embeddings=262144, sliding_window=2048,
+                   layer_types=["sliding_attention"] * (draft_layers - 1) + ["full_attention"]) | draft)
+
+
 SHAPES = {
     "qwen3-8b": dict(
         target=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -33,13 +57,25 @@ SHAPES = {
                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False),
         draft=dict(num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
                    block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], rope_theta=1e6)),
-    # The tiny shape runs anywhere in seconds: for smoke tests of the suite itself.
+    # Qwen3.6-27B text stack: 64 layers = 48 Gated DeltaNet + 16 gated attention (every 4th).
+    "qwen3.6-27b": hybrid_shape(
+        target=dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                    num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128),
+        draft=dict(num_layers=5, intermediate_size=17408, target_layer_ids=[1, 16, 31, 46, 61])),
+    # The tiny shapes run anywhere in seconds: for smoke tests of the suite itself.
     "tiny": dict(
         target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                     rope_parameters={"rope_type": "default", "rope_theta": 1e4}, tie_word_embeddings=False),
         draft=dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=8,
                    mask_token_id=511, target_layer_ids=[1, 2], rope_theta=1e4)),
+    "tiny-hybrid": hybrid_shape(
+        target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+        draft=dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=8,
+                   target_layer_ids=[1, 2])),
 }
 
 
@@ -47,26 +83,50 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int) -> tuple[Engine, Engine]:
-    """(fast engine, eager engine) over one random-weight model of a published shape, built on the device."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def build_target(shape: dict, device: torch.device, dtype: torch.dtype) -> Target:
+    """The random-weight target of a shape, its weights born in `dtype` on `device` (a 27B model never
+    exists in fp32); a HybridTarget when the shape has linear-attention layers."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from ddtree.draft import DFlashDraft, draft_config_dict, parse_draft_config
-    from ddtree.target import Target
+    hybrid = "linear_attention" in shape["target"].get("layer_types", ())
+    config = (Qwen3_5TextConfig if hybrid else Qwen3Config)(**shape["target"])
+    with born(device, dtype):
+        model = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(config).eval()
+    return HybridTarget(model) if hybrid else Target(model)
 
-    shape = SHAPES[name]
+
+def build_draft(shape: dict, target: Target, device: torch.device, dtype: torch.dtype) -> DFlashDraft:
+    """The random-weight DFlash draft of a shape, for `target`, born in `dtype` on `device`."""
+    from ddtree.draft import draft_config_dict, parse_draft_config
+
+    t = shape["target"]
+    cfg = draft_config_dict(hidden_size=t["hidden_size"], vocab_size=t["vocab_size"],
+                            num_target_layers=t["num_hidden_layers"], **shape["draft"])
+    with born(device, dtype):
+        draft = DFlashDraft(parse_draft_config(cfg, target.shape))
+    return draft.place(device, dtype).eval()  # RoPE frequencies in fp32
+
+
+@contextlib.contextmanager
+def born(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Create tensors on `device` in `dtype` inside the block; torch's default dtype is restored after."""
     default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # weights are born in bf16 on the GPU: an 8B model never exists in fp32
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            target = Target(Qwen3ForCausalLM(Qwen3Config(**shape["target"])).eval())
-            d = shape["draft"]
-            t = shape["target"]
-            cfg = draft_config_dict(hidden_size=t["hidden_size"], vocab_size=t["vocab_size"],
-                                    num_target_layers=t["num_hidden_layers"], **d)
-            draft = DFlashDraft(parse_draft_config(cfg, target.shape)).place(device, dtype).eval()
+            yield
     finally:
         torch.set_default_dtype(default)
+
+
+def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int) -> tuple[Engine, Engine]:
+    """(fast engine, eager engine) over one random-weight model of a published shape, built on the device.
+
+    Seeded, so that runs of one shape compare the same weights.
+    """
+    torch.manual_seed(0)
+    target = build_target(SHAPES[name], device, dtype)
+    draft = build_draft(SHAPES[name], target, device, dtype)
     fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name)
     return fast, Engine(target, draft, model_name=name)
 
@@ -90,15 +150,34 @@ def prompts_for(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
 
 
 def weight_bytes(engine: Engine, context: int) -> int:
-    """Bytes one batch-1 target step must read: every weight but the input embedding (unless tied), plus KV."""
+    """Bytes one batch-1 target step must move at least: its time floor at a given bandwidth.
+
+        weights  every parameter, less the input embedding unless tied to the LM head (a step reads one row)
+      + KV       2 x attention layers x kv_heads x head_dim x dtype bytes x context, the attention layers
+                 being all but the linear-attention (Gated DeltaNet) ones
+      + state    2 x linear-attention layers x gdn_state_bytes: each layer's state is read and written once
+    """
     model, cfg = engine.target.model, engine.target.config
     embed = engine.target.embed_tokens.weight
+    size = embed.element_size()
     tied = engine.target.lm_head.weight.data_ptr() == embed.data_ptr()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights = params - (0 if tied else embed.numel() * embed.element_size())
+    weights = params - (0 if tied else embed.numel() * size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * embed.element_size() * context
-    return weights + kv
+    linear = engine.target.layer_types.count("linear_attention")
+    kv = 2 * (cfg.num_hidden_layers - linear) * cfg.num_key_value_heads * head_dim * size * context
+    state = 2 * linear * gdn_state_bytes(cfg, size) if linear else 0
+    return weights + kv + state
+
+
+def gdn_state_bytes(cfg, dtype_bytes: int) -> int:
+    """One Gated DeltaNet layer's state as ddtree.hybrid.HybridCache keeps it: the recurrent state
+    value_heads x key_dim x value_dim in fp32, and the conv window conv_dim x (kernel - 1) in the model's dtype,
+    conv_dim = 2 x key_heads x key_dim + value_heads x value_dim (q, k and v are convolved)."""
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    return recurrent + conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
@@ -152,8 +231,6 @@ def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, max_
 
 
 def bench(args: argparse.Namespace) -> int:
-    from ddtree.errors import DDTreeError
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
@@ -168,8 +245,7 @@ def bench(args: argparse.Namespace) -> int:
         fast, eager = build_shape(args.shape, device, dtype, capacity)
     else:
         fast, eager = build_pair(args.target, args.draft, str(device), capacity)
-    if fast.fast is None:
-        raise DDTreeError(f"no fast path for this target: {fast.fast_unsupported}")
+    paths = paths_to_run(args.paths, fast)
     prompts = prompts_for(fast, args)
     if not prompts:
         raise DDTreeError("no prompts (no held-out files long enough in --corpus)")
@@ -178,7 +254,7 @@ def bench(args: argparse.Namespace) -> int:
     step_bytes = weight_bytes(fast, context)
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [0])]
     results = []
-    for path in args.paths:
+    for path in paths:
         engine = fast if path == "fast" else eager
         for method, budget in runs:
             log(f"{path} {method}{' B=' + str(budget) if budget else ''} ...")
@@ -199,9 +275,10 @@ def bench(args: argparse.Namespace) -> int:
     report = dict(model=args.shape or fast.model_name, device=torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", torch=torch.__version__, prompts=len(prompts),
                   prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, step_bytes=step_bytes,
-                  copy_bandwidth=bandwidth, floor_ms=floor_ms, results=results)
-    if len(args.paths) == 2 and "ar" in args.methods:
-        fast_ar, eager_ar = (next(r for r in results if r["path"] == p and r["method"] == "ar") for p in args.paths)
+                  copy_bandwidth=bandwidth, floor_ms=floor_ms,
+                  fast_path="available" if fast.fast else f"declined: {fast.fast_unsupported}", results=results)
+    if len(paths) == 2 and "ar" in args.methods:
+        fast_ar, eager_ar = (next(r for r in results if r["path"] == p and r["method"] == "ar") for p in paths)
         report["fast_vs_eager_ar_prefix_match"] = prefix_match(fast_ar["outputs"], eager_ar["outputs"])
     for r in results:
         r.pop("outputs")
@@ -210,6 +287,17 @@ def bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def paths_to_run(asked: list[str], engine: Engine) -> list[str]:
+    """The asked paths, less `fast` when the target has none (said on stderr): an error if none is left."""
+    if engine.fast is not None or "fast" not in asked:
+        return asked
+    reason, eager = engine.fast_unsupported, [p for p in asked if p != "fast"]
+    if not eager:
+        raise DDTreeError(f"no fast path for this target ({reason}); use --paths eager")
+    log(f"fast path declined ({reason}): running the eager path only")
+    return eager
 
 
 def prefix_match(outputs: list[list[int]], reference: list[list[int]]) -> float:
@@ -228,8 +316,9 @@ def prefix_match(outputs: list[list[int]], reference: list[list[int]]) -> float:
 def table(report: dict) -> str:
     floor = report["floor_ms"]
     lines = [f"{report['model']} on {report['device']}, torch {report['torch']}: {report['prompts']} prompts x "
-             f"{report['prompt_tokens']} tokens, {report['max_new_tokens']} new, greedy. One target step reads "
+             f"{report['prompt_tokens']} tokens, {report['max_new_tokens']} new, greedy. One target step moves "
              f"{report['step_bytes'] / 1e9:.2f} GB: floor " + ", ".join(f"{v:.2f} ms ({k})" for k, v in floor.items()),
+             *([f"fast path {report['fast_path']}"] if report["fast_path"] != "available" else []),
              "", "| path | method | B | tau | TPOT ms | tok/s | round ms | round/AR | verify/AR | draft | tree | "
              "verify | commit | host | non-verify | == ar |", "|" + "---|" * 16]
     for r in report["results"]:
