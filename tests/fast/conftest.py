@@ -14,6 +14,7 @@ def fast_ckpt(tmp_path_factory) -> Path:
     make_target(root / "llama", "llama", seed=3)
     make_target(root / "swa", "qwen3", seed=5, sliding_window=6)
     make_draft(root / "draft")
+    make_draft(root / "draft_swa", seed=7, sliding_window=6)  # sliding-window draft layers, as Qwen3.6's drafts have
     return root
 
 

@@ -30,6 +30,20 @@ def test_same_tokens_and_same_acceptance_as_the_reference(pairs, arch):
                 {"draft"} if method == "ar" else set())
 
 
+def test_a_sliding_window_draft_gives_the_reference_tokens(fast_ckpt):
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_swa", device="cpu", fast=True,
+                                  fast_capacity=256)
+    assert None in fast.draft.config.layer_windows and 6 in fast.draft.config.layer_windows
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    for method, budget in (("dflash", None), ("ddtree", 16)):
+        gen = fast.stream(list(range(60, 90)), GREEDY, method=method, budget=budget)
+        rounds = list(gen)
+        ref = reference.stream(list(range(60, 90)), GREEDY, method=method, budget=budget)
+        ref_rounds = list(ref)
+        assert gen.on_fast_path and gen.token_ids == ref.token_ids
+        assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+
+
 def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
     reference, fast = pairs["qwen3"]
     full = reference.generate([1, 2, 3], GREEDY, method="ar").token_ids

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from ddtree.fast import ancestors, chain, top_prefixes
+from ddtree.fast.tree import ancestors, chain, top_prefixes
 from ddtree.tree import build_tree, chain_tree, visibility
 
 

@@ -26,14 +26,17 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from ddtree.draft import DFlashDraft
+from ddtree.fast.attention import tree_attention, tree_mask
+from ddtree.fast.fused import Draft, Ops, TargetLayer
+from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
 from ddtree.target import HybridTarget, Target
 
 if TYPE_CHECKING:
     from ddtree.engine import Generation, RoundOutput
+
+__all__ = ["FastPath", "Plan", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
 
 ARCHITECTURES = ("qwen3", "llama")
 
@@ -55,59 +58,6 @@ def unsupported(target: Target) -> str | None:
     return None
 
 
-def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
-    """The `budget` most probable prefixes of the per-depth product distribution, as tensors on the device.
-
-    Same set as tree.build_tree (barring exact score ties), built without the host: per depth, the best
-    `budget` prefixes can only extend the best `budget` of the depth above, so D static top-k's over
-    [budget x K] candidates find them; one stable sort by score (shallower first on ties) then numbers the
-    nodes best-first, so every parent precedes its children. Returns (tokens [N-1], parents [N], depths [N]),
-    N = nodes + 1 with the root at 0 (parent 0, depth 0).
-    """
-    logits = draft_logits.float()
-    max_depth, vocab = logits.shape
-    k = min(budget, vocab)
-    top, tok = logits.topk(k, dim=-1)  # fused top-k: log-probs are the top logits minus the log-partition
-    logp = top - logits.logsumexp(dim=-1, keepdim=True)
-    scores, parents, tokens, depths = [logp[0]], [torch.full((k,), -1, device=logits.device)], [tok[0]], [1]
-    offset = 0
-    for d in range(1, max_depth):
-        prev = scores[-1]
-        cand = (prev[:, None] + logp[d][None, :]).flatten()
-        s, idx = cand.topk(min(budget, cand.numel()))
-        parents.append(idx // k + offset)
-        tokens.append(tok[d][idx % k])
-        scores.append(s)
-        depths.append(d + 1)
-        offset += prev.numel()
-    score = torch.cat(scores)
-    depth = torch.cat([torch.full_like(s, d, dtype=torch.long) for s, d in zip(scores, depths, strict=True)])
-    order = torch.sort(score, descending=True, stable=True).indices[:budget]
-    node_of = torch.zeros(score.numel(), dtype=torch.long, device=logits.device)
-    node_of[order] = torch.arange(1, order.numel() + 1, device=logits.device)
-    parent_cand = torch.cat(parents)[order]
-    root = torch.zeros(1, dtype=torch.long, device=logits.device)
-    node_parents = torch.cat([root, torch.where(parent_cand >= 0, node_of[parent_cand.clamp(min=0)], 0)])
-    return torch.cat(tokens)[order], node_parents, torch.cat([root, depth[order]])
-
-
-def chain(draft_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Linear DFlash on the device: the argmax token at every depth, each node the child of the one before."""
-    n = draft_logits.shape[0] + 1
-    steps = torch.arange(n, device=draft_logits.device)
-    return draft_logits.argmax(dim=-1), (steps - 1).clamp(min=0), steps
-
-
-def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """bool [N, N]: row i holds i and its ancestors (transitive closure of the parent edge by squaring)."""
-    n = parents.numel()
-    reach = torch.eye(n, device=parents.device)
-    reach.scatter_(1, parents[:, None], torch.ones(n, 1, device=parents.device))  # no host scalar: capturable
-    for _ in range(max(max_depth, 1).bit_length()):
-        reach = (reach @ reach).clamp(max=1.0)
-    return reach > 0
-
-
 class FastPath:
     """Static caches and per-(method, budget) step graphs for one target (+ draft); one generation at a time."""
 
@@ -119,19 +69,22 @@ class FastPath:
         self.capacity = -(-min(capacity, target.max_context) // 64) * 64  # aligned rows for the attention kernels
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        shape = (len(target.layers), self.kv_heads, self.capacity, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros_like(self.keys)
-        self.columns = torch.arange(self.capacity, device=self.device)
+        self.eps = cfg.rms_norm_eps
+        self.ops = Ops(compile=self.device.type == "cuda")
+        self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
+        # K and V of every layer in one tensor [L, 2, kv, T, d]: compaction is one gather + one scatter.
+        self.kv = torch.zeros((len(self.layers), 2, self.kv_heads, self.capacity, self.head_dim), dtype=self.dtype,
+                              device=self.device)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # last committed token, not cached yet
         self.taps: tuple[int, ...] = draft.config.target_layer_ids if draft is not None else ()
         if draft is not None:
             dc = draft.config
             self.block = dc.block_size
-            dshape = (dc.num_layers, dc.num_kv_heads, self.capacity + self.block, dc.head_dim)
-            self.draft_keys = torch.zeros(dshape, dtype=self.dtype, device=self.device)
-            self.draft_values = torch.zeros_like(self.draft_keys)
+            self.fused_draft = Draft.of(draft)
+            # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
+            self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, self.capacity, dc.head_dim),
+                                        dtype=self.dtype, device=self.device)
         self._plans: dict[tuple[str, int], Plan] = {}
         self._busy = False
 
@@ -144,10 +97,7 @@ class FastPath:
         depth = self.block - 1
         if method == "dflash":
             return depth + 1
-        vocab = self.target.shape.vocab_size
-        k = min(budget, vocab)
-        candidates = sum(min(budget, k**d) for d in range(1, depth + 1))
-        return min(budget, candidates) + 1
+        return tree_size(depth, self.target.shape.vocab_size, budget) + 1
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy, no logprobs, a nonzero budget, and the whole request fits the static caches."""
@@ -237,36 +187,31 @@ class FastPath:
 
         visible [N, N] says which of the new rows each row sees (the tree's ancestors, or causal); every
         row also sees the committed rows 0 .. start-1. Returns (logits [N or 1, V], taps [N, k*H]).
+        A layer's residual add is deferred into the next layer's norm, so a tapped layer's output is the
+        residual that the next norm (or the final norm) returns.
         """
-        n = ids.numel()
-        groups = self.heads // self.kv_heads
-        rel = self.columns - self.start
-        new = visible.index_select(1, rel.clamp(0, n - 1)) & (rel >= 0) & (rel < n)
-        allowed = (rel < 0) | new
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask = mask.masked_fill_(~allowed, torch.finfo(self.dtype).min).repeat(groups, 1)[None, None]
+        n, ops, eps = ids.numel(), self.ops, self.eps
+        mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
         slots = self.start + torch.arange(n, device=self.device)
-        x = self.model.embed_tokens(ids)[None]
-        cos, sin = self.model.rotary_emb(x, positions[None])
+        x = self.model.embed_tokens(ids)
+        cos, sin = (t[0] for t in self.model.rotary_emb(x[None], positions[None]))
         tapped: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, n, self.heads, self.head_dim)
-            k = attn.k_proj(h).view(1, n, self.kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            self.keys[i].index_copy_(1, slots, k[0])
-            self.values[i].index_copy_(1, slots, v[0])
-            x = x + attn.o_proj(_grouped_attention(q, self.keys[i], self.values[i], mask, self.kv_heads))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in self.taps:
-                tapped[i] = x[0]
-        if last_only:
-            x = x[:, -1:]
-        logits = self.target.lm_head(self.model.norm(x))[0]
+        delta = None
+        for i, layer in enumerate(self.layers):
+            if delta is None:
+                h = ops.rms_norm(x, layer.input_norm, eps)
+            else:
+                h, x = ops.add_rms_norm(x, delta, layer.input_norm, eps)
+                tapped[i - 1] = x
+            q, k, v = layer.qkv(h).split(layer.splits, dim=-1)
+            q, new_kv = ops.attention_heads(q, k, v, layer.q_norm, layer.k_norm, eps, cos, sin, self.kv_heads,
+                                            self.head_dim)
+            self.kv[i].index_copy_(2, slots, new_kv)
+            h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, self.kv[i], mask)), layer.post_norm, eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+        h, x = ops.add_rms_norm(x, delta, self.model.norm.weight, self.model.norm.variance_epsilon)
+        tapped[len(self.layers) - 1] = x
+        logits = self.target.lm_head(h[-1:] if last_only else h)
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
 
@@ -291,36 +236,32 @@ class FastPath:
 
     def draft_logits(self) -> torch.Tensor:
         """The DFlash block pass: [root, mask x D] at start.. over the static context cache -> logits [D, V]."""
-        draft, dc = self.draft, self.draft.config
-        q_len, cap = self.block, self.capacity
+        draft, dc, fused, ops = self.draft, self.draft.config, self.fused_draft, self.ops
+        eps = dc.rms_norm_eps
+        q_len = self.block
         block = torch.full((q_len,), dc.mask_token_id, device=self.device)
         block[0] = self.root
-        x = self.target.embed_tokens(block)[None]
-        positions = self.start + torch.arange(q_len, device=self.device)
-        cos, sin = draft.rotary(x, positions[None])
-        key_pos = torch.cat([self.columns, positions])
-        valid = torch.cat([self.columns < self.start, torch.ones(q_len, dtype=torch.bool, device=self.device)])
-        masks = {}
-        for window in set(dc.layer_windows):
-            allowed = valid[None, :].expand(q_len, -1)
-            if window is not None:
-                allowed = allowed & (positions[:, None] - key_pos[None, :] < window)
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-            masks[window] = mask.masked_fill_(~allowed, torch.finfo(self.dtype).min).repeat(
-                dc.num_heads // dc.num_kv_heads, 1)[None, None]
-        for i, layer in enumerate(draft.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(1, q_len, dc.num_heads, dc.head_dim)).transpose(1, 2)
-            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-            k, v = attn.project_kv(h, cos, sin)
-            self.draft_keys[i, :, cap:] = k[0]
-            self.draft_values[i, :, cap:] = v[0]
-            out = _grouped_attention(q, self.draft_keys[i], self.draft_values[i], masks[dc.layer_windows[i]],
-                                     dc.num_kv_heads)
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.target.lm_head(draft.norm(x)[0, 1:])
+        x = self.target.embed_tokens(block)
+        slots = self.start + torch.arange(q_len, device=self.device)
+        cos, sin = (t[0] for t in draft.rotary(x[None], slots[None]))
+        everything = torch.ones(q_len, q_len, dtype=torch.bool, device=self.device)  # the block is not causal
+        masks = {window: tree_mask(self.start, everything, self.capacity, dc.num_heads // dc.num_kv_heads,
+                                   dc.head_dim, self.dtype, window) for window in set(dc.layer_windows)}
+        delta = None
+        for i, layer in enumerate(fused.layers):
+            if delta is None:
+                h = ops.rms_norm(x, layer.input_norm, eps)
+            else:
+                h, x = ops.add_rms_norm(x, delta, layer.input_norm, eps)
+            k, v = layer.kv(h).chunk(2, dim=-1)
+            q, new_kv = ops.attention_heads(layer.q(h), k, v, layer.q_norm, layer.k_norm, eps, cos, sin,
+                                            dc.num_kv_heads, dc.head_dim)
+            self.draft_kv[i].index_copy_(2, slots, new_kv)
+            h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, self.draft_kv[i], masks[dc.layer_windows[i]])),
+                                    layer.post_norm, eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+        h, _ = ops.add_rms_norm(x[1:], delta[1:], draft.norm.weight, eps)
+        return self.target.lm_head(h)
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                max_depth: int) -> tuple[torch.Tensor, ...]:
@@ -358,31 +299,21 @@ class FastPath:
         if rows > 1:
             src = self.start + path
             dst = self.start + torch.arange(rows, device=self.device)
-            self.keys.index_copy_(2, dst, self.keys.index_select(2, src))
-            self.values.index_copy_(2, dst, self.values.index_select(2, src))
+            self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
         if with_draft:
             self._extend_draft(taps.index_select(0, path), self.start + torch.arange(rows, device=self.device))
         self.start += length
         self.root.copy_(bonus)
 
     def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        """Context K/V of committed rows (tap features at their positions) into the draft cache rows = positions."""
-        for i, (k, v) in enumerate(self.draft.context_kv(feats[None], positions[None], self.dtype)):
-            self.draft_keys[i].index_copy_(1, positions, k[0])
-            self.draft_values[i].index_copy_(1, positions, v[0])
-
-
-def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                       kv_heads: int) -> torch.Tensor:
-    """SDPA of q [1, H, N, d] over one layer's cache [kv, T, d] -> [1, N, H*d], without repeating K/V.
-
-    The query heads that share a K/V head are stacked along the query axis ([1, kv, groups*N, d]), so
-    every kernel reads each cached row once; the mask was repeated per group to match.
-    """
-    _, heads, n, d = q.shape
-    out = F.scaled_dot_product_attention(q.reshape(1, kv_heads, heads // kv_heads * n, d), keys[None],
-                                         values[None], attn_mask=mask)
-    return out.view(1, heads, n, d).transpose(1, 2).reshape(1, n, heads * d)
+        """Context K/V of committed rows (tap features at their positions) into the draft cache rows = positions:
+        fc, hidden norm, then every draft layer's k and v in one projection."""
+        draft, fused, dc = self.draft, self.fused_draft, self.draft.config
+        ctx = self.ops.rms_norm(fused.fc(feats), draft.hidden_norm.weight, dc.rms_norm_eps)
+        cos, sin = (t[0] for t in draft.rotary(ctx[None], positions[None]))
+        kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
+                                    dc.num_kv_heads, dc.head_dim)
+        self.draft_kv.index_copy_(3, positions, kv)
 
 
 class Plan:

@@ -1,0 +1,122 @@
+"""Where a fast-path round's time goes on a GPU: kernel time by step and by kernel, against the GEMM-only floor.
+
+Builds a random-weight shape (as `ddtree bench --shape`), decodes once per method to capture the graphs,
+then profiles replayed rounds with torch.profiler. Prints, per method: wall time per round, the summed
+kernel time per step (what the graph replays cost on the GPU) and the heaviest kernels; and the time of
+the target's projections alone (every linear of every layer plus the LM head, replayed as one CUDA graph)
+at 1 and at B+1 rows: the floor that cuBLAS' GEMMs set for one step before any other kernel.
+
+    PYTHONPATH=server python benchmarks/profile_fast.py --shape qwen3-8b --budgets 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from ddtree.fast.bench import build_shape
+from ddtree.sampling import SamplingParams
+from torch.profiler import ProfilerActivity, profile
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Median ms of one replay of `fn` captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[3:])
+
+
+def gemm_floor(fast, rows: int) -> float:
+    """ms for every projection of one target step (fused qkv, o, gate_up, down per layer; LM head) at `rows` rows."""
+    hidden = fast.target.config.hidden_size
+    x = torch.randn(rows, hidden, device=fast.device, dtype=fast.dtype)
+    inter = torch.randn(rows, fast.layers[0].down.weight.shape[1], device=fast.device, dtype=fast.dtype)
+    attn = torch.randn(rows, fast.layers[0].o.weight.shape[1], device=fast.device, dtype=fast.dtype)
+
+    def step() -> None:
+        for layer in fast.layers:
+            F.linear(x, layer.qkv.weight)
+            F.linear(attn, layer.o.weight)
+            F.linear(x, layer.gate_up.weight)
+            F.linear(inter, layer.down.weight)
+        fast.target.lm_head(x)
+
+    return graph_time(step)
+
+
+def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: int) -> dict:
+    """Wall time of replayed rounds (graphs), and the kernels of the same steps run eagerly, per round."""
+    fast = engine.fast
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    engine.generate(prompt, params, method=method, budget=budget)  # captures the plan
+    plan = fast.plan(method, budget)
+    fast.prefill(torch.tensor(prompt, device=fast.device), with_draft=method != "ar")
+    for _ in range(3):
+        plan.run()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(rounds):
+        _, phases = plan.run()
+        walls.append(sum(phases.values()))
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:  # eager steps: kernel times
+        for _ in range(rounds):
+            out = None
+            for _, fn in plan.steps:
+                out = fn(out)
+        torch.cuda.synchronize()
+    by_kernel: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            by_kernel[evt.name[:90]] += evt.device_time / 1e3 / rounds
+            total += evt.device_time / 1e3 / rounds
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return dict(method=method, budget=budget, wall_ms=1e3 * statistics.median(walls), kernel_ms=total,
+                graphs=plan.eager_reason or "graphs", top=[(name, round(ms, 4)) for name, ms in top])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[64])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    engine, _ = build_shape(args.shape, device, torch.bfloat16, args.prompt_tokens + 256)
+    prompt = torch.randint(0, 1000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    report = dict(shape=args.shape, compiled=engine.fast.ops.compiled,
+                  gemm_floor_ms={rows: gemm_floor(engine.fast, rows) for rows in [1, *(b + 1 for b in args.budgets)]},
+                  runs=[profile_rounds(engine, m, b, prompt, args.rounds)
+                        for m, b in [("ar", 1), ("dflash", 1), *(("ddtree", b) for b in args.budgets)]])
+    for run in report["runs"]:
+        print(f"\n{run['method']} B={run['budget']} ({run['graphs']}): wall {run['wall_ms']:.3f} ms/round, "
+              f"kernels {run['kernel_ms']:.3f} ms")
+        for name, ms in run["top"]:
+            print(f"  {ms:8.4f}  {name}")
+    print("\nGEMM-only floor (ms):", {k: round(v, 3) for k, v in report["gemm_floor_ms"].items()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Tree attention over a static cache: committed rows [0, start), then the new rows [start, start + n).
+
+Every query row sees all committed rows and the new rows that `visible` [n, n] allows (the tree's
+ancestors, a causal prefill, or all of a draft block); an optional sliding window hides keys `window` or
+more positions behind the query (query t sits at position start + t). Queries come grouped by K/V head,
+[kv, groups * n, d] (row = group * n + t), so each K/V row is read once per K/V head.
+
+On CUDA a Triton split-K kernel (flash decoding) reads only the rows [0, start + n) (not the cache's
+whole capacity) and spreads them over enough programs to fill the GPU, even for a single query row; a
+second kernel merges the splits straight into the [n, H * d] layout the output projection reads. `start`
+stays on the device, so a CUDA graph replays the same launch as the cache grows. Elsewhere the same
+function is PyTorch's SDPA with an additive mask over the whole capacity (the CPU reference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the SDPA path below
+    triton = None
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """Who sees what in one forward pass, prepared once for all its layers: the Triton kernel takes the
+    [n, n] visibility itself (int8), SDPA an additive mask over the whole capacity."""
+
+    start: torch.Tensor
+    n: int
+    window: int | None
+    visible: torch.Tensor | None = None
+    additive: torch.Tensor | None = None
+
+
+def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups: int, head_dim: int,
+              dtype: torch.dtype, window: int | None = None) -> TreeMask:
+    """The rule above for `visible` [n, n] (bool), in the form the attention backend for this device takes."""
+    n = visible.shape[0]
+    if visible.is_cuda and triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
+        return TreeMask(start, n, window, visible=visible.to(torch.int8))
+    columns = torch.arange(capacity, device=visible.device)
+    rel = columns - start
+    new = visible.index_select(1, rel.clamp(0, n - 1)) & (rel >= 0) & (rel < n)
+    allowed = (rel < 0) | new
+    if window is not None:
+        query_pos = start + torch.arange(n, device=visible.device)
+        allowed = allowed & (query_pos[:, None] - columns[None, :] < window)
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=visible.device)
+    additive.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return TreeMask(start, n, window, additive=additive.repeat(groups, 1)[None, None])
+
+
+def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torch.Tensor:
+    """Grouped queries q [kv, groups*n, d] over cache [2, kv, T, d] -> [n, H*d] (H = kv * groups)."""
+    kv_heads, rows, d = q.shape
+    n = mask.n
+    if mask.visible is not None:
+        return _triton_attention(q, cache, mask)
+    out = F.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None], attn_mask=mask.additive)[0]
+    return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)
+
+
+def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torch.Tensor:
+    kv_heads, rows, d = q.shape
+    n, capacity = mask.n, cache.shape[2]
+    block_m = 16 if rows <= 16 else 64
+    block_n = 64
+    m_blocks = triton.cdiv(rows, block_m)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(2 * sms, kv_heads * m_blocks), 64))
+    acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
+    stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
+    k, v = cache[0], cache[1]
+    _split_kernel[(kv_heads, m_blocks, splits)](
+        q, k, v, mask.visible, mask.start, acc, stats,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        rows, n, 1.0 / math.sqrt(d),
+        WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)
+    _merge_kernel[(kv_heads, triton.cdiv(rows, 16))](
+        acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=16, SPLITS=splits, num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """Matrix product; exact float32 (no TF32) when the model runs in float32, as the reference does."""
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, stride_qh, stride_qr, stride_kh, stride_kt, stride_vh,
+                      stride_vt, rows, n, scale, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+        """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats."""
+        head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(Start).to(tl.int32)
+        total = start + n
+        chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, total)
+        r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = r % n  # the query's token among the new rows
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + head * stride_qh + r[:, None] * stride_qr + dims[None, :], mask=(r < rows)[:, None], other=0.0)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for j0 in range(lo, hi, BLOCK_N):
+            cols = j0 + tl.arange(0, BLOCK_N)
+            in_range = cols < hi
+            k = tl.load(K + head * stride_kh + cols[:, None] * stride_kt + dims[None, :], mask=in_range[:, None],
+                        other=0.0)
+            s = _dot(q, tl.trans(k), IEEE) * scale
+            rel = cols - start
+            is_new = (rel >= 0) & in_range
+            vis = tl.load(Vis + t[:, None] * n + rel[None, :], mask=is_new[None, :] & (r < rows)[:, None], other=0)
+            allowed = ((rel < 0)[None, :] | (vis != 0)) & in_range[None, :]
+            if WINDOW > 0:
+                allowed = allowed & ((start + t)[:, None] - cols[None, :] < WINDOW)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            v = tl.load(V + head * stride_vh + cols[:, None] * stride_vt + dims[None, :], mask=in_range[:, None],
+                        other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        heads = tl.num_programs(0)
+        out = (split * heads + head) * rows + r
+        tl.store(Acc + out[:, None] * HEAD_DIM + dims[None, :], acc, mask=(r < rows)[:, None])
+        tl.store(Stats + out, m_i, mask=r < rows)
+        tl.store(Stats + SPLITS * heads * rows + out, l_i, mask=r < rows)
+
+    @triton.jit
+    def _merge_kernel(Acc, Stats, Out, rows, n, groups, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                      SPLITS: tl.constexpr):
+        """Softmax-weighted sum of the splits, written as out[t, (head * groups + group) * d + e]."""
+        head, r_block = tl.program_id(0), tl.program_id(1)
+        heads = tl.num_programs(0)
+        r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        valid = r < rows
+        dims = tl.arange(0, HEAD_DIM)
+        m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        for s in tl.static_range(SPLITS):
+            m = tl.maximum(m, tl.load(Stats + (s * heads + head) * rows + r, mask=valid, other=float("-inf")))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros((BLOCK_R,), tl.float32)
+        acc = tl.zeros((BLOCK_R, HEAD_DIM), tl.float32)
+        for s in tl.static_range(SPLITS):
+            idx = (s * heads + head) * rows + r
+            w = tl.exp(tl.load(Stats + idx, mask=valid, other=float("-inf")) - m)
+            total += w * tl.load(Stats + SPLITS * heads * rows + idx, mask=valid, other=0.0)
+            acc += w[:, None] * tl.load(Acc + idx[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        t, group = r % n, r // n
+        dst = t * (heads * groups * HEAD_DIM) + (head * groups + group) * HEAD_DIM
+        tl.store(Out + dst[:, None] + dims[None, :], (acc / total[:, None]).to(Out.dtype.element_ty),
+                 mask=valid[:, None])

@@ -1,0 +1,214 @@
+"""Fused weights and fused elementwise steps: the fast path's forward passes in few, large kernels.
+
+At batch 1 a decoder layer is bound by reading its weights; on a GPU, what it loses beyond that is kernel
+count (transformers' RMSNorm is seven kernels, its RoPE about ten per tensor). Here a target layer is a
+dozen kernels:
+
+    add + norm | qkv GEMM | q/k norm + RoPE + head layout | KV write | attention | o GEMM |
+    add + norm | gate+up GEMM | SiLU * up | down GEMM
+
+Projections that read the same input share one weight: q, k and v; gate and up; and, in the drafter, the
+k and v of every layer (context rows are projected by all layers at once). The original modules'
+weights become row views of the fused tensor, so nothing is stored twice and the reference path keeps
+working on the same parameters. On CUDA the elementwise steps are compiled (torch.compile: one Triton
+kernel each); elsewhere they run eagerly, the same functions the CPU tests compare with the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Qwen3 and Llama compute it: normalise in float32, round, then scale in the input dtype."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + delta), residual + delta): a layer's residual add fused with the next norm."""
+    residual = residual + delta
+    return rms_norm(residual, weight, eps), residual
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention; cos/sin broadcast against x [..., d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projected rows q [n, H*d], k, v [n, kv*d] -> (queries grouped by K/V head [kv, groups*n, d], K/V [2, kv, n, d]).
+
+    Per-head q/k norm (Qwen3; None for Llama), then RoPE (cos/sin [n, d]). Queries that share a K/V head
+    are stacked along the query axis so attention reads each cached row once per K/V head.
+    """
+    n = q.shape[0]
+    q, k, v = q.reshape(n, -1, head_dim), k.reshape(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = rope(q, cos[:, None], sin[:, None]), rope(k, cos[:, None], sin[:, None])
+    groups = q.shape[1] // kv_heads
+    q = q.view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, head_dim)
+    return q, torch.stack([k, v]).transpose(1, 2)
+
+
+def context_heads(kv: torch.Tensor, k_norms: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Every draft layer's K/V of context rows at once: kv [n, L*2*kv*d] -> [L, 2, kv, n, d].
+
+    k is normed with each layer's k_norm (k_norms [L, d]) and rotated; v is taken as projected.
+    """
+    n, layers = kv.shape[0], k_norms.shape[0]
+    kv = kv.view(n, layers, 2, kv_heads, head_dim)
+    k = rope(rms_norm(kv[:, :, 0], k_norms[:, None], eps), cos[:, None, None], sin[:, None, None])
+    return torch.stack([k, kv[:, :, 1]], dim=2).permute(1, 2, 3, 0, 4)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's SiLU(gate) * up over the fused [.., 2I] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Ops:
+    """The elementwise steps above: compiled on CUDA (one kernel each), eager elsewhere or with DDTREE_COMPILE=0.
+
+    A compile that fails (no C compiler, an unsupported torch build) falls back to the eager function for
+    good, with the reason on stderr: slower, never wrong.
+    """
+
+    def __init__(self, compile: bool) -> None:
+        self.compiled = compile and os.environ.get("DDTREE_COMPILE", "1") != "0"
+        for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul):
+            setattr(self, fn.__name__, _compiled(fn) if self.compiled else fn)
+
+
+def _compiled(fn: Callable) -> Callable:
+    state = {"fn": torch.compile(fn, fullgraph=True)}
+
+    def call(*args: object) -> object:
+        try:
+            return state["fn"](*args)
+        except Exception as exc:  # a compiler or backend failure, not the function's own error
+            if state["fn"] is fn:
+                raise
+            print(f"ddtree fast path: compiling {fn.__name__} failed ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); running it eagerly", file=sys.stderr)
+            state["fn"] = fn
+            return fn(*args)
+
+    return call
+
+
+@dataclass(frozen=True)
+class Proj:
+    """One (possibly fused) linear projection."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse(owner: nn.Module, name: str, linears: list[nn.Linear]) -> Proj:
+    """One projection computing every linear in `linears` (same input), their outputs concatenated.
+
+    The fused weight is kept on `owner` under `name` (so building a second fast path reuses it) and each
+    linear's weight (and bias) becomes a row view of it: the memory is not doubled.
+    """
+    if not hasattr(owner, name):
+        setattr(owner, name, Proj(_concat_rows([m.weight for m in linears]),
+                                  _concat_rows([m.bias for m in linears]) if linears[0].bias is not None else None))
+        fused: Proj = getattr(owner, name)
+        row = 0
+        for m in linears:
+            rows = m.weight.shape[0]
+            m.weight.data = fused.weight[row:row + rows]
+            if fused.bias is not None:
+                m.bias.data = fused.bias[row:row + rows]
+            row += rows
+    return getattr(owner, name)
+
+
+def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach() for t in tensors])
+
+
+@dataclass(frozen=True)
+class TargetLayer:
+    """One dense attention + SwiGLU decoder layer (Qwen3, Llama), as fused projections and norm weights."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Proj
+    o: Proj
+    gate_up: Proj
+    down: Proj
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    splits: tuple[int, int, int]  # q, k, v widths of qkv's output
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> TargetLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = fuse(attn, "ddtree_qkv", [attn.q_proj, attn.k_proj, attn.v_proj])
+        has_qk_norm = hasattr(attn, "q_norm")
+        gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
+        return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv,
+                   Proj(attn.o_proj.weight, attn.o_proj.bias), gate_up,
+                   Proj(mlp.down_proj.weight, mlp.down_proj.bias),
+                   attn.q_norm.weight if has_qk_norm else None, attn.k_norm.weight if has_qk_norm else None,
+                   (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features))
+
+
+@dataclass(frozen=True)
+class DraftLayer:
+    """One DFlash draft layer: q alone (block rows only), k+v as a slice of the all-layer context projection."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q: Proj
+    kv: Proj
+    o: Proj
+    gate_up: Proj
+    down: Proj
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A DFlash drafter as fused projections: fc, every layer's context k+v in one weight, and the layers."""
+
+    fc: Proj
+    context_kv: Proj
+    k_norms: torch.Tensor  # [L, head_dim]
+    layers: list[DraftLayer]
+
+    @classmethod
+    def of(cls, draft: nn.Module) -> Draft:
+        kv_linears = [m for layer in draft.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        context_kv = fuse(draft, "ddtree_context_kv", kv_linears)
+        width = 2 * draft.layers[0].self_attn.k_proj.out_features
+        layers = []
+        for i, layer in enumerate(draft.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(DraftLayer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, Proj(attn.q_proj.weight),
+                Proj(context_kv.weight[i * width:(i + 1) * width]), Proj(attn.o_proj.weight),
+                fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj]), Proj(mlp.down_proj.weight),
+                attn.q_norm.weight, attn.k_norm.weight))
+        k_norms = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in draft.layers])
+        return cls(Proj(draft.fc.weight), context_kv, k_norms, layers)

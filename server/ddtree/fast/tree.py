@@ -1,0 +1,86 @@
+"""DDTree construction on the device: static shapes, a few dozen kernels, no host synchronisation.
+
+Same trees as ddtree.tree (the host's best-first search), as tensors a CUDA graph can replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tree_size(max_depth: int, vocab: int, budget: int) -> int:
+    """Draft nodes a budget-`budget` tree holds: the budget, unless fewer prefixes exist at all."""
+    k = min(budget, vocab)
+    return min(budget, sum(min(budget, k**d) for d in range(1, max_depth + 1)))
+
+
+def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+    """The `budget` most probable prefixes of the per-depth product distribution, as tensors on the device.
+
+    Same set as tree.build_tree (barring exact score ties). The best `budget` prefixes of depth d can only
+    extend the best `budget` of depth d-1 (a prefix scores at least as well as its extensions), so every
+    depth keeps exactly `budget` slots, sorted best first (unused ones score -inf). Extending slot i by the
+    j-th best token is beaten by every (i' <= i, j' <= j), so only the (i+1)(j+1) <= budget "frontier"
+    pairs can make the cut: one small sort per depth (~B ln B candidates, not B * k) finds them. One
+    stable sort by score (shallower first on ties) then numbers the nodes best-first, so every parent
+    precedes its children. Returns (tokens [N-1], parents [N], depths [N]), N = nodes + 1 with the root
+    at 0 (parent 0, depth 0).
+    """
+    logits = draft_logits.float()
+    max_depth, vocab = logits.shape
+    k = min(budget, vocab)
+    device = logits.device
+    top, tok = logits.topk(k, dim=-1)  # fused top-k, sorted: log-probs are the top logits minus the log-partition
+    logp = top - logits.logsumexp(dim=-1, keepdim=True)
+    pairs = _frontier(budget, k, device)
+    scores = [torch.cat([logp[0], logp.new_full((budget - k,), float("-inf"))])]
+    chosen = []  # per depth >= 1: positions in `pairs` of the kept slots, best first
+    for d in range(1, max_depth):
+        best, order = (scores[-1][:, None] + logp[d]).flatten()[pairs].sort(descending=True, stable=True)
+        scores.append(best[:budget])
+        chosen.append(order[:budget])
+    slot = torch.arange(budget, device=device)
+    picks = torch.stack([slot.remainder(k), *(pairs[c] for c in chosen)])  # flat index into [budget x k]
+    depth = torch.arange(max_depth, device=device)[:, None]
+    tokens = tok.gather(1, picks.remainder(k))
+    parent_slot = torch.where(depth > 0, (depth - 1) * budget + picks.div(k, rounding_mode="floor"), -1)
+    n = tree_size(max_depth, vocab, budget)
+    order = torch.sort(torch.stack(scores).flatten(), descending=True, stable=True).indices[:n]
+    node_of = torch.zeros(max_depth * budget, dtype=torch.long, device=device)
+    node_of[order] = torch.arange(1, n + 1, device=device)
+    parent = parent_slot.flatten()[order]
+    root = torch.zeros(1, dtype=torch.long, device=device)
+    parents = torch.cat([root, torch.where(parent >= 0, node_of[parent.clamp(min=0)], 0)])
+    return tokens.flatten()[order], parents, torch.cat([root, order.div(budget, rounding_mode="floor") + 1])
+
+
+_FRONTIERS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _frontier(budget: int, k: int, device: torch.device) -> torch.Tensor:
+    """Flat indices i * k + j of the (slot i, token j) pairs with (i+1)(j+1) <= budget, i-major.
+
+    Cached per device: made on the first (warm-up) call, so a CUDA graph capture never copies from the host.
+    """
+    key = (budget, k, device)
+    if key not in _FRONTIERS:
+        pairs = [i * k + j for i in range(budget) for j in range(k) if (i + 1) * (j + 1) <= budget]
+        _FRONTIERS[key] = torch.tensor(pairs, device=device)
+    return _FRONTIERS[key]
+
+
+def chain(draft_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Linear DFlash on the device: the argmax token at every depth, each node the child of the one before."""
+    n = draft_logits.shape[0] + 1
+    steps = torch.arange(n, device=draft_logits.device)
+    return draft_logits.argmax(dim=-1), (steps - 1).clamp(min=0), steps
+
+
+def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """bool [N, N]: row i holds i and its ancestors (transitive closure of the parent edge by squaring)."""
+    n = parents.numel()
+    reach = torch.eye(n, device=parents.device)
+    reach.scatter_(1, parents[:, None], torch.ones(n, 1, device=parents.device))  # no host scalar: capturable
+    for _ in range(max(max_depth, 1).bit_length()):
+        reach = (reach @ reach).clamp(max=1.0)
+    return reach > 0

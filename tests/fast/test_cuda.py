@@ -1,0 +1,53 @@
+"""On a GPU: the compiled steps replayed as CUDA graphs give the reference path's tokens.
+
+These run where CUDA is (the GPU machine: `pytest tests/fast/test_cuda.py`); CI has no GPU.
+"""
+
+import pytest
+import torch
+from ddtree.engine import Engine
+from ddtree.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize(("arch", "draft"), [("qwen3", "draft"), ("llama", "draft"), ("qwen3", "draft_swa")])
+def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, draft):
+    fast = Engine.from_pretrained(fast_ckpt / arch, fast_ckpt / draft, device="cuda", dtype="float32", fast=True,
+                                  fast_capacity=256)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert fast.fast.ops.compiled
+    for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
+        for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            rounds = list(gen)
+            ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
+            ref_rounds = list(ref)
+            plan = fast.fast.plan(method, budget or 1)
+            assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+            assert gen.token_ids == ref.token_ids, (method, budget)
+            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "groups", "window"),
+                         [(1, 4, None), (17, 4, None), (65, 2, None), (16, 4, 24), (300, 1, None)])
+def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window):
+    from ddtree.fast.attention import tree_attention, tree_mask
+
+    gen = torch.Generator().manual_seed(n)
+    kv_heads, d, capacity, start = 2, 64, 512, 150
+    q = torch.randn(kv_heads, groups * n, d, generator=gen)
+    cache = torch.randn(2, kv_heads, capacity, d, generator=gen)
+    parents = [max(0, i - 1 - int(torch.randint(0, 3, (1,), generator=gen))) for i in range(n)]
+    visible = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):  # a random tree: each row sees itself and its parent's ancestors
+        visible[i] |= visible[parents[i]]
+    want = tree_attention(q, cache, tree_mask(torch.tensor(start), visible, capacity, groups, d, torch.float32, window))
+    cuda = [t.cuda().to(dtype) for t in (q, cache)]
+    mask = tree_mask(torch.tensor(start).cuda(), visible.cuda(), capacity, groups, d, dtype, window)
+    assert mask.visible is not None  # the Triton kernel, not SDPA
+    got = tree_attention(*cuda, mask).float().cpu()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
