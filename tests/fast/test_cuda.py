@@ -51,3 +51,15 @@ def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window):
     got = tree_attention(*cuda, mask).float().cpu()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("budget", [1, 3, 16, 64, 128, 200])
+@pytest.mark.parametrize("vocab", [50, 8192])
+def test_the_one_kernel_tree_build_equals_the_pytorch_loop(budget, vocab):
+    from ddtree.fast.tree import top_prefixes
+
+    logits = torch.randn(15, vocab, generator=torch.Generator().manual_seed(budget)) * 3
+    want = top_prefixes(logits, budget)  # CPU: the per-depth PyTorch loop
+    got = top_prefixes(logits.cuda(), budget)  # CUDA: the Triton selection kernel
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.cpu(), w)

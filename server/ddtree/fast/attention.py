@@ -67,26 +67,45 @@ def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torc
     return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)
 
 
-def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torch.Tensor:
+def launch_config(rows: int, capacity: int, kv_heads: int, sms: int) -> dict[str, int]:
+    """Tile height and key-range splits for `rows` grouped query rows per K/V head.
+
+    From benchmarks/kernel_tune.py on an H200 (8 K/V heads, d 128, 560-token context): one AR row wants
+    many splits to fill the GPU; a draft block or a tree of up to ~64 nodes, short tiles and 4 splits; a
+    129-node tree, short tiles and no split (its query rows already make enough programs).
+    """
+    if rows <= 16:
+        block_m, splits = 16, triton.cdiv(2 * sms, kv_heads)
+    elif rows <= 128:
+        block_m, splits = 16, 4
+    elif rows <= 384:
+        block_m, splits = 32, 4
+    else:
+        block_m, splits = 16, 1
+    return dict(block_m=block_m, block_n=64, splits=max(1, min(splits, triton.cdiv(capacity, 64), 64)), num_warps=4,
+                num_stages=2)
+
+
+def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
+                      config: dict[str, int] | None = None) -> torch.Tensor:
     kv_heads, rows, d = q.shape
     n, capacity = mask.n, cache.shape[2]
-    block_m = 16 if rows <= 16 else 64
-    block_n = 64
-    m_blocks = triton.cdiv(rows, block_m)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(2 * sms, kv_heads * m_blocks), 64))
+    cfg = config or launch_config(rows, capacity, kv_heads, sms)
+    splits = cfg["splits"]
     acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
     stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
     k, v = cache[0], cache[1]
-    _split_kernel[(kv_heads, m_blocks, splits)](
+    _split_kernel[(kv_heads, triton.cdiv(rows, cfg["block_m"]), splits)](
         q, k, v, mask.visible, mask.start, acc, stats,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        rows, n, 1.0 / math.sqrt(d),
-        WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        rows, n, 1.0 / math.sqrt(d), splits,
+        WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)
-    _merge_kernel[(kv_heads, triton.cdiv(rows, 16))](
-        acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=16, SPLITS=splits, num_warps=4)
+    block_r = min(16, triton.next_power_of_2(rows))
+    _merge_kernel[(kv_heads, triton.cdiv(rows, block_r))](
+        acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, SPLITS=splits, num_warps=4)
     return out
 
 
@@ -101,8 +120,8 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, stride_qh, stride_qr, stride_kh, stride_kt, stride_vh,
-                      stride_vt, rows, n, scale, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                      stride_vt, rows, n, scale, SPLITS, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats."""
         head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(Start).to(tl.int32)

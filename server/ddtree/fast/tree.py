@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch loop below
+    triton = None
+
 
 def tree_size(max_depth: int, vocab: int, budget: int) -> int:
     """Draft nodes a budget-`budget` tree holds: the budget, unless fewer prefixes exist at all."""
@@ -33,19 +39,20 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     top, tok = logits.topk(k, dim=-1)  # fused top-k, sorted: log-probs are the top logits minus the log-partition
     logp = top - logits.logsumexp(dim=-1, keepdim=True)
     pairs = _frontier(budget, k, device)
-    scores = [torch.cat([logp[0], logp.new_full((budget - k,), float("-inf"))])]
-    chosen = []  # per depth >= 1: positions in `pairs` of the kept slots, best first
-    for d in range(1, max_depth):
-        best, order = (scores[-1][:, None] + logp[d]).flatten()[pairs].sort(descending=True, stable=True)
-        scores.append(best[:budget])
-        chosen.append(order[:budget])
-    slot = torch.arange(budget, device=device)
-    picks = torch.stack([slot.remainder(k), *(pairs[c] for c in chosen)])  # flat index into [budget x k]
+    scores = logp.new_full((max_depth, budget), float("-inf"))
+    scores[0, :k] = logp[0]
+    picks = torch.arange(budget, device=device).remainder(k).repeat(max_depth, 1)  # flat index into [budget x k]
+    if logits.is_cuda and triton is not None:
+        _select_on_gpu(logp, pairs, scores, picks)
+    else:
+        for d in range(1, max_depth):
+            best, order = (scores[d - 1, :, None] + logp[d]).flatten()[pairs].sort(descending=True, stable=True)
+            scores[d], picks[d] = best[:budget], pairs[order[:budget]]
     depth = torch.arange(max_depth, device=device)[:, None]
     tokens = tok.gather(1, picks.remainder(k))
     parent_slot = torch.where(depth > 0, (depth - 1) * budget + picks.div(k, rounding_mode="floor"), -1)
     n = tree_size(max_depth, vocab, budget)
-    order = torch.sort(torch.stack(scores).flatten(), descending=True, stable=True).indices[:n]
+    order = torch.sort(scores.flatten(), descending=True, stable=True).indices[:n]
     node_of = torch.zeros(max_depth * budget, dtype=torch.long, device=device)
     node_of[order] = torch.arange(1, n + 1, device=device)
     parent = parent_slot.flatten()[order]
@@ -67,6 +74,47 @@ def _frontier(budget: int, k: int, device: torch.device) -> torch.Tensor:
         pairs = [i * k + j for i in range(budget) for j in range(k) if (i + 1) * (j + 1) <= budget]
         _FRONTIERS[key] = torch.tensor(pairs, device=device)
     return _FRONTIERS[key]
+
+
+def _select_on_gpu(logp: torch.Tensor, pairs: torch.Tensor, scores: torch.Tensor, picks: torch.Tensor) -> None:
+    """The per-depth loop of top_prefixes as one Triton program: a kernel launch costs more than a depth's work."""
+    max_depth, budget = scores.shape
+    span = max(16, triton.next_power_of_2(pairs.numel()))
+    scratch = torch.empty(span, dtype=torch.int64, device=scores.device)
+    _select_kernel[(1,)](logp, pairs, scores, picks, scratch, pairs.numel(), logp.shape[1], budget,
+                         MAX_DEPTH=max_depth, SPAN=span, BUDGET=max(16, triton.next_power_of_2(budget)), num_warps=4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _select_kernel(Logp, Pairs, Scores, Picks, Scratch, num_pairs, k, budget, MAX_DEPTH: tl.constexpr,
+                       SPAN: tl.constexpr, BUDGET: tl.constexpr):
+        """Depth by depth: score the frontier pairs, sort them (score, then frontier order) and keep the best
+        `budget` as that depth's slots. Keys pack an order-preserving integer image of the score above the
+        complement of the pair's index, so one descending integer sort breaks ties like a stable sort."""
+        f = tl.arange(0, SPAN)
+        valid = f < num_pairs
+        pair = tl.load(Pairs + f, mask=valid, other=0)
+        slot, token = pair // k, pair % k
+        b = tl.arange(0, BUDGET)
+        keep = b < budget
+        for d in range(1, MAX_DEPTH):
+            cand = tl.load(Scores + (d - 1) * budget + slot, mask=valid, other=float("-inf"))
+            cand += tl.load(Logp + d * k + token, mask=valid, other=float("-inf"))
+            bits = cand.to(tl.int32, bitcast=True)
+            ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+            key = (ordered.to(tl.int64) << 32) | (SPAN - 1 - f).to(tl.int64)
+            key = tl.where(valid, key, -9223372036854775807)
+            tl.store(Scratch + f, tl.sort(key, descending=True))
+            tl.debug_barrier()
+            top = tl.load(Scratch + b, mask=keep, other=0)
+            high = (top >> 32).to(tl.int32)
+            score = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            index = SPAN - 1 - (top & 0xFFFFFFFF)
+            tl.store(Scores + d * budget + b, score, mask=keep)
+            tl.store(Picks + d * budget + b, tl.load(Pairs + index, mask=keep, other=0), mask=keep)
+            tl.debug_barrier()
 
 
 def chain(draft_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:

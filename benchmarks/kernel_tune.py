@@ -1,0 +1,120 @@
+"""Fast-path kernels on a GPU: tree attention launch configurations, and the tree build's selection ops.
+
+1. Tree attention: the Triton split-K kernel under several launch configurations vs SDPA.
+
+For the row counts the fast path meets on a Qwen3-8B-shaped target (8 K/V heads, 4 query heads each, d 128):
+one AR row, a 16-row draft block, and 65- and 129-node tree verifies, at a 560-token context in a
+768-row cache. Each variant runs over 36 distinct layer caches (more than L2 holds) as one CUDA graph;
+the time is per layer call, median of replays.
+2. Tree build: `top_prefixes` at each budget over a 151936-token vocabulary, and the one op its per-depth
+   loop is made of (pick the best `budget` of the ~B ln B frontier) done three ways, 14 times in a row.
+
+    PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep]   # --sweep: every attention launch config
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+from ddtree.fast.attention import TreeMask, _triton_attention, launch_config, tree_attention, tree_mask
+
+LAYERS, KV, GROUPS, D, CAPACITY, START = 36, 8, 4, 128, 768, 560
+
+
+def per_call_us(fn) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return 1e3 * statistics.median(times[3:]) / LAYERS
+
+
+def layer_calls(q: torch.Tensor, caches: list[torch.Tensor], mask: TreeMask, cfg: dict | None):
+    """One attention call per layer cache: SDPA when cfg is None, else the Triton kernel with that config."""
+    def run() -> None:
+        for cache in caches:
+            if cfg is None:
+                tree_attention(q, cache, mask)
+            else:
+                _triton_attention(q, cache, mask, cfg)
+    return run
+
+
+def attention(sweep: bool) -> None:
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    caches = [torch.randn(2, KV, CAPACITY, D, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    start = torch.tensor(START, device=dev)
+    print("| rows | variant | us per layer |\n|---|---|---|")
+    for n in (1, 16, 65, 129):
+        q = torch.randn(KV, GROUPS * n, D, device=dev, dtype=torch.bfloat16)
+        visible = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        fast = tree_mask(start, visible, CAPACITY, GROUPS, D, torch.bfloat16)
+        slow = tree_mask(start.cpu(), visible.cpu(), CAPACITY, GROUPS, D, torch.bfloat16)
+        sdpa = TreeMask(start, n, None, additive=slow.additive.to(dev))
+        want = tree_attention(q, caches[0], sdpa).float()
+        base = launch_config(GROUPS * n, CAPACITY, KV, sms)
+        variants = {"sdpa (cuDNN), whole capacity": None, "default " + str(base): base}
+        for bm, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)) if sweep else ():
+            if bm > max(16, 2 * GROUPS * n):
+                continue
+            for stages in (1, 2):
+                for splits in (1, 4, 8, 16):
+                    cfg = dict(block_m=bm, block_n=64, splits=splits, num_warps=warps, num_stages=stages)
+                    variants[str(cfg)] = cfg
+        results = []
+        for name, cfg in variants.items():
+            if cfg is not None:
+                got = _triton_attention(q, caches[0], fast, cfg).float()
+                if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+                    print(f"| {GROUPS * n} | {name} | WRONG ({(got - want).abs().max():.3g}) |")
+                    continue
+            results.append((per_call_us(layer_calls(q, caches, sdpa if cfg is None else fast, cfg)), name))
+        for us, name in sorted(results)[:6] + [r for r in results if not r[1].startswith("{")]:
+            print(f"| {GROUPS * n} | {name} | {us:.1f} |")
+
+
+def tree_ops() -> None:
+    from ddtree.fast.tree import _frontier, top_prefixes
+
+    dev = torch.device("cuda")
+    logits = torch.randn(15, 151936, device=dev, dtype=torch.bfloat16) * 4
+    print("\n| budget | what | us |\n|---|---|---|")
+    for budget in (16, 32, 64, 128):
+        per_round = per_call_us(lambda budget=budget: [top_prefixes(logits, budget) for _ in range(LAYERS)])
+        print(f"| {budget} | top_prefixes (per call) | {per_round:.1f} |")
+        cand = torch.randn(_frontier(budget, budget, dev).numel(), device=dev)
+        ops = {"sort stable": lambda c=cand: c.sort(descending=True, stable=True),
+               "sort": lambda c=cand: c.sort(descending=True),
+               "topk sorted": lambda c=cand, b=budget: c.topk(b)}
+        for name, op in ops.items():
+            us = per_call_us(lambda op=op: [op() for _ in range(LAYERS)])
+            print(f"| {budget} | {name} of {cand.numel()} (per call) | {us:.1f} |")
+    top = per_call_us(lambda: [logits.float().topk(64, dim=-1) for _ in range(LAYERS)])
+    print(f"| 64 | vocab top-k [15, 151936] (per call) | {top:.1f} |")
+    for chunks in (16, 64):
+        def two_stage(chunks=chunks):
+            values, _ = logits.float().view(15, chunks, -1).topk(64, dim=-1)
+            return values.view(15, -1).topk(64, dim=-1)
+        us = per_call_us(lambda two_stage=two_stage: [two_stage() for _ in range(LAYERS)])
+        print(f"| 64 | vocab top-k in two stages, {chunks} chunks (per call) | {us:.1f} |")
+    lse = per_call_us(lambda: [logits.float().logsumexp(dim=-1) for _ in range(LAYERS)])
+    print(f"| - | logsumexp [15, 151936] (per call) | {lse:.1f} |")
+
+
+if __name__ == "__main__":
+    tree_ops()
+    attention(sweep="--sweep" in sys.argv)
