@@ -228,6 +228,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", help="DFlash draft directory (default: the demo pair's)")
     p.add_argument("--shape", help="a random-weight model instead: qwen3-8b, qwen3.6-27b (hybrid), tiny, tiny-hybrid")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--methods", nargs="+", choices=["ar", "dflash", "ddtree"], default=["ar", "dflash", "ddtree"])
     p.add_argument("--budgets", nargs="+", type=int, default=[16, 32, 64, 128])
     p.add_argument("--paths", nargs="+", choices=["fast", "eager"], default=["fast", "eager"],

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from ddtree.draft import DFlashDraft
-from ddtree.engine import Engine
+from ddtree.engine import DTYPES, Engine
 from ddtree.errors import DDTreeError
 from ddtree.sampling import SamplingParams
 from ddtree.target import HybridTarget, Target
@@ -131,8 +131,9 @@ def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capaci
     return fast, Engine(target, draft, model_name=name)
 
 
-def build_pair(target: str | None, draft: str | None, device: str, fast_capacity: int) -> tuple[Engine, Engine]:
-    fast = Engine.from_pretrained(target, draft, device=device, fast=True, fast_capacity=fast_capacity)
+def build_pair(target: str | None, draft: str | None, device: str, dtype: str | None,
+               fast_capacity: int) -> tuple[Engine, Engine]:
+    fast = Engine.from_pretrained(target, draft, device=device, dtype=dtype, fast=True, fast_capacity=fast_capacity)
     return fast, Engine(fast.target, fast.draft, fast.tokenizer, model_name=fast.model_name)
 
 
@@ -241,10 +242,10 @@ def bench(args: argparse.Namespace) -> int:
     capacity = args.prompt_tokens + args.max_new_tokens + max(args.budgets) + 64
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     if args.shape:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
         fast, eager = build_shape(args.shape, device, dtype, capacity)
     else:
-        fast, eager = build_pair(args.target, args.draft, str(device), capacity)
+        fast, eager = build_pair(args.target, args.draft, str(device), args.dtype, capacity)
     paths = paths_to_run(args.paths, fast)
     prompts = prompts_for(fast, args)
     if not prompts:
@@ -273,7 +274,8 @@ def bench(args: argparse.Namespace) -> int:
     if bandwidth:
         floor_ms["measured_copy"] = 1e3 * step_bytes / bandwidth
     report = dict(model=args.shape or fast.model_name, device=torch.cuda.get_device_name(device)
-                  if device.type == "cuda" else "cpu", torch=torch.__version__, prompts=len(prompts),
+                  if device.type == "cuda" else "cpu", dtype=str(fast.target.dtype).removeprefix("torch."),
+                  torch=torch.__version__, prompts=len(prompts),
                   prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, step_bytes=step_bytes,
                   copy_bandwidth=bandwidth, floor_ms=floor_ms,
                   fast_path="available" if fast.fast else f"declined: {fast.fast_unsupported}", results=results)
@@ -315,7 +317,8 @@ def prefix_match(outputs: list[list[int]], reference: list[list[int]]) -> float:
 
 def table(report: dict) -> str:
     floor = report["floor_ms"]
-    lines = [f"{report['model']} on {report['device']}, torch {report['torch']}: {report['prompts']} prompts x "
+    lines = [f"{report['model']} ({report['dtype']}) on {report['device']}, torch {report['torch']}: "
+             f"{report['prompts']} prompts x "
              f"{report['prompt_tokens']} tokens, {report['max_new_tokens']} new, greedy. One target step moves "
              f"{report['step_bytes'] / 1e9:.2f} GB: floor " + ", ".join(f"{v:.2f} ms ({k})" for k, v in floor.items()),
              *([f"fast path {report['fast_path']}"] if report["fast_path"] != "available" else []),

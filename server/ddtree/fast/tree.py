@@ -39,19 +39,18 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     top, tok = logits.topk(k, dim=-1)  # fused top-k, sorted: log-probs are the top logits minus the log-partition
     logp = top - logits.logsumexp(dim=-1, keepdim=True)
     pairs = _frontier(budget, k, device)
+    n = tree_size(max_depth, vocab, budget)
+    if logits.is_cuda and triton is not None:
+        return _build_on_gpu(logp, tok, pairs, budget, n)
     scores = logp.new_full((max_depth, budget), float("-inf"))
     scores[0, :k] = logp[0]
     picks = torch.arange(budget, device=device).remainder(k).repeat(max_depth, 1)  # flat index into [budget x k]
-    if logits.is_cuda and triton is not None:
-        _select_on_gpu(logp, pairs, scores, picks)
-    else:
-        for d in range(1, max_depth):
-            best, order = (scores[d - 1, :, None] + logp[d]).flatten()[pairs].sort(descending=True, stable=True)
-            scores[d], picks[d] = best[:budget], pairs[order[:budget]]
+    for d in range(1, max_depth):
+        best, order = (scores[d - 1, :, None] + logp[d]).flatten()[pairs].sort(descending=True, stable=True)
+        scores[d], picks[d] = best[:budget], pairs[order[:budget]]
     depth = torch.arange(max_depth, device=device)[:, None]
     tokens = tok.gather(1, picks.remainder(k))
     parent_slot = torch.where(depth > 0, (depth - 1) * budget + picks.div(k, rounding_mode="floor"), -1)
-    n = tree_size(max_depth, vocab, budget)
     order = torch.sort(scores.flatten(), descending=True, stable=True).indices[:n]
     node_of = torch.zeros(max_depth * budget, dtype=torch.long, device=device)
     node_of[order] = torch.arange(1, n + 1, device=device)
@@ -76,45 +75,87 @@ def _frontier(budget: int, k: int, device: torch.device) -> torch.Tensor:
     return _FRONTIERS[key]
 
 
-def _select_on_gpu(logp: torch.Tensor, pairs: torch.Tensor, scores: torch.Tensor, picks: torch.Tensor) -> None:
-    """The per-depth loop of top_prefixes as one Triton program: a kernel launch costs more than a depth's work."""
-    max_depth, budget = scores.shape
+def _build_on_gpu(logp: torch.Tensor, tok: torch.Tensor, pairs: torch.Tensor, budget: int,
+                  n: int) -> tuple[torch.Tensor, ...]:
+    """top_prefixes after the vocabulary top-k, as one Triton program: a kernel launch costs more than a
+    depth's work, so the per-depth loop, the best-first numbering and the parent lookup run in one launch."""
+    max_depth, k = logp.shape
+    device = logp.device
     span = max(16, triton.next_power_of_2(pairs.numel()))
-    scratch = torch.empty(span, dtype=torch.int64, device=scores.device)
-    _select_kernel[(1,)](logp, pairs, scores, picks, scratch, pairs.numel(), logp.shape[1], budget,
-                         MAX_DEPTH=max_depth, SPAN=span, BUDGET=max(16, triton.next_power_of_2(budget)), num_warps=4)
+    every = max(16, triton.next_power_of_2(max_depth * budget))
+    scores = torch.empty((max_depth, budget), dtype=torch.float32, device=device)
+    picks = torch.empty((max_depth, budget), dtype=torch.int64, device=device)
+    scratch = torch.empty(max(span, every), dtype=torch.int64, device=device)
+    node_of = torch.empty(max_depth * budget, dtype=torch.int64, device=device)
+    tokens = torch.empty(n, dtype=torch.int64, device=device)
+    parents = torch.empty(n + 1, dtype=torch.int64, device=device)
+    depths = torch.empty(n + 1, dtype=torch.int64, device=device)
+    _tree_kernel[(1,)](logp, tok, pairs, scores, picks, scratch, node_of, tokens, parents, depths, pairs.numel(), k,
+                       budget, n, MAX_DEPTH=max_depth, SPAN=span, BUDGET=max(16, triton.next_power_of_2(budget)),
+                       EVERY=every, NODES=max(16, triton.next_power_of_2(n)), num_warps=4)
+    return tokens, parents, depths
 
 
 if triton is not None:
 
     @triton.jit
-    def _select_kernel(Logp, Pairs, Scores, Picks, Scratch, num_pairs, k, budget, MAX_DEPTH: tl.constexpr,
-                       SPAN: tl.constexpr, BUDGET: tl.constexpr):
-        """Depth by depth: score the frontier pairs, sort them (score, then frontier order) and keep the best
-        `budget` as that depth's slots. Keys pack an order-preserving integer image of the score above the
-        complement of the pair's index, so one descending integer sort breaks ties like a stable sort."""
+    def _key(score, rank):
+        """int64 sort key: an order-preserving integer image of the float score, then `rank` (ties)."""
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+        return (ordered.to(tl.int64) << 32) | rank.to(tl.int64)
+
+    @triton.jit
+    def _key_score(key):
+        high = (key >> 32).to(tl.int32)
+        return (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, Scratch, NodeOf, Tokens, Parents, Depths, num_pairs, k, budget,
+                     n, MAX_DEPTH: tl.constexpr, SPAN: tl.constexpr, BUDGET: tl.constexpr, EVERY: tl.constexpr,
+                     NODES: tl.constexpr):
+        """The PyTorch path of top_prefixes, step for step. Sorting keys carry the complement of an index in
+        their low bits, so one descending integer sort breaks score ties like a stable sort does."""
+        lowest = -9223372036854775807
+        b = tl.arange(0, BUDGET)
+        keep = b < budget
+        tl.store(Scores + b, tl.load(Logp + b, mask=b < k, other=float("-inf")), mask=keep)  # depth 0
+        tl.store(Picks + b, (b % k).to(tl.int64), mask=keep)
         f = tl.arange(0, SPAN)
         valid = f < num_pairs
         pair = tl.load(Pairs + f, mask=valid, other=0)
         slot, token = pair // k, pair % k
-        b = tl.arange(0, BUDGET)
-        keep = b < budget
-        for d in range(1, MAX_DEPTH):
+        tl.debug_barrier()
+        for d in range(1, MAX_DEPTH):  # the best `budget` frontier extensions of depth d-1's slots
             cand = tl.load(Scores + (d - 1) * budget + slot, mask=valid, other=float("-inf"))
             cand += tl.load(Logp + d * k + token, mask=valid, other=float("-inf"))
-            bits = cand.to(tl.int32, bitcast=True)
-            ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
-            key = (ordered.to(tl.int64) << 32) | (SPAN - 1 - f).to(tl.int64)
-            key = tl.where(valid, key, -9223372036854775807)
+            key = tl.where(valid, _key(cand, SPAN - 1 - f), lowest)
             tl.store(Scratch + f, tl.sort(key, descending=True))
             tl.debug_barrier()
             top = tl.load(Scratch + b, mask=keep, other=0)
-            high = (top >> 32).to(tl.int32)
-            score = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            tl.store(Scores + d * budget + b, _key_score(top), mask=keep)
             index = SPAN - 1 - (top & 0xFFFFFFFF)
-            tl.store(Scores + d * budget + b, score, mask=keep)
             tl.store(Picks + d * budget + b, tl.load(Pairs + index, mask=keep, other=0), mask=keep)
             tl.debug_barrier()
+        e = tl.arange(0, EVERY)  # best-first numbering of all depths' slots: node r + 1 is the r-th best
+        inside = e < MAX_DEPTH * budget
+        key = tl.where(inside, _key(tl.load(Scores + e, mask=inside, other=float("-inf")), EVERY - 1 - e), lowest)
+        tl.store(Scratch + e, tl.sort(key, descending=True))
+        tl.debug_barrier()
+        r = tl.arange(0, NODES)
+        take = r < n
+        cand = EVERY - 1 - (tl.load(Scratch + r, mask=take, other=0) & 0xFFFFFFFF)
+        tl.store(NodeOf + cand, (r + 1).to(tl.int64), mask=take)
+        tl.debug_barrier()
+        depth = cand // budget
+        pick = tl.load(Picks + cand, mask=take, other=0)
+        parent = tl.load(NodeOf + (depth - 1) * budget + pick // k, mask=take & (depth > 0), other=0)
+        parent = tl.where((parent >= 1) & (parent <= r), parent, 0)  # a parent always precedes its child
+        tl.store(Tokens + r, tl.load(Tok + depth * k + pick % k, mask=take, other=0), mask=take)
+        tl.store(Parents + 1 + r, parent, mask=take)
+        tl.store(Depths + 1 + r, depth + 1, mask=take)
+        tl.store(Parents + r, tl.zeros_like(parent), mask=r == 0)  # the root
+        tl.store(Depths + r, tl.zeros_like(depth), mask=r == 0)
 
 
 def chain(draft_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
