@@ -287,6 +287,8 @@ def server_args(spec: Manifest) -> list[str]:
             "--max-queue", str(server["maxQueue"]), "--drain-timeout", str(drain_timeout(spec))]
     if "temperature" in decoding:
         args += ["--default-temperature", str(decoding["temperature"])]
+    if decoding.get("fastPath", True) and _gpu(spec)["count"] > 0:
+        args.append("--fast")
     return args + list(server["extraArgs"])
 
 

@@ -6,6 +6,7 @@ These run where CUDA is (the GPU machine: `pytest tests/fast/test_cuda.py`); CI 
 import pytest
 import torch
 from ddtree.engine import Engine
+from ddtree.fast.jit import triton_works
 from ddtree.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -17,7 +18,7 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
     fast = Engine.from_pretrained(fast_ckpt / arch, fast_ckpt / draft, device="cuda", dtype="float32", fast=True,
                                   fast_capacity=256)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
-    assert fast.fast.ops.compiled
+    assert fast.fast.ops.compiled and triton_works(fast.fast.device)  # the Triton kernels, not their fallbacks
     for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
             gen = fast.stream(prompt, GREEDY, method=method, budget=budget)

@@ -247,6 +247,7 @@ def test_examples_are_accepted(cluster, crd, namespace, path):
     decoding = created["spec"]["decoding"]
     assert (decoding["method"], decoding["budget"]) == ("ddtree", 32)  # given or defaulted
     assert decoding.get("temperature") == example["spec"].get("decoding", {}).get("temperature")
+    assert decoding["fastPath"] is example["spec"].get("decoding", {}).get("fastPath", True)
 
 
 @pytest.mark.parametrize(("change", "message"), [

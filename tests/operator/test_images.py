@@ -44,6 +44,9 @@ def test_server_image_has_the_gpu_kernels_and_operator_image_has_no_torch():
     server = (REPO / "images" / "server" / "Dockerfile").read_text()
     for package in ("torch==", "causal-conv1d", "flash-linear-attention", "/src[server]"):
         assert package in server
+    runtime = server[server.rindex("\nFROM "):]
+    assert "gcc" in runtime and "python3-dev" in runtime  # Triton builds kernel launchers at run time
+    assert "TRITON_CACHE_DIR=/tmp/" in runtime  # caches on the writable volume, root filesystem read-only
     operator = (REPO / "images" / "operator" / "Dockerfile").read_text()
     assert not [line for line in operator.splitlines() if "pip install" in line and "torch" in line]
     assert "pip install --no-deps /src" in operator

@@ -132,8 +132,8 @@ def test_server_contract_probes_and_drain():
     pod = pod_spec(children)
     server = pod["containers"][0]
     args = server["args"]
-    assert args[0] == "serve" and args[-2:] == ["--log-level", "debug"]
-    flags = dict(zip(args[1:-2:2], args[2:-2:2], strict=True))
+    assert args[0] == "serve" and args[-3:] == ["--fast", "--log-level", "debug"]  # on a GPU: the fast path
+    flags = dict(zip(args[1:-3:2], args[2:-3:2], strict=True))
     assert flags == {"--target": render.model_dest(cr()["spec"], "target"),
                      "--draft": render.model_dest(cr()["spec"], "draft"), "--host": "0.0.0.0", "--port": "9000",
                      "--served-model-name": "Qwen3-8B", "--method": "dflash", "--budget": "48", "--max-queue": "64",
@@ -151,6 +151,14 @@ def test_server_contract_probes_and_drain():
     assert children.service["spec"]["ports"] == [
         {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
     assert render.url(cr(spec)) == "http://qwen.ml.svc:9000/v1"
+
+
+def test_the_fast_path_needs_a_gpu_and_can_be_turned_off():
+    def fast(spec: dict) -> bool:
+        return "--fast" in pod_spec(render.render(cr(spec)))["containers"][0]["args"]
+
+    assert fast({}) and not fast({"decoding": {"fastPath": False}})
+    assert not fast({"gpu": {"count": 0}})
 
 
 def test_secure_defaults_and_ownership():

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ddtree.fast.jit import triton_works
+
 try:
     import triton
     import triton.language as tl
@@ -43,7 +45,7 @@ def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups:
               dtype: torch.dtype, window: int | None = None) -> TreeMask:
     """The rule above for `visible` [n, n] (bool), in the form the attention backend for this device takes."""
     n = visible.shape[0]
-    if visible.is_cuda and triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0:
+    if visible.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and triton_works(visible.device):
         return TreeMask(start, n, window, visible=visible.to(torch.int8))
     columns = torch.arange(capacity, device=visible.device)
     rel = columns - start

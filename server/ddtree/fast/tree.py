@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.fast.jit import triton_works
+
 try:
     import triton
     import triton.language as tl
@@ -40,7 +42,7 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     logp = top - logits.logsumexp(dim=-1, keepdim=True)
     pairs = _frontier(budget, k, device)
     n = tree_size(max_depth, vocab, budget)
-    if logits.is_cuda and triton is not None:
+    if logits.is_cuda and triton_works(logits.device):
         return _build_on_gpu(logp, tok, pairs, budget, n)
     scores = logp.new_full((max_depth, budget), float("-inf"))
     scores[0, :k] = logp[0]

@@ -1,0 +1,49 @@
+"""Whether the fast path's Triton kernels build and run on a device, checked once per device.
+
+Triton compiles each kernel's launcher with the host's C compiler and Python headers at run time; an
+image without them (or a Triton too old for `tl.sort`) must still serve. The first call runs both kernels
+on tiny inputs; if that fails, the fast path uses PyTorch SDPA and the PyTorch tree loop instead, and
+says why on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs
+    triton = None
+
+_WORKS: dict[torch.device, bool] = {}
+
+
+def triton_works(device: torch.device) -> bool:
+    if triton is None or device.type != "cuda":
+        return False
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _WORKS:
+        try:
+            _probe(device)
+            _WORKS[device] = True
+        except Exception as exc:  # a missing compiler, an old Triton: anything that stops the kernels
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            print(f"ddtree fast path: Triton kernels unavailable ({type(exc).__name__}: {reason}); "
+                  "using SDPA and the PyTorch tree build", file=sys.stderr)
+            _WORKS[device] = False
+    return _WORKS[device]
+
+
+def _probe(device: torch.device) -> None:
+    """Both kernels on tiny inputs: a 2-row tree over an empty cache, and a budget-2 tree of depth 3."""
+    from ddtree.fast.attention import TreeMask, _triton_attention
+    from ddtree.fast.tree import _build_on_gpu, _frontier
+
+    start = torch.zeros((), dtype=torch.long, device=device)
+    mask = TreeMask(start, 2, None, visible=torch.ones(2, 2, dtype=torch.int8, device=device))
+    _triton_attention(torch.zeros(1, 2, 16, device=device), torch.zeros(2, 1, 64, 16, device=device), mask)
+    logp, tokens = torch.zeros(3, 2, device=device), torch.zeros(3, 2, dtype=torch.long, device=device)
+    _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
+    torch.cuda.synchronize(device)
