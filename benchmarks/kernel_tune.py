@@ -14,32 +14,18 @@ the time is per layer call, median of replays.
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
 from ddtree.fast.attention import TreeMask, _triton_attention, launch_config, tree_attention, tree_mask
+from ddtree.fast.bench import graph_ms
 
 LAYERS, KV, GROUPS, D, CAPACITY, START = 36, 8, 4, 128, 768, 560
 
 
 def per_call_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return 1e3 * statistics.median(times[3:]) / LAYERS
+    """µs per call of `fn`, which makes LAYERS calls, replayed as one CUDA graph."""
+    return 1e3 * graph_ms(fn) / LAYERS
 
 
 def layer_calls(q: torch.Tensor, caches: list[torch.Tensor], mask: TreeMask, cfg: dict | None):

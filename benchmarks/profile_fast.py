@@ -18,29 +18,9 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from ddtree.fast.bench import build_shape
+from ddtree.fast.bench import build_shape, graph_ms
 from ddtree.sampling import SamplingParams
 from torch.profiler import ProfilerActivity, profile
-
-
-def graph_time(fn, reps: int = 20) -> float:
-    """Median ms of one replay of `fn` captured as a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[3:])
 
 
 def gemm_floor(fast, rows: int) -> float:
@@ -58,7 +38,7 @@ def gemm_floor(fast, rows: int) -> float:
             F.linear(inter, layer.down.weight)
         fast.target.lm_head(x)
 
-    return graph_time(step)
+    return graph_ms(step)
 
 
 def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: int) -> dict:

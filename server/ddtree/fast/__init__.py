@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree.draft import DFlashDraft
-from ddtree.fast.attention import tree_attention, tree_mask
-from ddtree.fast.fused import Draft, Ops, TargetLayer
+from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
+from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
 from ddtree.target import HybridTarget, Target
 
@@ -197,18 +197,8 @@ class FastPath:
         cos, sin = (t[0] for t in self.model.rotary_emb(x[None], positions[None]))
         tapped: dict[int, torch.Tensor] = {}
         delta = None
-        for i, layer in enumerate(self.layers):
-            if delta is None:
-                h = ops.rms_norm(x, layer.input_norm, eps)
-            else:
-                h, x = ops.add_rms_norm(x, delta, layer.input_norm, eps)
-                tapped[i - 1] = x
-            q, k, v = layer.qkv(h).split(layer.splits, dim=-1)
-            q, new_kv = ops.attention_heads(q, k, v, layer.q_norm, layer.k_norm, eps, cos, sin, self.kv_heads,
-                                            self.head_dim)
-            self.kv[i].index_copy_(2, slots, new_kv)
-            h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, self.kv[i], mask)), layer.post_norm, eps)
-            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+        for i, layer in enumerate(self.layers):  # layer i hands back layer i-1's output (-1: the embeddings)
+            tapped[i - 1], x, delta = decoder_layer(ops, layer, x, delta, self.kv[i], mask, slots, cos, sin, eps)
         h, x = ops.add_rms_norm(x, delta, self.model.norm.weight, self.model.norm.variance_epsilon)
         tapped[len(self.layers) - 1] = x
         logits = self.target.lm_head(h[-1:] if last_only else h)
@@ -249,17 +239,8 @@ class FastPath:
                                    dc.head_dim, self.dtype, window) for window in set(dc.layer_windows)}
         delta = None
         for i, layer in enumerate(fused.layers):
-            if delta is None:
-                h = ops.rms_norm(x, layer.input_norm, eps)
-            else:
-                h, x = ops.add_rms_norm(x, delta, layer.input_norm, eps)
-            k, v = layer.kv(h).chunk(2, dim=-1)
-            q, new_kv = ops.attention_heads(layer.q(h), k, v, layer.q_norm, layer.k_norm, eps, cos, sin,
-                                            dc.num_kv_heads, dc.head_dim)
-            self.draft_kv[i].index_copy_(2, slots, new_kv)
-            h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, self.draft_kv[i], masks[dc.layer_windows[i]])),
-                                    layer.post_norm, eps)
-            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+            _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[dc.layer_windows[i]], slots,
+                                        cos, sin, eps)
         h, _ = ops.add_rms_norm(x[1:], delta[1:], draft.norm.weight, eps)
         return self.target.lm_head(h)
 
@@ -314,6 +295,24 @@ class FastPath:
         kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
                                     dc.num_kv_heads, dc.head_dim)
         self.draft_kv.index_copy_(3, positions, kv)
+
+
+def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
+                  mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer whose residual adds are deferred into the next norm: the rows' new K/V go to
+    cache [2, kv, T, d] at `slots`. Returns (the residual entering the layer, i.e. the previous layer's
+    output; the residual after attention; the MLP's output, still to be added)."""
+    if delta is None:
+        h = ops.rms_norm(x, layer.input_norm, eps)
+    else:
+        h, x = ops.add_rms_norm(x, delta, layer.input_norm, eps)
+    entering = x
+    q, new_kv = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
+                                    layer.head_dim)
+    cache.index_copy_(2, slots, new_kv)
+    h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps)
+    return entering, x, layer.down(ops.silu_mul(layer.gate_up(h)))
 
 
 class Plan:

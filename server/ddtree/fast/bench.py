@@ -23,7 +23,7 @@ import statistics
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -179,6 +179,27 @@ def gdn_state_bytes(cfg, dtype_bytes: int) -> int:
     conv_dim = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
                 + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
     return recurrent + conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
+
+
+def graph_ms(fn: Callable[[], object], reps: int = 15) -> float:
+    """Median ms of one replay of `fn` captured as a CUDA graph (warmed up on a side stream first; the first
+    replays are dropped)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
 
 
 def copy_bandwidth(device: torch.device) -> float | None:

@@ -147,18 +147,33 @@ def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class TargetLayer:
-    """One dense attention + SwiGLU decoder layer (Qwen3, Llama), as fused projections and norm weights."""
+class Layer:
+    """An attention + SwiGLU decoder layer as fused projections and norm weights (see `project`)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Proj
     o: Proj
     gate_up: Proj
     down: Proj
-    q_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # per-head q/k norms (Qwen3, DFlash); None for Llama
     k_norm: torch.Tensor | None
+    kv_heads: int
+    head_dim: int
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) of the normed rows h."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TargetLayer(Layer):
+    """A Qwen3 / Llama target layer: q, k and v in one GEMM."""
+
+    qkv: Proj
     splits: tuple[int, int, int]  # q, k, v widths of qkv's output
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv(h).split(self.splits, dim=-1)
 
     @classmethod
     def of(cls, layer: nn.Module) -> TargetLayer:
@@ -166,26 +181,22 @@ class TargetLayer:
         qkv = fuse(attn, "ddtree_qkv", [attn.q_proj, attn.k_proj, attn.v_proj])
         has_qk_norm = hasattr(attn, "q_norm")
         gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
-        return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv,
-                   Proj(attn.o_proj.weight, attn.o_proj.bias), gate_up,
-                   Proj(mlp.down_proj.weight, mlp.down_proj.bias),
+        return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                   Proj(attn.o_proj.weight, attn.o_proj.bias), gate_up, Proj(mlp.down_proj.weight, mlp.down_proj.bias),
                    attn.q_norm.weight if has_qk_norm else None, attn.k_norm.weight if has_qk_norm else None,
+                   attn.k_proj.out_features // attn.head_dim, attn.head_dim, qkv,
                    (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features))
 
 
 @dataclass(frozen=True)
-class DraftLayer:
-    """One DFlash draft layer: q alone (block rows only), k+v as a slice of the all-layer context projection."""
+class DraftLayer(Layer):
+    """A DFlash draft layer: q alone (block rows only), k+v as a slice of the all-layer context projection."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
     q: Proj
     kv: Proj
-    o: Proj
-    gate_up: Proj
-    down: Proj
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q(h), *self.kv(h).chunk(2, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -206,9 +217,9 @@ class Draft:
         for i, layer in enumerate(draft.layers):
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(DraftLayer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, Proj(attn.q_proj.weight),
-                Proj(context_kv.weight[i * width:(i + 1) * width]), Proj(attn.o_proj.weight),
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, Proj(attn.o_proj.weight),
                 fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj]), Proj(mlp.down_proj.weight),
-                attn.q_norm.weight, attn.k_norm.weight))
+                attn.q_norm.weight, attn.k_norm.weight, attn.num_kv_heads, attn.head_dim, Proj(attn.q_proj.weight),
+                Proj(context_kv.weight[i * width:(i + 1) * width])))
         k_norms = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in draft.layers])
         return cls(Proj(draft.fc.weight), context_kv, k_norms, layers)
