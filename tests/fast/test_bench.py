@@ -22,6 +22,7 @@ def test_bench_reports_every_run_and_phase_and_agrees_with_ar(tmp_path, capsys):
         assert r["round_vs_ar_step"] > 0 and 0 <= r["non_verify_share"] < 1
     assert report["fast_vs_eager_ar_prefix_match"] == 1.0
     assert report["step_bytes"] > 0 and report["floor_ms"]["spec"] > 0
+    assert report["dtype"] == "float32"  # the CPU default; --dtype picks another
     table = capsys.readouterr().out
     assert table.count("| fast |") == 3 and table.count("| eager |") == 3
 
@@ -72,3 +73,11 @@ def test_generate_fast_gives_the_reference_tokens(fast_ckpt, capsys):
         assert main(args + extra) == 0
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+
+
+def test_bench_dtype_sets_the_models_dtype(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--methods", "ar",
+                 "--prompts", "1", "--prompt-tokens", "8", "--max-new-tokens", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and all(r["tokens_per_second"] > 0 for r in report["results"])
