@@ -63,9 +63,10 @@ def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
 
 def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast_ckpt):
     reference, fast = pairs["qwen3"]
-    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)
-    assert not fast.stream([1, 2, 3], sampled).on_fast_path
-    assert fast.generate([1, 2, 3], sampled).token_ids == reference.generate([1, 2, 3], sampled).token_ids
+    for filtered in (SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+                     SamplingParams(max_new_tokens=12, temperature=0.8, top_k=5, seed=3)):
+        assert not fast.stream([1, 2, 3], filtered).on_fast_path
+        assert fast.generate([1, 2, 3], filtered).token_ids == reference.generate([1, 2, 3], filtered).token_ids
     with_logprobs = SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True)
     assert not fast.stream([1, 2, 3], with_logprobs).on_fast_path
     assert fast.generate([1, 2, 3], with_logprobs).logprobs

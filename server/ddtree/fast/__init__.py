@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,6 +78,7 @@ class FastPath:
                               device=self.device)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # last committed token, not cached yet
+        self.inv_temperature = torch.ones((), device=self.device)  # 1 / T of the sampled generation running
         self.taps: tuple[int, ...] = draft.config.target_layer_ids if draft is not None else ()
         if draft is not None:
             dc = draft.config
@@ -100,9 +102,11 @@ class FastPath:
         return tree_size(depth, self.target.shape.vocab_size, budget) + 1
 
     def accepts(self, gen: Generation) -> bool:
-        """Greedy, no logprobs, a nonzero budget, and the whole request fits the static caches."""
+        """Greedy or temperature-only sampling, no logprobs, a nonzero budget, and the whole request fits the
+        static caches (top-k / top-p filters need a per-request sort of every row: the reference path does)."""
         p = gen.params
-        if self._busy or not p.greedy or p.logprobs is not None or (gen.method != "ar" and self.draft is None):
+        plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)
+        if self._busy or not plain or p.logprobs is not None or (gen.method != "ar" and self.draft is None):
             return False
         if gen.method == "ddtree" and gen.budget < 1:
             return False
@@ -117,15 +121,24 @@ class FastPath:
         """Generation._run on the fast path: same RoundOutputs, same stats, same tokens."""
         self._busy = True
         try:
-            plan = self.plan(gen.method, gen.budget)  # captured before the prefill resets the state
+            sampled = not gen.params.greedy
+            plan = self.plan(gen.method, gen.budget, sampled)  # captured before the prefill resets the state
+            refill = None
+            if sampled:
+                self.inv_temperature.fill_(1.0 / gen.params.temperature)
+                generator = None
+                if gen.params.seed is not None:
+                    generator = torch.Generator(device=self.device).manual_seed(gen.params.seed)
+                refill = partial(plan.noise.uniform_, generator=generator)  # fresh noise for every round
             t0 = time.perf_counter()
-            root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar")
+            root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
+                                noise=plan.noise[:1].uniform_(generator=generator) if sampled else None)
             gen.stats.prefill_seconds = self._sync() - t0
             yield gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             decode_start = time.perf_counter()
             while gen.finish_reason is None:
                 t = time.perf_counter()
-                result, phases = plan.run()
+                result, phases = plan.run(refill)
                 n = result[0]
                 emitted = result[1:1 + n]
                 phases["host"] = max(time.perf_counter() - t - sum(phases.values()), 0.0)
@@ -146,10 +159,18 @@ class FastPath:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def plan(self, method: str, budget: int) -> Plan:
-        """The round's steps for (method, budget), captured as CUDA graphs on first use."""
-        key = (method, budget if method == "ddtree" else 0)
+    def plan(self, method: str, budget: int, sampled: bool = False) -> Plan:
+        """The round's steps for (method, budget), greedy or sampled, captured as CUDA graphs on first use.
+
+        A sampled plan owns a uniform-noise buffer, one row per verified node, refilled before every verify:
+        the graph turns it into Gumbel noise, so the picks are exact samples of softmax(logits / T).
+        """
+        key = (method, budget if method == "ddtree" else 0, sampled)
         if key not in self._plans:
+            noise = None
+            if sampled:
+                vocab = self.target.lm_head.weight.shape[0]
+                noise = torch.rand((self.nodes(method, budget), vocab), device=self.device)
             steps: list[tuple[str, Callable]] = []
             if method == "ar":
                 steps.append(("tree", lambda _: self.lone_root()))
@@ -157,10 +178,10 @@ class FastPath:
                 steps.append(("draft", lambda _: self.draft_logits()))
                 steps.append(("tree", (lambda x: top_prefixes(x, budget)) if method == "ddtree" else chain))
             depth = 0 if method == "ar" else self.block - 1
-            steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth)))
+            steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise)))
             steps.append(("commit", lambda out: self.commit(*out[1:], with_draft=method != "ar")))
             cuda = self.device.type == "cuda"
-            self._plans[key] = Plan(steps, self._capture if cuda else None, cuda)
+            self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise)
         return self._plans[key]
 
     def _capture(self, fn: Callable, arg: object) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -205,14 +226,15 @@ class FastPath:
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
 
-    def prefill(self, prompt: torch.Tensor, with_draft: bool) -> int:
-        """Fill the caches with the prompt (eager: its length varies); returns the first token."""
+    def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None) -> int:
+        """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
+        `noise` [1, V] when given)."""
         n = prompt.numel()
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         logits, taps = self.forward(prompt, positions, causal, last_only=True)
-        root = logits[-1].argmax()
+        root = self.pick(logits[-1:], noise)[0]
         if with_draft:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
@@ -244,19 +266,22 @@ class FastPath:
         h, _ = ops.add_rms_norm(x[1:], delta[1:], draft.norm.weight, eps)
         return self.target.lm_head(h)
 
-    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-               max_depth: int) -> tuple[torch.Tensor, ...]:
-        """One target forward over root + tree, then the greedy walk, on the device.
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, max_depth: int,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """One target forward over root + tree, then the walk, on the device.
 
-        Node i is accepted when the target's pick at every ancestor-or-self edge matches (siblings hold
-        distinct tokens, so the accepted nodes form one root path). Returns (result = [accepted length,
-        emitted tokens..., padding], path nodes [D+1], accepted length, bonus token, taps).
+        Every node gets the target's own pick (argmax, or an independent sample when `noise` is given);
+        node i is accepted when the pick at every ancestor-or-self edge matches (siblings hold distinct
+        tokens, so the accepted nodes form one root path). The emitted tokens are the picks along that
+        path, so a sampled round emits exactly what sampling the target token by token would. Returns
+        (result = [accepted length, emitted tokens..., padding], path nodes [D+1], accepted length, bonus
+        token, taps).
         """
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
         visible = ancestors(parents, max_depth)
         logits, taps = self.forward(ids, self.start + depths, visible)
-        picks = logits.argmax(dim=-1)
+        picks = self.pick(logits, noise)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
         accepted = ~(visible & ~matches[None, :]).any(dim=1)
@@ -268,6 +293,15 @@ class FastPath:
         bonus = emitted.gather(0, (length - 1).view(1))[0]
         result = torch.cat([length.view(1), emitted])
         return result, path, length, bonus, taps
+
+    def pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """Per row: the argmax, or with uniform noise [N, V] a sample of softmax(logits / T) (Gumbel-max).
+
+        A noise value of exactly 0 gives that token -inf (never picked), not +inf: the safe side.
+        """
+        if noise is None:
+            return logits.argmax(dim=-1)
+        return (logits.float() * self.inv_temperature - torch.log(-torch.log(noise))).argmax(dim=-1)
 
     def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
                with_draft: bool) -> None:
@@ -322,8 +356,9 @@ class Plan:
     on the same static buffers, with the reason in `eager_reason`: slower, never wrong.
     """
 
-    def __init__(self, steps: list[tuple[str, Callable]], capture: Callable | None, cuda: bool) -> None:
-        self.steps, self.cuda = steps, cuda
+    def __init__(self, steps: list[tuple[str, Callable]], capture: Callable | None, cuda: bool,
+                 noise: torch.Tensor | None = None) -> None:
+        self.steps, self.cuda, self.noise = steps, cuda, noise
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.result: torch.Tensor | None = None
         self.eager_reason = None if capture is not None else "graphs off"
@@ -339,12 +374,15 @@ class Plan:
                 self.graphs, self.eager_reason = [], f"capture failed: {str(exc).splitlines()[0]}"
                 print(f"ddtree fast path: {self.eager_reason}; running eagerly", file=sys.stderr)
 
-    def run(self) -> tuple[list[int], dict[str, float]]:
-        """One round; returns ([accepted length, emitted tokens...], seconds per step)."""
+    def run(self, before_verify: Callable[[], object] | None = None) -> tuple[list[int], dict[str, float]]:
+        """One round; returns ([accepted length, emitted tokens...], seconds per step). `before_verify` runs
+        eagerly just before the verify step (a sampled plan's noise refill), inside its timing."""
         stamps: list = []
         out = result = None
         for i, (name, fn) in enumerate(self.steps):
             stamps.append(_stamp(self.cuda))
+            if name == "verify" and before_verify is not None:
+                before_verify()
             if self.graphs:
                 self.graphs[i].replay()
             else:
