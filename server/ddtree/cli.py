@@ -95,7 +95,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature for requests that send none (default: 1.0 as OpenAI; 0 = greedy)")
     p.add_argument("--fast", action="store_true",
-                   help="greedy requests on the fast path (static caches + CUDA graphs; Qwen3/Llama targets)")
+                   help="greedy and temperature-sampled requests on the fast path (static caches, fused kernels, "
+                        "CUDA graphs; Qwen3/Llama targets)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 

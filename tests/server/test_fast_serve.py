@@ -1,4 +1,5 @@
-"""`ddtree serve --fast`: greedy requests on the fast path answer exactly what the reference path does."""
+"""`ddtree serve --fast`: greedy requests on the fast path answer exactly what the reference path does;
+seeded sampled requests are reproducible."""
 
 from __future__ import annotations
 
@@ -16,5 +17,10 @@ def test_fast_server_matches_the_reference_server(server, logs):
             fast_reply = fast.client().completions.create(model=fast.model(), **kw)  # greedy by the server default
             assert fast_reply.choices[0].token_ids == reference.choices[0].token_ids
             assert fast_reply.choices[0].text == reference.choices[0].text
+        sampled = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0.9, "seed": 7,
+                   "extra_body": {"ignore_eos": True}}
+        replies = [fast.client().completions.create(model=fast.model(), **sampled) for _ in range(2)]
+        assert replies[0].choices[0].text == replies[1].choices[0].text  # a seed fixes a sampled reply
+        assert replies[0].usage.completion_tokens == 24
     finally:
         fast.stop()

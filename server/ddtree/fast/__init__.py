@@ -14,8 +14,9 @@ Each step is captured once per (method, budget) as a CUDA graph; the host replay
 back one small tensor (the accepted length and the emitted tokens). On the CPU the same steps run eagerly,
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
-Scope: greedy requests without logprobs, on dense pure-attention Qwen3 / Llama-family targets (no sliding
-windows, no MoE, no hybrid recurrent layers). Everything else stays on the reference path.
+Scope: greedy or temperature-sampled requests without top-k / top-p or logprobs, on dense pure-attention
+Qwen3 / Llama-family targets (no sliding windows, no MoE, no hybrid recurrent layers). Everything else stays
+on the reference path.
 """
 
 from __future__ import annotations
