@@ -64,3 +64,17 @@ def test_the_one_kernel_tree_build_equals_the_pytorch_loop(budget, vocab):
     got = top_prefixes(logits.cuda(), budget)  # CUDA: the Triton selection kernel
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.cpu(), w)
+
+
+def test_sampled_rounds_replay_as_graphs_and_a_seed_fixes_the_output(fast_ckpt):
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", fast=True,
+                                  fast_capacity=256)
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        gen = fast.stream([1, 2, 3, 4], params, method="ddtree", budget=16)
+        list(gen)
+        runs.append(gen.token_ids)
+    plan = fast.fast.plan("ddtree", 16, sampled=True)
+    assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+    assert runs[0] == runs[1] and len(runs[0]) == 40
