@@ -138,6 +138,12 @@ def parse_draft_config(
     )
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Qwen3 and Llama compute it: normalise in float32, round, then scale in the input dtype."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm (normalise in float32, scale in the input dtype)."""
 
@@ -147,10 +153,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DraftAttention(nn.Module):

@@ -88,7 +88,7 @@ class FastPath:
             # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, self.capacity, dc.head_dim),
                                         dtype=self.dtype, device=self.device)
-        self._plans: dict[tuple[str, int], Plan] = {}
+        self._plans: dict[tuple[str, int, bool], Plan] = {}
         self._busy = False
 
     # -- which requests ---------------------------------------------------------------------------------
@@ -124,16 +124,18 @@ class FastPath:
         try:
             sampled = not gen.params.greedy
             plan = self.plan(gen.method, gen.budget, sampled)  # captured before the prefill resets the state
-            refill = None
+            refill = prefill_noise = None
             if sampled:
                 self.inv_temperature.fill_(1.0 / gen.params.temperature)
                 generator = None
                 if gen.params.seed is not None:
                     generator = torch.Generator(device=self.device).manual_seed(gen.params.seed)
                 refill = partial(plan.noise.uniform_, generator=generator)  # fresh noise for every round
+                prefill_noise = plan.noise[:1].uniform_(generator=generator)
+            drafted = self.nodes(gen.method, gen.budget) - 1
             t0 = time.perf_counter()
             root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
-                                noise=plan.noise[:1].uniform_(generator=generator) if sampled else None)
+                                noise=prefill_noise)
             gen.stats.prefill_seconds = self._sync() - t0
             yield gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             decode_start = time.perf_counter()
@@ -143,7 +145,7 @@ class FastPath:
                 n = result[0]
                 emitted = result[1:1 + n]
                 phases["host"] = max(time.perf_counter() - t - sum(phases.values()), 0.0)
-                out = gen._emit(emitted, None, [], self.nodes(gen.method, gen.budget) - 1, n - 1, phases, False)
+                out = gen._emit(emitted, None, [], drafted, n - 1, phases, False)
                 gen.stats.rounds += 1
                 gen.stats.committed_tokens += n
                 for d in range(n - 1):

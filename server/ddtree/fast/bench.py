@@ -203,20 +203,12 @@ def graph_ms(fn: Callable[[], object], reps: int = 15) -> float:
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
-    """Measured device-to-device copy bandwidth (bytes read + written per second), median of 10."""
+    """Measured device-to-device copy bandwidth (bytes read + written per second), median of graph replays."""
     if device.type != "cuda":
         return None
     src = torch.randn(256 * 2**20, device=device)  # 1 GiB
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() * src.element_size() / statistics.median(times[2:])
+    return 2 * src.numel() * src.element_size() / (graph_ms(lambda: dst.copy_(src)) / 1e3)
 
 
 def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, max_new_tokens: int) -> dict:

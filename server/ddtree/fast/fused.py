@@ -25,11 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Qwen3 and Llama compute it: normalise in float32, round, then scale in the input dtype."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from ddtree.draft import rms_norm
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
