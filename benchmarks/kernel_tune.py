@@ -6,8 +6,8 @@ For the row counts the fast path meets on a Qwen3-8B-shaped target (8 K/V heads,
 one AR row, a 16-row draft block, and 65- and 129-node tree verifies, at a 560-token context in a
 768-row cache. Each variant runs over 36 distinct layer caches (more than L2 holds) as one CUDA graph;
 the time is per layer call, median of replays.
-2. Tree build: `top_prefixes` at each budget over a 151936-token vocabulary, and the one op its per-depth
-   loop is made of (pick the best `budget` of the ~B ln B frontier) done three ways, 14 times in a row.
+2. Tree build: `top_prefixes` at each budget over the demo's 8192-token and Qwen3's 151936-token vocabulary,
+   and its parts: the vocabulary top-k + log-partition (Triton vs torch) and the tree kernel at 4/8/16 warps.
 
     PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep]   # --sweep: every attention launch config
 """
@@ -74,31 +74,39 @@ def attention(sweep: bool) -> None:
 
 
 def tree_ops() -> None:
-    from ddtree.fast.tree import _frontier, top_prefixes
-
     dev = torch.device("cuda")
-    logits = torch.randn(15, 151936, device=dev, dtype=torch.bfloat16) * 4
-    print("\n| budget | what | us |\n|---|---|---|")
-    for budget in (16, 32, 64, 128):
-        per_round = per_call_us(lambda budget=budget: [top_prefixes(logits, budget) for _ in range(LAYERS)])
-        print(f"| {budget} | top_prefixes (per call) | {per_round:.1f} |")
-        cand = torch.randn(_frontier(budget, budget, dev).numel(), device=dev)
-        ops = {"sort stable": lambda c=cand: c.sort(descending=True, stable=True),
-               "sort": lambda c=cand: c.sort(descending=True),
-               "topk sorted": lambda c=cand, b=budget: c.topk(b)}
-        for name, op in ops.items():
-            us = per_call_us(lambda op=op: [op() for _ in range(LAYERS)])
-            print(f"| {budget} | {name} of {cand.numel()} (per call) | {us:.1f} |")
-    top = per_call_us(lambda: [logits.float().topk(64, dim=-1) for _ in range(LAYERS)])
-    print(f"| 64 | vocab top-k [15, 151936] (per call) | {top:.1f} |")
-    for chunks in (16, 64):
-        def two_stage(chunks=chunks):
-            values, _ = logits.float().view(15, chunks, -1).topk(64, dim=-1)
-            return values.view(15, -1).topk(64, dim=-1)
-        us = per_call_us(lambda two_stage=two_stage: [two_stage() for _ in range(LAYERS)])
-        print(f"| 64 | vocab top-k in two stages, {chunks} chunks (per call) | {us:.1f} |")
-    lse = per_call_us(lambda: [logits.float().logsumexp(dim=-1) for _ in range(LAYERS)])
-    print(f"| - | logsumexp [15, 151936] (per call) | {lse:.1f} |")
+    print("\n| vocab | budget | what | us per call |\n|---|---|---|---|")
+    for vocab in (8192, 151936):
+        logits = torch.randn(15, vocab, device=dev, dtype=torch.bfloat16) * 4
+        for budget in (16, 32, 64, 128):
+            tree_phase(logits, budget)
+
+
+def tree_phase(logits: torch.Tensor, budget: int) -> None:
+    """Print the tree phase's cost for one vocabulary and budget, whole and by part."""
+    from ddtree.fast import tree
+
+    vocab, k = logits.shape[1], min(budget, logits.shape[1])
+
+    def torch_top():
+        wide = logits.float()
+        top, tok = wide.topk(k, dim=-1)
+        return top - wide.logsumexp(dim=-1, keepdim=True), tok
+
+    built = (*tree.vocab_top(logits, k), tree._frontier(budget, k, logits.device), budget,
+             tree.tree_size(logits.shape[0], vocab, budget))
+    default = tree._tree_warps
+    for warps in (4, 8, 16):
+        tree._tree_warps = lambda _, warps=warps: warps
+        us = per_call_us(lambda: [tree._build_on_gpu(*built) for _ in range(LAYERS)])
+        print(f"| {vocab} | {budget} | tree kernel, {warps} warps | {us:.1f} |")
+    tree._tree_warps = default
+    rows = {"top_prefixes (the whole tree phase)": lambda: tree.top_prefixes(logits, budget),
+            "vocab top-k + log-partition, Triton": lambda: tree.vocab_top(logits, k),
+            "vocab top-k + log-partition, torch": torch_top}
+    for name, op in rows.items():
+        us = per_call_us(lambda op=op: [op() for _ in range(LAYERS)])
+        print(f"| {vocab} | {budget} | {name} | {us:.1f} |")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,23 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
 
 
+def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, monkeypatch):
+    """A machine whose Triton cannot build kernels (no compiler) serves on SDPA and the PyTorch tree loop."""
+    from ddtree.fast import jit
+
+    monkeypatch.setattr(jit, "_WORKS", {torch.device("cuda", torch.cuda.current_device()): False})
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32",
+                                  fast=True, fast_capacity=256)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    for method, budget in (("dflash", None), ("ddtree", 16)):
+        gen = fast.stream(list(range(60, 90)), GREEDY, method=method, budget=budget)
+        list(gen)
+        ref = reference.stream(list(range(60, 90)), GREEDY, method=method, budget=budget)
+        list(ref)
+        assert gen.on_fast_path and fast.fast.plan(method, budget or 1).graphs
+        assert gen.token_ids == ref.token_ids, method
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "groups", "window"),
                          [(1, 4, None), (17, 4, None), (65, 2, None), (16, 4, 24), (300, 1, None)])
@@ -54,16 +71,39 @@ def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window):
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
 
 
+def distinct_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits without ties (each row a permutation of an even grid): tie order is left to each top-k."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(vocab, generator=gen) for _ in range(rows)]).float() * (12 / vocab) - 6
+
+
 @pytest.mark.parametrize("budget", [1, 3, 16, 64, 128, 200])
 @pytest.mark.parametrize("vocab", [50, 8192])
 def test_the_one_kernel_tree_build_equals_the_pytorch_loop(budget, vocab):
     from ddtree.fast.tree import top_prefixes
 
-    logits = torch.randn(15, vocab, generator=torch.Generator().manual_seed(budget)) * 3
-    want = top_prefixes(logits, budget)  # CPU: the per-depth PyTorch loop
-    got = top_prefixes(logits.cuda(), budget)  # CUDA: the Triton selection kernel
-    for g, w in zip(got, want, strict=True):
+    logits = distinct_logits(15, vocab, seed=budget)
+    want = top_prefixes(logits, budget)  # CPU: torch.topk and the per-depth PyTorch loop
+    got = top_prefixes(logits.cuda(), budget)  # CUDA: the vocabulary kernels and the tree kernel
+    for g, w in zip(got, want, strict=True):  # tokens, parents, depths, ancestor matrix
         assert torch.equal(g.cpu(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("vocab", "k"), [(20, 2), (8192, 64), (151936, 16), (151936, 128), (5000, 300)])
+def test_vocab_top_kernels_equal_topk_and_logsumexp(dtype, vocab, k):
+    from ddtree.fast.tree import vocab_top
+
+    logits = distinct_logits(15, vocab, seed=k).to(dtype)
+    logp, tokens = vocab_top(logits.cuda(), k)
+    wide = logits.float()
+    top, want_tokens = wide.topk(k, dim=-1)
+    want = top - wide.logsumexp(dim=-1, keepdim=True)
+    if dtype == torch.bfloat16:  # rounding makes ties: compare the values, and the tokens through them
+        assert torch.equal(wide.gather(1, tokens.cpu()), top)
+    else:
+        assert torch.equal(tokens.cpu(), want_tokens)
+    assert torch.allclose(logp.cpu(), want, atol=1e-5, rtol=1e-6)
 
 
 def test_sampled_rounds_replay_as_graphs_and_a_seed_fixes_the_output(fast_ckpt):

@@ -21,7 +21,8 @@ def test_same_prefix_set_and_order_as_build_tree(budget, seed):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(7, 50, generator=gen) * 3
     host = build_tree(logits, budget)
-    tokens, parents, depths = top_prefixes(logits, budget)
+    tokens, parents, depths, visible = top_prefixes(logits, budget)
+    assert torch.equal(visible, visibility(host))
     parents = parents.tolist()
     assert len(parents) == host.size + 1
     assert paths(tokens.tolist(), parents) == paths(host.tokens, host.parents)
@@ -33,7 +34,7 @@ def test_same_prefix_set_and_order_as_build_tree(budget, seed):
 def test_tied_scores_still_give_a_prefix_closed_tree():
     logits = torch.full((5, 20), -30.0)
     logits[:, 3] = 30.0  # every depth certain: the best paths tie with their own prefixes
-    tokens, parents, depths = top_prefixes(logits, 12)
+    tokens, parents, depths, _ = top_prefixes(logits, 12)
     parents, depths = parents.tolist(), depths.tolist()
     assert all(parents[i] < i and depths[i] == depths[parents[i]] + 1 for i in range(1, len(parents)))
     assert tokens[:5].tolist() == [3] * 5 and depths[1:6] == [1, 2, 3, 4, 5]
@@ -42,10 +43,11 @@ def test_tied_scores_still_give_a_prefix_closed_tree():
 def test_chain_and_ancestors_match_the_host_versions():
     logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(2))
     host = chain_tree(logits.argmax(-1).tolist())
-    tokens, parents, depths = chain(logits)
+    tokens, parents, depths, visible = chain(logits)
     assert (tokens.tolist(), parents.tolist()[1:], depths.tolist()) == (host.tokens, host.parents[1:],
                                                                         [0, *host.depths])
+    assert torch.equal(visible, visibility(host))
     for budget in (5, 40):
         tree = build_tree(logits, budget)
-        _, parents, _ = top_prefixes(logits, budget)
+        _, parents, _, _ = top_prefixes(logits, budget)
         assert torch.equal(ancestors(parents, max_depth=6), visibility(tree))

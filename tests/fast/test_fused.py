@@ -29,7 +29,10 @@ def test_norm_and_rotary_match_the_transformers_modules():
     n, heads, kv_heads, d = 4, 6, 2, 8
     q, k, v = (torch.randn(n, h * d, generator=gen) for h in (heads, kv_heads, kv_heads))
     cos, sin = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
-    grouped, new_kv = attention_heads(q, k, v, None, None, 1e-6, cos, sin, kv_heads, d)
+    cache, slots = torch.zeros(2, kv_heads, 10, d), torch.tensor([3, 4, 5, 6])
+    grouped = attention_heads(q, k, v, None, None, 1e-6, cos, sin, kv_heads, d, cache, slots)
+    new_kv = cache[:, :, 3:7]
+    assert not cache[:, :, :3].any() and not cache[:, :, 7:].any()  # only the rows' slots are written
     q_heads, k_heads = q.view(1, n, heads, d).transpose(1, 2), k.view(1, n, kv_heads, d).transpose(1, 2)
     q_ref, k_ref = apply_rotary_pos_emb(q_heads, k_heads, cos[None], sin[None])
     groups = heads // kv_heads

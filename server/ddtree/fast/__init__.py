@@ -133,19 +133,23 @@ class FastPath:
                 refill = partial(plan.noise.uniform_, generator=generator)  # fresh noise for every round
                 prefill_noise = plan.noise[:1].uniform_(generator=generator)
             drafted = self.nodes(gen.method, gen.budget) - 1
+            most = 1 if gen.method == "ar" else self.block  # tokens one round can emit
             t0 = time.perf_counter()
             root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
                                 noise=prefill_noise)
             gen.stats.prefill_seconds = self._sync() - t0
             yield gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             decode_start = time.perf_counter()
-            while gen.finish_reason is None:
-                t = time.perf_counter()
-                result, phases = plan.run(refill)
+            pending = plan.launch(refill, after=_stamp(plan.cuda))
+            while pending is not None:
+                # The next round goes in before this one is read, so the device never waits for the host's
+                # bookkeeping; skipped when this round may reach max_tokens. A stop token wastes that round.
+                ahead = None
+                if len(gen.token_ids) + most < gen.params.max_new_tokens:
+                    ahead = plan.launch(refill, after=pending.stamps[-1])
+                result, phases = pending.collect()
                 n = result[0]
-                emitted = result[1:1 + n]
-                phases["host"] = max(time.perf_counter() - t - sum(phases.values()), 0.0)
-                out = gen._emit(emitted, None, [], drafted, n - 1, phases, False)
+                out = gen._emit(result[1:1 + n], None, [], drafted, n - 1, phases, False)
                 gen.stats.rounds += 1
                 gen.stats.committed_tokens += n
                 for d in range(n - 1):
@@ -153,6 +157,10 @@ class FastPath:
                 for name, seconds in phases.items():
                     gen.stats.phase_seconds[name] = gen.stats.phase_seconds.get(name, 0.0) + seconds
                 gen.stats.decode_seconds = time.perf_counter() - decode_start
+                if gen.finish_reason is not None:
+                    pending = None
+                else:
+                    pending = ahead or plan.launch(refill, after=pending.stamps[-1])
                 yield out
         finally:
             self._busy = False
@@ -188,7 +196,7 @@ class FastPath:
         return self._plans[key]
 
     def _capture(self, fn: Callable, arg: object) -> tuple[torch.cuda.CUDAGraph, object]:
-        """Warm up on a side stream, then capture. Warm-ups move `start`, so it is reset after each run;
+        """Warm up on a side stream, capture, replay once. Runs move `start`, so it is reset after each;
         the captures happen before a prefill, which rewrites every row that a later round reads."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -200,6 +208,7 @@ class FastPath:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn(arg)
+        graph.replay()  # a capture runs nothing: the next step's warm-ups must read real outputs, not fresh memory
         self.start.zero_()
         return graph, out
 
@@ -247,7 +256,7 @@ class FastPath:
     def lone_root(self) -> tuple[torch.Tensor, ...]:
         """The AR "tree": the root alone."""
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        return zero[:0], zero, zero
+        return zero[:0], zero, zero, torch.ones(1, 1, dtype=torch.bool, device=self.device)
 
     def draft_logits(self) -> torch.Tensor:
         """The DFlash block pass: [root, mask x D] at start.. over the static context cache -> logits [D, V]."""
@@ -269,9 +278,10 @@ class FastPath:
         h, _ = ops.add_rms_norm(x[1:], delta[1:], draft.norm.weight, eps)
         return self.target.lm_head(h)
 
-    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, max_depth: int,
-               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """One target forward over root + tree, then the walk, on the device.
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
+               max_depth: int, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """One target forward over root + tree (`visible`: each node and its ancestors), then the walk, on
+        the device.
 
         Every node gets the target's own pick (argmax, or an independent sample when `noise` is given);
         node i is accepted when the pick at every ancestor-or-self edge matches (siblings hold distinct
@@ -282,7 +292,6 @@ class FastPath:
         """
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
-        visible = ancestors(parents, max_depth)
         logits, taps = self.forward(ids, self.start + depths, visible)
         picks = self.pick(logits, noise)
         steps = torch.arange(n, device=self.device)
@@ -345,9 +354,8 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
     else:
         h, x = ops.add_rms_norm(x, delta, layer.input_norm, eps)
     entering = x
-    q, new_kv = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
-                                    layer.head_dim)
-    cache.index_copy_(2, slots, new_kv)
+    q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
+                            layer.head_dim, cache, slots)
     h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps)
     return entering, x, layer.down(ops.silu_mul(layer.gate_up(h)))
 
@@ -377,9 +385,13 @@ class Plan:
                 self.graphs, self.eager_reason = [], f"capture failed: {str(exc).splitlines()[0]}"
                 print(f"ddtree fast path: {self.eager_reason}; running eagerly", file=sys.stderr)
 
-    def run(self, before_verify: Callable[[], object] | None = None) -> tuple[list[int], dict[str, float]]:
-        """One round; returns ([accepted length, emitted tokens...], seconds per step). `before_verify` runs
-        eagerly just before the verify step (a sampled plan's noise refill), inside its timing."""
+    def launch(self, before_verify: Callable[[], object] | None = None,
+               after: torch.cuda.Event | float | None = None) -> Launched:
+        """Queue one round (run it, off CUDA) and a copy of its result to the host; read it with collect().
+
+        `before_verify` runs eagerly just before the verify step (a sampled plan's noise refill), inside its
+        timing. `after` is the previous round's last stamp: the gap from it is the device's wait for the host.
+        """
         stamps: list = []
         out = result = None
         for i, (name, fn) in enumerate(self.steps):
@@ -392,9 +404,33 @@ class Plan:
                 out = fn(out)
                 result = out[0] if name == "verify" else result
         stamps.append(_stamp(self.cuda))
-        values = (self.result if self.graphs else result).tolist()  # the round's one synchronisation
-        spans = zip(self.steps, stamps[:-1], stamps[1:], strict=True)
-        return values, {name: _elapsed(a, b) for (name, _), a, b in spans}
+        result = self.result if self.graphs else result
+        if self.cuda:  # the next round's verify overwrites self.result: copy it out in stream order
+            result = result.to("cpu", non_blocking=True)
+        stamps.append(_stamp(self.cuda))
+        return Launched(self.steps, stamps, after, result)
+
+    def run(self, before_verify: Callable[[], object] | None = None) -> tuple[list[int], dict[str, float]]:
+        """One round, read back at once: ([accepted length, emitted tokens...], seconds per step)."""
+        return self.launch(before_verify).collect()
+
+
+class Launched:
+    """A queued round: its step stamps and its result on the way to the host."""
+
+    def __init__(self, steps: list[tuple[str, Callable]], stamps: list, after: torch.cuda.Event | float | None,
+                 result: torch.Tensor) -> None:
+        self.steps, self.stamps, self.after, self.result = steps, stamps, after, result
+
+    def collect(self) -> tuple[list[int], dict[str, float]]:
+        """Wait for the round; returns ([accepted length, emitted tokens...], seconds per step and `host`)."""
+        if isinstance(self.stamps[-1], torch.cuda.Event):
+            self.stamps[-1].synchronize()  # the round's one synchronisation
+        spans = zip(self.steps, self.stamps[:-2], self.stamps[1:-1], strict=True)
+        phases = {name: _elapsed(a, b) for (name, _), a, b in spans}
+        waited = 0.0 if self.after is None else _elapsed(self.after, self.stamps[0])
+        phases["host"] = waited + _elapsed(self.stamps[-2], self.stamps[-1])  # idle device + the result's copy
+        return self.result.tolist(), phases
 
 
 def _stamp(cuda: bool) -> torch.cuda.Event | float:

@@ -46,7 +46,7 @@ def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups:
     """The rule above for `visible` [n, n] (bool), in the form the attention backend for this device takes."""
     n = visible.shape[0]
     if visible.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and triton_works(visible.device):
-        return TreeMask(start, n, window, visible=visible.to(torch.int8))
+        return TreeMask(start, n, window, visible=visible.view(torch.int8))  # bool is one byte: no copy
     columns = torch.arange(capacity, device=visible.device)
     rel = columns - start
     new = visible.index_select(1, rel.clamp(0, n - 1)) & (rel >= 0) & (rel < n)

@@ -1,10 +1,10 @@
 """Fused weights and fused elementwise steps: the fast path's forward passes in few, large kernels.
 
 At batch 1 a decoder layer is bound by reading its weights; on a GPU, what it loses beyond that is kernel
-count (transformers' RMSNorm is seven kernels, its RoPE about ten per tensor). Here a target layer is a
-dozen kernels:
+count (transformers' RMSNorm is seven kernels, its RoPE about ten per tensor). Here a target layer is
+about ten kernels:
 
-    add + norm | qkv GEMM | q/k norm + RoPE + head layout | KV write | attention | o GEMM |
+    add + norm | qkv GEMM | q/k norm + RoPE + head layout + KV write | attention | o GEMM |
     add + norm | gate+up GEMM | SiLU * up | down GEMM
 
 Projections that read the same input share one weight: q, k and v; gate and up; and, in the drafter, the
@@ -43,8 +43,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                     k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                    kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Projected rows q [n, H*d], k, v [n, kv*d] -> (queries grouped by K/V head [kv, groups*n, d], K/V [2, kv, n, d]).
+                    kv_heads: int, head_dim: int, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Projected rows q [n, H*d], k, v [n, kv*d] -> queries grouped by K/V head [kv, groups*n, d]; the rows'
+    K/V go to cache [2, kv, T, d] at `slots` (written in place, by the same kernel when compiled).
 
     Per-head q/k norm (Qwen3; None for Llama), then RoPE (cos/sin [n, d]). Queries that share a K/V head
     are stacked along the query axis so attention reads each cached row once per K/V head.
@@ -55,8 +56,8 @@ def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: t
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = rope(q, cos[:, None], sin[:, None]), rope(k, cos[:, None], sin[:, None])
     groups = q.shape[1] // kv_heads
-    q = q.view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, head_dim)
-    return q, torch.stack([k, v]).transpose(1, 2)
+    cache[:, :, slots] = torch.stack([k, v]).transpose(1, 2)
+    return q.view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, head_dim)
 
 
 def context_heads(kv: torch.Tensor, k_norms: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,7 +1,7 @@
 """Whether the fast path's Triton kernels build and run on a device, checked once per device.
 
 Triton compiles each kernel's launcher with the host's C compiler and Python headers at run time; an
-image without them (or a Triton too old for `tl.sort`) must still serve. The first call runs both kernels
+image without them (or a Triton too old for `tl.topk`) must still serve. The first call runs every kernel
 on tiny inputs; if that fails, the fast path uses PyTorch SDPA and the PyTorch tree loop instead, and
 says why on stderr.
 """
@@ -37,13 +37,13 @@ def triton_works(device: torch.device) -> bool:
 
 
 def _probe(device: torch.device) -> None:
-    """Both kernels on tiny inputs: a 2-row tree over an empty cache, and a budget-2 tree of depth 3."""
+    """Every kernel on tiny inputs: a 2-row tree over an empty cache, a vocabulary top-2, a budget-2 tree."""
     from ddtree.fast.attention import TreeMask, _triton_attention
-    from ddtree.fast.tree import _build_on_gpu, _frontier
+    from ddtree.fast.tree import _build_on_gpu, _frontier, _vocab_top_on_gpu
 
     start = torch.zeros((), dtype=torch.long, device=device)
     mask = TreeMask(start, 2, None, visible=torch.ones(2, 2, dtype=torch.int8, device=device))
     _triton_attention(torch.zeros(1, 2, 16, device=device), torch.zeros(2, 1, 64, 16, device=device), mask)
-    logp, tokens = torch.zeros(3, 2, device=device), torch.zeros(3, 2, dtype=torch.long, device=device)
+    logp, tokens = _vocab_top_on_gpu(torch.zeros(3, 20, device=device), 2)
     _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
     torch.cuda.synchronize(device)

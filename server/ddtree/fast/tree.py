@@ -29,20 +29,18 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     extend the best `budget` of depth d-1 (a prefix scores at least as well as its extensions), so every
     depth keeps exactly `budget` slots, sorted best first (unused ones score -inf). Extending slot i by the
     j-th best token is beaten by every (i' <= i, j' <= j), so only the (i+1)(j+1) <= budget "frontier"
-    pairs can make the cut: one small sort per depth (~B ln B candidates, not B * k) finds them. One
-    stable sort by score (shallower first on ties) then numbers the nodes best-first, so every parent
-    precedes its children. Returns (tokens [N-1], parents [N], depths [N]), N = nodes + 1 with the root
-    at 0 (parent 0, depth 0).
+    pairs can make the cut: one small selection per depth (~B ln B candidates, not B * k) finds them. One
+    stable ordering by score (shallower first on ties) then numbers the nodes best-first, so every parent
+    precedes its children. Returns (tokens [N-1], parents [N], depths [N], visible [N, N] bool: each node
+    and its ancestors), N = nodes + 1 with the root at 0 (parent 0, depth 0).
     """
-    logits = draft_logits.float()
-    max_depth, vocab = logits.shape
+    max_depth, vocab = draft_logits.shape
     k = min(budget, vocab)
-    device = logits.device
-    top, tok = logits.topk(k, dim=-1)  # fused top-k, sorted: log-probs are the top logits minus the log-partition
-    logp = top - logits.logsumexp(dim=-1, keepdim=True)
+    device = draft_logits.device
+    logp, tok = vocab_top(draft_logits, k)
     pairs = _frontier(budget, k, device)
     n = tree_size(max_depth, vocab, budget)
-    if logits.is_cuda and triton_works(logits.device):
+    if draft_logits.is_cuda and triton_works(device):
         return _build_on_gpu(logp, tok, pairs, budget, n)
     scores = logp.new_full((max_depth, budget), float("-inf"))
     scores[0, :k] = logp[0]
@@ -59,7 +57,22 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     parent = parent_slot.flatten()[order]
     root = torch.zeros(1, dtype=torch.long, device=device)
     parents = torch.cat([root, torch.where(parent >= 0, node_of[parent.clamp(min=0)], 0)])
-    return tokens.flatten()[order], parents, torch.cat([root, order.div(budget, rounding_mode="floor") + 1])
+    return (tokens.flatten()[order], parents, torch.cat([root, order.div(budget, rounding_mode="floor") + 1]),
+            ancestors(parents, max_depth))
+
+
+def vocab_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the k most probable tokens, best first: (log-probabilities [D, k] float32, tokens [D, k]).
+
+    On CUDA two Triton kernels read the logits once: every vocabulary chunk keeps its own top k and its
+    max / sum of exponentials, and one program per row merges them (torch.topk and logsumexp take
+    several kernels and ~75 µs for 15 rows; these take a few).
+    """
+    if logits.is_cuda and triton_works(logits.device):
+        return _vocab_top_on_gpu(logits, k)
+    logits = logits.float()
+    top, tok = logits.topk(k, dim=-1)
+    return top - logits.logsumexp(dim=-1, keepdim=True), tok
 
 
 _FRONTIERS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -77,29 +90,54 @@ def _frontier(budget: int, k: int, device: torch.device) -> torch.Tensor:
     return _FRONTIERS[key]
 
 
+def _pow2(n: int, least: int = 16) -> int:
+    """The power of two >= n (and >= `least`): Triton blocks and bitonic networks come in powers of two."""
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def _vocab_top_on_gpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, vocab = logits.shape
+    top = _pow2(k)
+    chunk = min(max(1024, _pow2(vocab * top // 2048), top), max(_pow2(vocab), top))  # ~2048 candidates a row
+    chunks = -(-vocab // chunk)
+    candidates = torch.empty((rows, chunks * top), dtype=torch.int64, device=logits.device)
+    stats = torch.empty((rows, 2, chunks), dtype=torch.float32, device=logits.device)  # chunk max, sum of exp
+    _chunk_top_kernel[(rows, chunks)](logits, logits.stride(0), vocab, candidates, stats, chunks, CHUNK=chunk,
+                                      TOP=top, num_warps=8 if chunk <= 4096 else 16)
+    logp = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
+    tokens = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
+    _merge_top_kernel[(rows,)](candidates, stats, logp, tokens, chunks, k, SPAN=_pow2(chunks * top),
+                               CHUNKS=_pow2(chunks), TOP=top, num_warps=4)
+    return logp, tokens
+
+
+def _tree_warps(budget: int) -> int:
+    """Launch width of the tree kernel: its selections are bitonic networks, wider for bigger budgets."""
+    return 8 if budget <= 32 else 16
+
+
 def _build_on_gpu(logp: torch.Tensor, tok: torch.Tensor, pairs: torch.Tensor, budget: int,
                   n: int) -> tuple[torch.Tensor, ...]:
     """top_prefixes after the vocabulary top-k, as one Triton program: a kernel launch costs more than a
-    depth's work, so the per-depth loop, the best-first numbering and the parent lookup run in one launch."""
+    depth's work, so the per-depth loop, the best-first numbering, the parent lookup and the ancestor
+    matrix come from one launch."""
     max_depth, k = logp.shape
     device = logp.device
-    span = max(16, triton.next_power_of_2(pairs.numel()))
-    every = max(16, triton.next_power_of_2(max_depth * budget))
+    every = _pow2(max_depth * budget)
     scores = torch.empty((max_depth, budget), dtype=torch.float32, device=device)
     picks = torch.empty((max_depth, budget), dtype=torch.int64, device=device)
-    scratch = torch.empty(max(span, every), dtype=torch.int64, device=device)
     node_of = torch.empty(max_depth * budget, dtype=torch.int64, device=device)
     tokens = torch.empty(n, dtype=torch.int64, device=device)
     parents = torch.empty(n + 1, dtype=torch.int64, device=device)
     depths = torch.empty(n + 1, dtype=torch.int64, device=device)
-    _tree_kernel[(1,)](logp, tok, pairs, scores, picks, scratch, node_of, tokens, parents, depths, pairs.numel(), k,
-                       budget, n, MAX_DEPTH=max_depth, SPAN=span, BUDGET=max(16, triton.next_power_of_2(budget)),
-                       EVERY=every, NODES=max(16, triton.next_power_of_2(n)), num_warps=4)
-    return tokens, parents, depths
+    visible = torch.zeros((n + 1, n + 1), dtype=torch.uint8, device=device)
+    _tree_kernel[(1,)](logp, tok, pairs, scores, picks, node_of, tokens, parents, depths, visible, pairs.numel(),
+                       k, budget, n, MAX_DEPTH=max_depth, SPAN=_pow2(pairs.numel()), BUDGET=_pow2(budget),
+                       EVERY=every, NODES=_pow2(n), ROWS=_pow2(n + 1), num_warps=_tree_warps(budget))
+    return tokens, parents, depths, visible.view(torch.bool)
 
 
 if triton is not None:
-
     @triton.jit
     def _key(score, rank):
         """int64 sort key: an order-preserving integer image of the float score, then `rank` (ties)."""
@@ -113,11 +151,42 @@ if triton is not None:
         return (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, Scratch, NodeOf, Tokens, Parents, Depths, num_pairs, k, budget,
-                     n, MAX_DEPTH: tl.constexpr, SPAN: tl.constexpr, BUDGET: tl.constexpr, EVERY: tl.constexpr,
-                     NODES: tl.constexpr):
-        """The PyTorch path of top_prefixes, step for step. Sorting keys carry the complement of an index in
-        their low bits, so one descending integer sort breaks score ties like a stable sort does."""
+    def _chunk_top_kernel(Logits, stride, vocab, Candidates, Stats, chunks, CHUNK: tl.constexpr, TOP: tl.constexpr):
+        """One vocabulary chunk of one row: its TOP best (score, token) keys, its max and sum of exp."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        col = chunk * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(Logits + row * stride + col, mask=col < vocab, other=float("-inf")).to(tl.float32)
+        # 2**31 - 1 - token in the low bits: the lower token first on equal logits
+        key = tl.where(col < vocab, _key(x, 2147483647 - col), -9223372036854775807)
+        tl.store(Candidates + (row * chunks + chunk) * TOP + tl.arange(0, TOP), tl.topk(key, TOP))
+        top = tl.max(x, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        tl.store(Stats + row * 2 * chunks + chunk, top)
+        tl.store(Stats + (row * 2 + 1) * chunks + chunk, tl.sum(tl.exp(x - top), axis=0))
+
+    @triton.jit
+    def _merge_top_kernel(Candidates, Stats, Logp, Tokens, chunks, k, SPAN: tl.constexpr, CHUNKS: tl.constexpr,
+                          TOP: tl.constexpr):
+        """One row: the best k of its chunks' candidates, minus the row's log-partition."""
+        row = tl.program_id(0)
+        c = tl.arange(0, CHUNKS)
+        top = tl.load(Stats + row * 2 * chunks + c, mask=c < chunks, other=float("-inf"))
+        total = tl.load(Stats + (row * 2 + 1) * chunks + c, mask=c < chunks, other=0.0)
+        high = tl.max(top, axis=0)
+        log_partition = high + tl.log(tl.sum(total * tl.exp(top - high), axis=0))
+        s = tl.arange(0, SPAN)
+        key = tl.load(Candidates + row * chunks * TOP + s, mask=s < chunks * TOP, other=-9223372036854775807)
+        best = tl.topk(key, TOP)
+        j = tl.arange(0, TOP)
+        tl.store(Logp + row * k + j, _key_score(best) - log_partition, mask=j < k)
+        tl.store(Tokens + row * k + j, 2147483647 - (best & 0xFFFFFFFF), mask=j < k)
+
+    @triton.jit
+    def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, NodeOf, Tokens, Parents, Depths, Visible, num_pairs, k,
+                     budget, n, MAX_DEPTH: tl.constexpr, SPAN: tl.constexpr, BUDGET: tl.constexpr,
+                     EVERY: tl.constexpr, NODES: tl.constexpr, ROWS: tl.constexpr):
+        """The PyTorch path of top_prefixes, step for step. Selection keys carry the complement of an index
+        in their low bits, so one descending integer top-k breaks score ties like a stable sort does."""
         lowest = -9223372036854775807
         b = tl.arange(0, BUDGET)
         keep = b < budget
@@ -131,10 +200,7 @@ if triton is not None:
         for d in range(1, MAX_DEPTH):  # the best `budget` frontier extensions of depth d-1's slots
             cand = tl.load(Scores + (d - 1) * budget + slot, mask=valid, other=float("-inf"))
             cand += tl.load(Logp + d * k + token, mask=valid, other=float("-inf"))
-            key = tl.where(valid, _key(cand, SPAN - 1 - f), lowest)
-            tl.store(Scratch + f, tl.sort(key, descending=True))
-            tl.debug_barrier()
-            top = tl.load(Scratch + b, mask=keep, other=0)
+            top = tl.topk(tl.where(valid, _key(cand, SPAN - 1 - f), lowest), BUDGET)
             tl.store(Scores + d * budget + b, _key_score(top), mask=keep)
             index = SPAN - 1 - (top & 0xFFFFFFFF)
             tl.store(Picks + d * budget + b, tl.load(Pairs + index, mask=keep, other=0), mask=keep)
@@ -142,11 +208,10 @@ if triton is not None:
         e = tl.arange(0, EVERY)  # best-first numbering of all depths' slots: node r + 1 is the r-th best
         inside = e < MAX_DEPTH * budget
         key = tl.where(inside, _key(tl.load(Scores + e, mask=inside, other=float("-inf")), EVERY - 1 - e), lowest)
-        tl.store(Scratch + e, tl.sort(key, descending=True))
-        tl.debug_barrier()
+        best = tl.topk(key, NODES)
         r = tl.arange(0, NODES)
         take = r < n
-        cand = EVERY - 1 - (tl.load(Scratch + r, mask=take, other=0) & 0xFFFFFFFF)
+        cand = EVERY - 1 - (best & 0xFFFFFFFF)
         tl.store(NodeOf + cand, (r + 1).to(tl.int64), mask=take)
         tl.debug_barrier()
         depth = cand // budget
@@ -158,13 +223,24 @@ if triton is not None:
         tl.store(Depths + 1 + r, depth + 1, mask=take)
         tl.store(Parents + r, tl.zeros_like(parent), mask=r == 0)  # the root
         tl.store(Depths + r, tl.zeros_like(depth), mask=r == 0)
+        tl.debug_barrier()
+        i = tl.arange(0, ROWS)  # the ancestor matrix (zeroed by the caller): walk every node up to the root
+        on = i < n + 1
+        up = i.to(tl.int64)
+        one = tl.full([ROWS], 1, tl.uint8)
+        tl.store(Visible + i * (n + 1) + up, one, mask=on)
+        for _ in range(MAX_DEPTH):
+            up = tl.load(Parents + up, mask=on, other=0)
+            tl.store(Visible + i * (n + 1) + up, one, mask=on)
 
 
 def chain(draft_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Linear DFlash on the device: the argmax token at every depth, each node the child of the one before."""
+    """Linear DFlash on the device: the argmax token at every depth, each node the child of the one before
+    (so each sees every node up to itself)."""
     n = draft_logits.shape[0] + 1
     steps = torch.arange(n, device=draft_logits.device)
-    return draft_logits.argmax(dim=-1), (steps - 1).clamp(min=0), steps
+    causal = torch.ones(n, n, dtype=torch.bool, device=draft_logits.device).tril()
+    return draft_logits.argmax(dim=-1), (steps - 1).clamp(min=0), steps, causal
 
 
 def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
