@@ -89,3 +89,23 @@ def test_one_generation_at_a_time_on_the_static_caches(pairs):
     assert second.token_ids == reference.generate([4, 5, 6], GREEDY).token_ids
     assert fast.stream([4, 5, 6], GREEDY).on_fast_path  # released once the first one ended
     assert torch.equal(torch.tensor(first.token_ids), torch.tensor(reference.generate([1, 2, 3], GREEDY).token_ids))
+
+
+def test_the_next_round_is_queued_early_and_a_wasted_one_harms_nothing(pairs, monkeypatch):
+    """Rounds are queued one ahead of the host; only a stop token can leave one unread, and the next
+    generation still matches the reference."""
+    from ddtree.fast import Plan
+
+    reference, fast = pairs["qwen3"]
+    launches = []
+    real_launch = Plan.launch
+    monkeypatch.setattr(Plan, "launch", lambda self, *a, **kw: launches.append(1) or real_launch(self, *a, **kw))
+    full = reference.generate([1, 2, 3], GREEDY, method="ddtree", budget=8).token_ids
+    stopped = SamplingParams(max_new_tokens=32, stop_token_ids=[full[20]], ignore_eos=True)
+    got = fast.generate([1, 2, 3], stopped, method="ddtree", budget=8)
+    assert got.finish_reason == "stop" and got.token_ids == full[:full.index(full[20])]
+    assert len(launches) == got.stats.rounds + 1  # the round queued behind the stopping one, never read
+    launches.clear()
+    after = fast.generate(list(range(60, 90)), GREEDY, method="ddtree", budget=8)
+    assert after.token_ids == reference.generate(list(range(60, 90)), GREEDY, method="ddtree", budget=8).token_ids
+    assert len(launches) == after.stats.rounds  # a length limit is seen coming: nothing is wasted
