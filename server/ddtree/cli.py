@@ -35,8 +35,9 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--fast", action="store_true",
-                   help="static caches + CUDA graphs (greedy, Qwen3/Llama targets; others use the reference path)")
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
+                   help="static caches + CUDA graphs for greedy and temperature sampling on Qwen3/Llama targets "
+                        "(default: on when the model runs on CUDA; other requests use the reference path)")
     p.set_defaults(handler=_generate)
 
 
@@ -52,7 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
                                     device=args.device, dtype=args.dtype, fast=args.fast)
-    if args.fast and engine.fast is None:
+    if engine.fast is None and engine.fast_unsupported != "off":
         print(f"ddtree generate: reference path ({engine.fast_unsupported})", file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
@@ -94,9 +95,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature for requests that send none (default: 1.0 as OpenAI; 0 = greedy)")
-    p.add_argument("--fast", action="store_true",
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy and temperature-sampled requests on the fast path (static caches, fused kernels, "
-                        "CUDA graphs; Qwen3/Llama targets)")
+                        "CUDA graphs; Qwen3/Llama targets). Default: on when the model runs on CUDA")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 

@@ -130,8 +130,9 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                         method: str = "ddtree", budget: int | None = None, device: str | None = None,
-                        dtype: str | None = None, fast: bool = False, fast_capacity: int = 4096) -> Engine:
-        """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package."""
+                        dtype: str | None = None, fast: bool | None = False, fast_capacity: int = 4096) -> Engine:
+        """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package.
+        fast=None turns the fast path on when the model runs on CUDA (where it pays off)."""
         if target is None:
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
         if not Path(target).is_dir():
@@ -140,6 +141,7 @@ class Engine:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
         torch_dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        fast = dev.type == "cuda" if fast is None else fast
         check_method(method, budget, has_draft=draft is not None)  # before the (slow) loading
         tgt = load_target(target, device=dev, dtype=torch_dtype)
         tokenizer = _load_tokenizer(Path(target))

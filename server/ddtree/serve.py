@@ -30,7 +30,7 @@ class ServeOptions:
     max_queue: int = 256
     drain_timeout: float = 30.0
     default_temperature: float = 1.0
-    fast: bool = False
+    fast: bool | None = None  # None: on when the model runs on CUDA
     log_level: str = "info"
 
 

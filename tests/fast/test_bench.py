@@ -4,6 +4,7 @@ import json
 
 import torch
 from ddtree.cli import main
+from ddtree.engine import Engine
 
 
 def test_bench_reports_every_run_and_phase_and_agrees_with_ar(tmp_path, capsys):
@@ -65,14 +66,25 @@ def test_bench_fast_path_only_on_a_hybrid_shape_is_an_error(capsys):
     assert "no fast path for this target (hybrid" in err and "--paths eager" in err and "Traceback" not in err
 
 
-def test_generate_fast_gives_the_reference_tokens(fast_ckpt, capsys):
+def test_generate_fast_gives_the_reference_tokens(fast_ckpt, capsys, monkeypatch):
     args = ["generate", "--target", str(fast_ckpt / "llama"), "--draft", str(fast_ckpt / "draft"), "--prompt-ids",
             "1,2,3", "--max-new-tokens", "12", "--device", "cpu", "--json"]
+    chosen = []
+    real = Engine.from_pretrained.__func__
+    monkeypatch.setattr(Engine, "from_pretrained",
+                        classmethod(lambda cls, *a, **kw: chosen.append(kw["fast"]) or real(cls, *a, **kw)))
     outputs = []
-    for extra in ([], ["--fast"]):
+    for extra in ([], ["--fast"], ["--no-fast"]):
         assert main(args + extra) == 0
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) == 12
+    assert chosen == [None, True, False]  # unset: the engine decides (on for CUDA)
+
+
+def test_the_fast_path_defaults_to_on_for_cuda_only(fast_ckpt):
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=None)
+    assert engine.fast is None and engine.fast_unsupported == "off"
+    assert Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True).fast
 
 
 def test_bench_dtype_sets_the_models_dtype(tmp_path):

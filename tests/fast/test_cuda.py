@@ -31,6 +31,11 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
 
 
+def test_the_fast_path_is_on_by_default_on_cuda(fast_ckpt):
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", fast=None)
+    assert engine.fast is not None and engine.stream([1, 2, 3], GREEDY).on_fast_path
+
+
 def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, monkeypatch):
     """A machine whose Triton cannot build kernels (no compiler) serves on SDPA and the PyTorch tree loop."""
     from ddtree.fast import jit

@@ -259,6 +259,7 @@ def test_examples_are_accepted(cluster, crd, namespace, path):
     ({"gpu": {"count": 0, "products": ["NVIDIA-H100"]}}, "gpu.products needs gpu.count > 0"),
     ({"server": {"extraArgs": ["--port=9000"]}}, "server.extraArgs must not set flags that have spec fields"),
     ({"server": {"extraArgs": ["--fast"]}}, "server.extraArgs must not set flags that have spec fields"),
+    ({"server": {"extraArgs": ["--no-fast"]}}, "server.extraArgs must not set flags that have spec fields"),
     ({"decoding": {"fastPath": "yes"}}, "must be of type boolean"),
     ({"server": {"drainSeconds": 90}}, "must be greater than server.drainSeconds"),
     ({"replicas": -1}, "should be greater than or equal to 0"),

@@ -154,11 +154,11 @@ def test_server_contract_probes_and_drain():
 
 
 def test_the_fast_path_needs_a_gpu_and_can_be_turned_off():
-    def fast(spec: dict) -> bool:
-        return "--fast" in pod_spec(render.render(cr(spec)))["containers"][0]["args"]
+    def flags(spec: dict) -> set[str]:
+        return {"--fast", "--no-fast"} & set(pod_spec(render.render(cr(spec)))["containers"][0]["args"])
 
-    assert fast({}) and not fast({"decoding": {"fastPath": False}})
-    assert not fast({"gpu": {"count": 0}})
+    assert flags({}) == {"--fast"} and flags({"decoding": {"fastPath": False}}) == {"--no-fast"}
+    assert flags({"gpu": {"count": 0}}) == set()  # a CPU pod: the server's default (off without CUDA)
 
 
 def test_secure_defaults_and_ownership():
