@@ -203,12 +203,13 @@ def graph_ms(fn: Callable[[], object], reps: int = 15) -> float:
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
-    """Measured device-to-device copy bandwidth (bytes read + written per second), median of graph replays."""
+    """Measured device-to-device bandwidth of a copy kernel (bytes read + written per second), median of graph
+    replays. A kernel, not `copy_`: in a graph that becomes a memcpy node, which the slower copy engines run."""
     if device.type != "cuda":
         return None
     src = torch.randn(256 * 2**20, device=device)  # 1 GiB
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / (graph_ms(lambda: dst.copy_(src)) / 1e3)
+    return 2 * src.numel() * src.element_size() / (graph_ms(lambda: torch.neg(src, out=dst)) / 1e3)
 
 
 def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, max_new_tokens: int) -> dict:
