@@ -97,6 +97,7 @@ def test_the_next_round_is_queued_early_and_a_wasted_one_harms_nothing(pairs, mo
     from ddtree.fast import Plan
 
     reference, fast = pairs["qwen3"]
+    monkeypatch.setattr(fast.fast, "queue_ahead", True)  # the CUDA default; the CPU runs a round when launched
     launches = []
     real_launch = Plan.launch
     monkeypatch.setattr(Plan, "launch", lambda self, *a, **kw: launches.append(1) or real_launch(self, *a, **kw))

@@ -90,6 +90,9 @@ class FastPath:
                                         dtype=self.dtype, device=self.device)
         self._plans: dict[tuple[str, int, bool], Plan] = {}
         self._busy = False
+        # Queue each round before reading the previous one: on CUDA that overlaps the host's bookkeeping with
+        # the device's work; on the CPU a round runs when it is launched, so it would only delay the output.
+        self.queue_ahead = self.device.type == "cuda"
 
     # -- which requests ---------------------------------------------------------------------------------
 
@@ -145,7 +148,7 @@ class FastPath:
                 # The next round goes in before this one is read, so the device never waits for the host's
                 # bookkeeping; skipped when this round may reach max_tokens. A stop token wastes that round.
                 ahead = None
-                if len(gen.token_ids) + most < gen.params.max_new_tokens:
+                if self.queue_ahead and len(gen.token_ids) + most < gen.params.max_new_tokens:
                     ahead = plan.launch(refill, after=pending.stamps[-1])
                 result, phases = pending.collect()
                 n = result[0]
