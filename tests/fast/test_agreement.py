@@ -110,3 +110,13 @@ def test_the_next_round_is_queued_early_and_a_wasted_one_harms_nothing(pairs, mo
     after = fast.generate(list(range(60, 90)), GREEDY, method="ddtree", budget=8)
     assert after.token_ids == reference.generate(list(range(60, 90)), GREEDY, method="ddtree", budget=8).token_ids
     assert len(launches) == after.stats.rounds  # a length limit is seen coming: nothing is wasted
+
+
+def test_budgets_above_the_tested_tree_size_take_the_reference_path(fast_ckpt):
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True,
+                                  fast_capacity=2048)  # room for any tree: only the budget decides
+    big = fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=300)
+    assert not big.on_fast_path and fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=256).on_fast_path
+    list(big)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert big.token_ids == reference.generate([1, 2, 3], GREEDY, method="ddtree", budget=300).token_ids

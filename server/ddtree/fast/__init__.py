@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["FastPath", "Plan", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
 
 ARCHITECTURES = ("qwen3", "llama")
+MAX_BUDGET = 256  # the largest tree the one-program tree build is tested at (its selections grow with B ln B)
 
 
 def unsupported(target: Target) -> str | None:
@@ -106,13 +107,14 @@ class FastPath:
         return tree_size(depth, self.target.shape.vocab_size, budget) + 1
 
     def accepts(self, gen: Generation) -> bool:
-        """Greedy or temperature-only sampling, no logprobs, a nonzero budget, and the whole request fits the
-        static caches (top-k / top-p filters need a per-request sort of every row: the reference path does)."""
+        """Greedy or temperature-only sampling, no logprobs, a budget in 1..MAX_BUDGET, and the whole request
+        fits the static caches (top-k / top-p filters need a per-request sort of every row: the reference
+        path does)."""
         p = gen.params
         plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)
         if self._busy or not plain or p.logprobs is not None or (gen.method != "ar" and self.draft is None):
             return False
-        if gen.method == "ddtree" and gen.budget < 1:
+        if gen.method == "ddtree" and not 1 <= gen.budget <= MAX_BUDGET:
             return False
         depth = 0 if gen.method == "ar" else self.block - 1
         rows = len(gen.prompt_ids) + p.max_new_tokens + self.nodes(gen.method, gen.budget) + depth + 1

@@ -98,7 +98,8 @@ def _pow2(n: int, least: int = 16) -> int:
 def _vocab_top_on_gpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
     top = _pow2(k)
-    chunk = min(max(1024, _pow2(vocab * top // 2048), top), max(_pow2(vocab), top))  # ~2048 candidates a row
+    # ~2048 candidates a row, chunks of 1024..16384 logits (and never much wider than the vocabulary)
+    chunk = min(max(1024, min(_pow2(vocab * top // 2048), 16384), top), max(_pow2(vocab), top))
     chunks = -(-vocab // chunk)
     candidates = torch.empty((rows, chunks * top), dtype=torch.int64, device=logits.device)
     stats = torch.empty((rows, 2, chunks), dtype=torch.float32, device=logits.device)  # chunk max, sum of exp
