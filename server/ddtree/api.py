@@ -9,6 +9,7 @@ Requests are validated here (on the event loop, cheaply) before they reach the e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -37,6 +38,7 @@ from ddtree.scheduler import Request as EngineRequest
 log = logging.getLogger("ddtree.server")
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 128  # OpenAI's limit on n
 # JSON has no -inf; vLLM reports filtered-out alternatives with this value.
 MIN_LOGPROB = -9999.0
 
@@ -114,7 +116,7 @@ class _SamplingFields(_Tolerant):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -218,6 +220,15 @@ class Prepared:
     prompt_text: str = ""
 
 
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of an n > 1 request: with a seed, seed + index, so the choices differ and the reply
+    is still reproducible; without one, each choice draws its own randomness."""
+    if index == 0 or params.seed is None:
+        return params
+    seed = params.seed + index
+    return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
+
+
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
@@ -226,8 +237,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 def _check_unsupported(req: _SamplingFields) -> None:
     """Refuse what would silently change the output distribution if ignored."""
-    if req.n != 1:
-        raise bad_request("Only n=1 is supported: send one request per sequence.", "n")
     for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
                           ("min_p", 0.0)):
         if getattr(req, name) != neutral:
@@ -355,10 +364,12 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
 # Responses
 
 
-def _usage(request: EngineRequest) -> dict:
-    prompt = len(request.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": request.completion_tokens,
-            "total_tokens": prompt + request.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+def _usage(requests: list[EngineRequest]) -> dict:
+    """The prompt counts once; the completions of all n choices add up (as OpenAI counts them)."""
+    prompt = len(requests[0].prompt_ids)
+    completion = sum(r.completion_tokens for r in requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def _finite(logprob: float) -> float:
@@ -400,10 +411,10 @@ def _sse(payload: dict | str) -> str:
 
 @dataclass
 class _Call:
-    """One API call in flight: the engine request plus what its response needs."""
+    """One API call in flight: its engine requests (one per choice) plus what its response needs."""
 
     kind: Literal["chat", "completion"]
-    request: EngineRequest
+    requests: list[EngineRequest]
     body: ChatCompletionRequest | CompletionRequest
     prepared: Prepared
     model: str
@@ -416,71 +427,97 @@ class _Call:
         return f"chatcmpl-{self.id}" if self.kind == "chat" else f"cmpl-{self.id}"
 
     def extras(self, top: dict) -> dict:
-        """vLLM's `return_token_ids` and the opt-in per-request speculative stats."""
+        """vLLM's `return_token_ids` and the opt-in per-request speculative stats (single-choice calls only:
+        n sequences have n sets, which vLLM reports as none either)."""
         if self.body.return_token_ids:
-            top["prompt_token_ids"] = self.request.prompt_ids
-        if self.body.return_spec_stats and self.request.spec is not None:
-            top["metrics"] = {"speculative_decoding": self.request.spec.to_dict()}
+            top["prompt_token_ids"] = self.requests[0].prompt_ids
+        spec = self.requests[0].spec if len(self.requests) == 1 else None
+        if self.body.return_spec_stats and spec is not None:
+            top["metrics"] = {"speculative_decoding": spec.to_dict()}
         return top
 
 
-async def _outputs(scheduler: Scheduler, http: Request, request: EngineRequest) -> AsyncIterator[Output]:
-    """The request's outputs until its final one; a client that disconnects cancels the engine work."""
+async def _outputs(scheduler: Scheduler, http: Request,
+                   requests: list[EngineRequest]) -> AsyncIterator[tuple[int, Output]]:
+    """(choice index, output) from every request as they come, until each has its final one; a client that
+    disconnects cancels the engine work of all of them."""
+    merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+
+    async def forward(index: int, request: EngineRequest) -> None:
+        while True:
+            output = await request.outputs.get()
+            await merged.put((index, output))
+            if output.finish_reason is not None:
+                return
 
     async def watch_disconnect() -> None:
         while (await http.receive())["type"] != "http.disconnect":
             pass
-        scheduler.cancel(request)
+        for request in requests:
+            scheduler.cancel(request)
 
+    tasks = [asyncio.create_task(forward(i, r)) for i, r in enumerate(requests)]
     watcher = asyncio.create_task(watch_disconnect())
     try:
-        while True:
-            output = await request.outputs.get()
-            yield output
-            if output.finish_reason is not None:
-                return
+        for _ in requests:  # until every choice has its final output
+            while True:
+                index, output = await merged.get()
+                yield index, output
+                if output.finish_reason is not None:
+                    break
     finally:
         watcher.cancel()
-        scheduler.cancel(request)
+        for task in tasks:
+            task.cancel()
+        for request in requests:
+            scheduler.cancel(request)
 
 
-async def _complete(call: _Call, outputs: AsyncIterator[Output]) -> Response:
-    text, token_ids, logprobs = [], [], []
-    final = None
-    async for out in outputs:
-        text.append(out.text)
-        token_ids.extend(out.token_ids)
-        logprobs.extend(out.logprobs or ())
-        final = out
-    if final.finish_reason == "abort":
-        if final.error:
-            return APIError(500, f"The engine failed: {final.error}", type="internal_error").response()
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    content = "".join(text)
+async def _complete(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> Response:
+    n = len(call.requests)
+    text: list[list[str]] = [[] for _ in range(n)]
+    token_ids: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list] = [[] for _ in range(n)]
+    final: list[Output | None] = [None] * n
+    async for index, out in outputs:
+        text[index].append(out.text)
+        token_ids[index].extend(out.token_ids)
+        logprobs[index].extend(out.logprobs or ())
+        if out.finish_reason is not None:
+            final[index] = out
+    for out in final:
+        if out.finish_reason == "abort":
+            if out.error:
+                return APIError(500, f"The engine failed: {out.error}", type="internal_error").response()
+            return Response(status_code=499)  # the client is gone; nobody reads this
     want_logprobs = call.prepared.params.logprobs is not None
-    if call.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": content},
-                  "logprobs": {"content": call.logprobs.chat(logprobs)} if want_logprobs else None}
-        obj = "chat.completion"
-    else:
-        prefix = call.prepared.prompt_text if call.body.echo else ""
-        choice = {"index": 0, "text": prefix + content,
-                  "logprobs": call.logprobs.legacy(logprobs, len(prefix)) if want_logprobs else None}
-        obj = "text_completion"
-    choice.update(finish_reason=final.finish_reason, stop_reason=final.stop_reason)
-    if call.body.return_token_ids:
-        choice["token_ids"] = token_ids
-    body = {"id": call.object_id, "object": obj, "created": call.created, "model": call.model,
-            "choices": [choice], "usage": _usage(call.request), "system_fingerprint": f"ddtree-{__version__}"}
+    choices = []
+    for index, out in enumerate(final):
+        content = "".join(text[index])
+        if call.kind == "chat":
+            choice = {"index": index, "message": {"role": "assistant", "content": content},
+                      "logprobs": {"content": call.logprobs.chat(logprobs[index])} if want_logprobs else None}
+        else:
+            prefix = call.prepared.prompt_text if call.body.echo else ""
+            choice = {"index": index, "text": prefix + content,
+                      "logprobs": call.logprobs.legacy(logprobs[index], len(prefix)) if want_logprobs else None}
+        choice.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        if call.body.return_token_ids:
+            choice["token_ids"] = token_ids[index]
+        choices.append(choice)
+    body = {"id": call.object_id, "object": "chat.completion" if call.kind == "chat" else "text_completion",
+            "created": call.created, "model": call.model, "choices": choices, "usage": _usage(call.requests),
+            "system_fingerprint": f"ddtree-{__version__}"}
     return JSONResponse(call.extras(body))
 
 
-async def _stream(call: _Call, outputs: AsyncIterator[Output]) -> AsyncIterator[str]:
-    """SSE: one chunk per engine round, a finish chunk, an optional usage chunk, then [DONE]."""
+async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> AsyncIterator[str]:
+    """SSE: per choice an opening chunk, one chunk per engine round and a finish chunk (choices interleave,
+    told apart by `index`), then an optional usage chunk, then [DONE]."""
     chat = call.kind == "chat"
     include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
     want_logprobs = call.prepared.params.logprobs is not None
-    offset = 0
+    offsets = [0] * len(call.requests)
 
     def chunk_body(choices: list[dict], **extra: Any) -> str:
         body = {"id": call.object_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -492,13 +529,15 @@ async def _stream(call: _Call, outputs: AsyncIterator[Output]) -> AsyncIterator[
     def chunk(choice: dict, **extra: Any) -> str:
         return chunk_body([choice], **extra)
 
-    if chat:
-        yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None})
-    elif call.body.echo:
-        offset = len(call.prepared.prompt_text)
-        yield chunk({"index": 0, "text": call.prepared.prompt_text, "logprobs": None, "finish_reason": None})
-    async for out in outputs:
+    for index in range(len(call.requests)):
+        if chat:
+            yield chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        elif call.body.echo:
+            offsets[index] = len(call.prepared.prompt_text)
+            yield chunk({"index": index, "text": call.prepared.prompt_text, "logprobs": None,
+                         "finish_reason": None})
+    async for index, out in outputs:
         if out.finish_reason == "abort":
             if out.error:
                 yield _sse(APIError(500, f"The engine failed: {out.error}", type="internal_error").body())
@@ -507,20 +546,20 @@ async def _stream(call: _Call, outputs: AsyncIterator[Output]) -> AsyncIterator[
         if out.text or (out.token_ids and (want_logprobs or call.body.return_token_ids)):
             if chat:
                 logprobs = {"content": call.logprobs.chat(out.logprobs)} if want_logprobs else None
-                choice = {"index": 0, "delta": {"content": out.text}, "logprobs": logprobs}
+                choice = {"index": index, "delta": {"content": out.text}, "logprobs": logprobs}
             else:
-                logprobs = call.logprobs.legacy(out.logprobs, offset) if want_logprobs else None
-                choice = {"index": 0, "text": out.text, "logprobs": logprobs}
-            offset += len(out.text)
+                logprobs = call.logprobs.legacy(out.logprobs, offsets[index]) if want_logprobs else None
+                choice = {"index": index, "text": out.text, "logprobs": logprobs}
+            offsets[index] += len(out.text)
             if call.body.return_token_ids:
                 choice["token_ids"] = out.token_ids
             yield chunk({**choice, "finish_reason": None})
         if out.finish_reason is not None:
-            final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+            final = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
             yield chunk({**final, "logprobs": None, "finish_reason": out.finish_reason,
                          "stop_reason": out.stop_reason}, **call.extras({}))
     if include_usage:
-        yield chunk_body([], usage=_usage(call.request))
+        yield chunk_body([], usage=_usage(call.requests))
     yield _sse("[DONE]")
 
 
@@ -620,18 +659,22 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
 
     async def serve(http: Request, kind: Literal["chat", "completion"], body, prepared: Prepared) -> Response:
         scheduler = state.require_ready()
-        request = EngineRequest(prepared.prompt_ids, prepared.params, stop=prepared.stop,
-                                include_stop_str=body.include_stop_str_in_output,
-                                client=body.user or (http.client.host if http.client else ""))
+        requests = [EngineRequest(prepared.prompt_ids, choice_params(prepared.params, i), stop=prepared.stop,
+                                  include_stop_str=body.include_stop_str_in_output,
+                                  client=body.user or (http.client.host if http.client else ""))
+                    for i in range(body.n)]
         try:
-            scheduler.submit(request)
-        except QueueFull as exc:
+            for request in requests:
+                scheduler.submit(request)
+        except (QueueFull, Draining) as exc:
+            for request in requests:  # all n choices or none
+                scheduler.cancel(request)
+            if isinstance(exc, Draining):
+                raise APIError(503, "The server is shutting down.", type="service_unavailable") from None
             raise APIError(429, "The server is at capacity; retry later.", type="rate_limit_error",
                            headers={"Retry-After": str(exc.retry_after)}) from None
-        except Draining:
-            raise APIError(503, "The server is shutting down.", type="service_unavailable") from None
-        call = _Call(kind, request, body, prepared, state.model_name, _LogprobFormatter(state.engine.decode))
-        outputs = _outputs(scheduler, http, request)
+        call = _Call(kind, requests, body, prepared, state.model_name, _LogprobFormatter(state.engine.decode))
+        outputs = _outputs(scheduler, http, requests)
         if body.stream:
             return StreamingResponse(_stream(call, outputs), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

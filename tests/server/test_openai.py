@@ -140,6 +140,33 @@ def test_seed_makes_sampling_reproducible(server):
     assert any(sample(seed) != first for seed in (1, 2, 3))
 
 
+def test_n_choices_are_independent_samples_and_choice_0_is_the_single_reply(server):
+    kw = dict(max_tokens=10, temperature=1.0, seed=77, extra_body={"ignore_eos": True, "return_token_ids": True})
+    single = complete(server, PROMPTS[9], **kw).choices[0].token_ids
+    r = complete(server, PROMPTS[9], n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.choices[0].token_ids == single  # choice i draws with seed + i
+    assert len({tuple(c.token_ids) for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 30 and r.usage.prompt_tokens == len(r.prompt_token_ids)
+    assert [c.token_ids for c in complete(server, PROMPTS[9], n=3, **kw).choices] == [c.token_ids
+                                                                                       for c in r.choices]
+    greedy = chat(server, PROMPTS[10], max_tokens=8, n=2, **GREEDY)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content == chat(
+        server, PROMPTS[10], max_tokens=8, **GREEDY).choices[0].message.content
+
+
+def test_n_choices_stream_interleaved_by_index(server):
+    kw = dict(max_tokens=12, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    full = chat(server, PROMPTS[11], n=2, **kw)
+    chunks = list(chat(server, PROMPTS[11], n=2, stream=True, stream_options={"include_usage": True}, **kw))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == full.choices[index].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 24
+
+
 def test_chat_logprobs_are_the_targets_distribution(server):
     r = chat(server, PROMPTS[8], max_tokens=10, logprobs=True, top_logprobs=3, **GREEDY)
     content = r.choices[0].logprobs.content

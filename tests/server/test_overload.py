@@ -82,3 +82,18 @@ def test_a_queued_request_whose_client_leaves_is_dropped(guarded_server):
         assert metric(srv, "vllm:request_success_total", finished_reason="abort") == aborted + 1
         assert metric(srv, "vllm:num_requests_running") == 1
     wait_for(lambda: metric(srv, "vllm:num_requests_running") == 0)
+
+
+@pytest.mark.slow
+def test_n_choices_are_queued_all_or_none(guarded_server):
+    """With one queue slot left, an n = 2 request is refused whole: no choice stays queued behind the 429."""
+    srv = guarded_server
+    url = f"{srv.url}/v1/completions"
+    with httpx.Client(timeout=300) as running, running.stream("POST", url, json=long_body(srv, True),
+                                                             headers=auth(srv)) as a:
+        lines = a.iter_lines()  # keep a reference: a collected iterator closes the connection
+        next(lines)
+        r = srv.http.post(url, json={**long_body(srv, False), "n": 2}, headers=auth(srv))
+        assert r.status_code == 429
+        assert metric(srv, "vllm:num_requests_waiting") == 0 and metric(srv, "vllm:num_requests_running") == 1
+    wait_for(lambda: metric(srv, "vllm:num_requests_running") == 0)
