@@ -157,6 +157,22 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+class TokenizeRequest(_Tolerant):
+    """vLLM's /tokenize: a completions `prompt` or chat `messages` (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class DetokenizeRequest(_Tolerant):
+    model: str | None = None
+    tokens: list[int]
+
+
 # --------------------------------------------------------------------------------------------------------
 # Server state
 
@@ -297,6 +313,23 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
+def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """The prompt ids of a chat (as `ddtree generate --chat` tokenizes it, so both agree)."""
+    # OpenAI's "developer" role is the system prompt under a new name; chat templates only know "system".
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+                for i, m in enumerate(req.messages)]
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
+    try:
+        return list(tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False, continue_final_message=req.continue_final_message,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            **(req.chat_template_kwargs or {})))
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
+        raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
+
+
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     _check_model(state, req.model)
     _check_unsupported(req)
@@ -309,20 +342,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
                           "tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    # OpenAI's "developer" role is the system prompt under a new name; chat templates only know "system".
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
-                for i, m in enumerate(req.messages)]
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None:
-        raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
-    try:
-        # Tokenized as `ddtree generate --chat` does, so both give the same prompt ids.
-        prompt_ids = list(tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=False, continue_final_message=req.continue_final_message,
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            **(req.chat_template_kwargs or {})))
-    except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
-        raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
+    prompt_ids = _chat_prompt_ids(state, req)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -568,14 +588,15 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
 
 
 class _ApiKeyMiddleware:
-    """Bearer-token check on /v1 (plain ASGI, so streaming and disconnects pass through untouched)."""
+    """Bearer-token check on /v1 and the tokenizer utilities (plain ASGI, so streaming and disconnects pass
+    through untouched); probes, /metrics and /version stay open."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/tokenize", "/detokenize")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
@@ -689,5 +710,28 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
     async def completions(body: CompletionRequest, http: Request) -> Response:
         state.require_ready()
         return await serve(http, "completion", body, prepare_completion(state, body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """The prompt ids /v1/completions (prompt) or /v1/chat/completions (messages) would decode from."""
+        state.require_ready()
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("Send exactly one of prompt and messages.", "prompt")
+        if body.messages is not None:
+            ids = _chat_prompt_ids(state, body)
+        elif state.engine.tokenizer is None:
+            raise bad_request("This model has no tokenizer.", "prompt")
+        else:
+            ids = state.engine.encode(body.prompt)
+        return {"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.require_ready()
+        _check_model(state, body.model)
+        if any(not 0 <= t < state.engine.vocab_size for t in body.tokens):
+            raise bad_request(f"Token ids must be in [0, {state.engine.vocab_size}).", "tokens")
+        return {"prompt": state.engine.decode(body.tokens)}
 
     return app

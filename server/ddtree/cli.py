@@ -89,7 +89,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
     p.add_argument("--budget", type=int, default=None, help="DDTree node budget (default: 32)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 "
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize "
                    "(default: $DDTREE_API_KEY; none: open)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")

@@ -102,7 +102,7 @@ def test_unknown_route_and_wrong_method_use_the_envelope(server):
     assert r.status_code == 405 and "error" in r.json()
 
 
-def test_api_key_is_required_on_v1_only(guarded_server):
+def test_api_key_is_required_on_v1_and_the_tokenizer_utilities_only(guarded_server):
     url = guarded_server.url
     r = guarded_server.http.get(f"{url}/v1/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -114,6 +114,8 @@ def test_api_key_is_required_on_v1_only(guarded_server):
     assert guarded_server.client().models.list().data
     assert guarded_server.http.get(f"{url}/health").status_code == 200
     assert guarded_server.http.get(f"{url}/metrics").status_code == 200
+    assert guarded_server.http.post(f"{url}/tokenize", json={"prompt": "x"}).status_code == 401
+    assert guarded_server.http.post(f"{url}/detokenize", json={"tokens": [1]}).status_code == 401
 
 
 FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids", "stream",

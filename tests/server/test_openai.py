@@ -167,6 +167,23 @@ def test_n_choices_stream_interleaved_by_index(server):
     assert chunks[-1].usage.completion_tokens == 24
 
 
+def test_tokenize_gives_the_ids_the_completion_endpoints_decode_from(server):
+    def post(path: str, body: dict):
+        return server.http.post(f"{server.url}{path}", json=body)
+
+    r = complete(server, PROMPTS[12], max_tokens=2, **GREEDY)
+    tokens = post("/tokenize", {"prompt": PROMPTS[12]}).json()
+    assert tokens["tokens"] == r.prompt_token_ids and tokens["count"] == r.usage.prompt_tokens
+    assert tokens["max_model_len"] == server.http.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"]
+    messages = [{"role": "user", "content": PROMPTS[12]}]
+    assert post("/tokenize", {"messages": messages}).json()["count"] == chat(
+        server, PROMPTS[12], max_tokens=2, **GREEDY).usage.prompt_tokens
+    assert post("/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": PROMPTS[12]}
+    both = post("/tokenize", {"prompt": "x", "messages": messages})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    assert post("/detokenize", {"tokens": [-1]}).status_code == 400
+
+
 def test_chat_logprobs_are_the_targets_distribution(server):
     r = chat(server, PROMPTS[8], max_tokens=10, logprobs=True, top_logprobs=3, **GREEDY)
     content = r.choices[0].logprobs.content
