@@ -318,14 +318,12 @@ def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRe
     # OpenAI's "developer" role is the system prompt under a new name; chat templates only know "system".
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
                 for i, m in enumerate(req.messages)]
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None:
+    if state.engine.tokenizer is None:
         raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
     try:
-        return list(tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=False, continue_final_message=req.continue_final_message,
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            **(req.chat_template_kwargs or {})))
+        return state.engine.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     **(req.chat_template_kwargs or {}))
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
         raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
 

@@ -169,9 +169,15 @@ class Engine:
         if self.tokenizer is None:
             raise DDTreeError("the target has no tokenizer; pass token ids (--prompt-ids) instead of text")
         if chat:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False))
+            return self.chat_ids([{"role": "user", "content": text}])
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False, **template_kwargs: object) -> list[int]:
+        """Prompt ids of a chat through the tokenizer's template: one rendering for the CLI and the server."""
+        return list(self.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False, continue_final_message=continue_final_message,
+            add_generation_prompt=add_generation_prompt and not continue_final_message, **template_kwargs))
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
