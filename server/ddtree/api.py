@@ -128,7 +128,7 @@ class _SamplingFields(_Tolerant):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     prompt_logprobs: int | None = None
     user: str | None = None
     return_token_ids: bool = False
@@ -253,12 +253,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 def _check_unsupported(req: _SamplingFields) -> None:
     """Refuse what would silently change the output distribution if ignored."""
-    for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
-                          ("min_p", 0.0)):
-        if getattr(req, name) != neutral:
-            raise bad_request(f"{name} is not supported (it must be {neutral}).", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported.", "logit_bias")
     if req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported.", "prompt_logprobs")
     if req.model_extra:
@@ -285,6 +279,11 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
     if any(not 0 <= t < vocab for t in stop_ids):
         raise bad_request(f"stop_token_ids must be token ids in [0, {vocab}).", "stop_token_ids")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.lstrip("-").isdigit() and 0 <= int(key) < vocab):
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}.", "logit_bias")
+        bias.append((int(key), value))
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens,
@@ -295,6 +294,11 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(bias),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

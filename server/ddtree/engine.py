@@ -17,7 +17,7 @@ import torch
 from ddtree.draft import DFlashDraft, DraftCache, load_draft
 from ddtree.errors import DDTreeError
 from ddtree.fast import FastPath, unsupported
-from ddtree.sampling import SamplingParams, make_generator, pick_tokens, process_logits
+from ddtree.sampling import History, SamplingParams, make_generator, pick_tokens, process_logits
 from ddtree.target import Target, load_target
 from ddtree.tree import DraftTree, build_tree, chain_tree, walk
 
@@ -246,17 +246,20 @@ class Generation:
         generator = make_generator(params, device)
         cache = target.new_cache()
         draft_cache = DraftCache(len(draft.layers)) if draft is not None else None
+        history = History(self.prompt_ids, eng.vocab_size, device) if params.penalized else None
 
         t0 = self._now()
         prompt = torch.tensor(self.prompt_ids, device=device)
         logits, taps = target.forward(prompt, torch.arange(len(prompt), device=device), cache, logits_rows=1)
-        processed = process_logits(logits, params)
+        processed = process_logits(logits, params, history.rows([[]]) if history else None)
         root = int(pick_tokens(processed, params, generator)[0])
         if draft is not None:
             draft.extend_context(draft_cache, taps[None], torch.arange(len(prompt), device=device)[None])
         self.stats.prefill_seconds = self._now() - t0
         start = len(prompt)  # position of the root = number of tokens in the target cache
         out = self._emit([root], processed, [0], 0, 0, {"prefill": self.stats.prefill_seconds}, True)
+        if history:
+            history.add(out.token_ids)
         yield out
         decode_start = self._now()
         while self.finish_reason is None:
@@ -270,12 +273,17 @@ class Generation:
             positions = torch.tensor([0, *tree.depths], device=device) + start
             phases["tree"], t = self._lap(t)
             logits, taps = target.forward(ids, positions, cache, tree=tree)
-            processed = process_logits(logits, params)
+            rows = None
+            if history:  # every node sees the history plus its own path below the root (not emitted yet)
+                rows = history.rows([[tree.tokens[j - 1] for j in tree.path_to(i)[1:]] for i in range(tree.size + 1)])
+            processed = process_logits(logits, params, rows)
             picks = pick_tokens(processed, params, generator).tolist()
             path = walk(tree, picks)
             phases["verify"], t = self._lap(t)
             emitted = [picks[node] for node in path]
             out = self._emit(emitted, processed, path, tree.size, len(path) - 1, phases, False)
+            if history:
+                history.add(out.token_ids)
             self.stats.rounds += 1
             self.stats.committed_tokens += len(path)
             for d in range(len(path) - 1):

@@ -24,6 +24,11 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token only; k: plus the top-k alternatives
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this per earlier generation of the token
+    repetition_penalty: float = 1.0  # HF's / vLLM's: tokens of the prompt or output, positive logits / r, negative * r
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -34,22 +39,82 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a token's logit depends on the tokens before it (so each tree node needs its own history)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to rows of raw logits [N, V]; returns float32 logits.
+    @property
+    def filters(self) -> bool:
+        """Whether anything beyond temperature shapes the distribution a token is picked from."""
+        return self.penalized or bool(self.logit_bias) or (not self.greedy and (
+            self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0))
 
-    Filtered entries become -inf. Greedy requests get the raw logits: argmax is unaffected by the
-    filters, and reported logprobs are then the model's own distribution.
+
+class History:
+    """What the penalties look at, on the device: how often each token was generated, and which tokens
+    appeared in the prompt or the output."""
+
+    def __init__(self, prompt_ids: Sequence[int], vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros(vocab, device=device)
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Tokens just emitted."""
+        if tokens:
+            ids = torch.tensor(list(tokens), dtype=torch.long, device=self.counts.device)
+            self.counts.index_put_((ids,), torch.ones(len(ids), device=ids.device), accumulate=True)
+            self.seen[ids] = True
+
+    def rows(self, pending: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, this history plus the row's own tokens not emitted yet (a tree node's path below the
+        root): (counts [N, V], seen [N, V])."""
+        n = len(pending)
+        counts, seen = self.counts.expand(n, -1).clone(), self.seen.expand(n, -1).clone()
+        rows = [i for i, tokens in enumerate(pending) for _ in tokens]
+        if rows:
+            index = (torch.tensor(rows, device=counts.device),
+                     torch.tensor([t for tokens in pending for t in tokens], device=counts.device))
+            counts.index_put_(index, torch.ones(len(rows), device=counts.device), accumulate=True)
+            seen[index] = True
+        return counts, seen
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams,
+                   history: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Apply logit bias, penalties (given each row's `History.rows`), temperature, min-p, top-k and top-p
+    to rows of raw logits [N, V], in vLLM's order; returns float32 logits.
+
+    Filtered entries become -inf. Greedy requests stop after the penalties: argmax is unaffected by the
+    filters, and reported logprobs are then the (biased, penalized) model's own distribution.
     """
     out = logits.float()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        out[:, list(ids)] += torch.tensor(bias, device=out.device)
+    if params.penalized:
+        counts, seen = history
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     if params.greedy:
         return out
     out = out / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(out, dim=-1)
+        out = out.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     vocab = out.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(out, params.top_k, dim=-1).values[..., -1:]

@@ -125,3 +125,30 @@ def test_tokens_equal_to_the_mask_id_are_kept(engines):
         assert engine.generate([1, 2, 3], GREEDY, method="ddtree").token_ids == ar
     finally:
         hook.remove()
+
+
+def test_repetition_penalty_ar_equals_transformers_generate(engines, ckpt):
+    model = AutoModelForCausalLM.from_pretrained(ckpt / "qwen3")
+    model.generation_config.eos_token_id = None
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True, repetition_penalty=1.6)
+    for prompt in PROMPTS:
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                  repetition_penalty=1.6)[0, len(prompt):].tolist()
+        assert engines["qwen3"].generate(prompt, params, method="ar").token_ids == expected
+
+
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.6), dict(frequency_penalty=1.5),
+                                       dict(presence_penalty=2.0, logit_bias=((7, 3.0),)),
+                                       dict(frequency_penalty=-1.0, presence_penalty=0.5, repetition_penalty=0.8)])
+def test_penalties_keep_ddtree_and_dflash_equal_to_ar(engines, penalties):
+    """Each tree node is penalized for its own path below the root, as AR would be after those tokens."""
+    engine = engines["qwen3"]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, **penalties)
+    changed = False
+    for prompt in PROMPTS + random_prompts(2, seed=3):
+        ar = engine.generate(prompt, params, method="ar").token_ids
+        changed |= ar != engine.generate(prompt, GREEDY, method="ar").token_ids[:40]
+        for budget in (4, 32):
+            assert engine.generate(prompt, params, method="ddtree", budget=budget).token_ids == ar, budget
+        assert engine.generate(prompt, params, method="dflash").token_ids == ar
+    assert changed  # the penalties do change the output: the comparison is not vacuous

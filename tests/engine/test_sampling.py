@@ -61,3 +61,20 @@ def test_same_seed_same_output_and_processed_logits_respect_filters(small_vocab_
     assert kept.tolist() == [[True, True, False, False]]
     kept = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.5)).isfinite()
     assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_penalties_bias_and_min_p_follow_their_formulas():
+    from ddtree.sampling import History
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    history = History([4], vocab=5, device=torch.device("cpu"))  # token 4 is in the prompt
+    history.add([0, 0, 2])
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0,
+                            logit_bias=((1, 1.0),))
+    got = process_logits(logits, params, history.rows([[3]]))  # this row's own pending token: 3
+    # bias, then repetition (seen: 0, 2, 3, 4), then frequency (0: 2x, 2: 1x, 3: 1x) and presence
+    want = torch.tensor([[2.0 / 2 - 0.5 * 2 - 0.25, 0.0, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2 - 0.5 - 0.25, -2.0 * 2]])
+    assert torch.allclose(got, want)
+    kept = process_logits(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])),
+                          SamplingParams(temperature=1.0, min_p=0.25)).isfinite()
+    assert kept.tolist() == [[True, True, True, False]]  # 0.05 < 0.25 * 0.5

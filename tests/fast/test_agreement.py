@@ -120,3 +120,13 @@ def test_budgets_above_the_tested_tree_size_take_the_reference_path(fast_ckpt):
     list(big)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     assert big.token_ids == reference.generate([1, 2, 3], GREEDY, method="ddtree", budget=300).token_ids
+
+
+def test_penalties_and_logit_bias_take_the_reference_path(pairs):
+    reference, fast = pairs["qwen3"]
+    for extra in (dict(repetition_penalty=1.4), dict(logit_bias=((5, 2.0),)), dict(temperature=1.0, min_p=0.1)):
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True, seed=3, **extra)
+        gen = fast.stream([1, 2, 3], params, method="ddtree", budget=8)
+        assert not gen.on_fast_path
+        list(gen)
+        assert gen.token_ids == reference.generate([1, 2, 3], params, method="ddtree", budget=8).token_ids

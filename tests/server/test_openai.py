@@ -184,6 +184,25 @@ def test_tokenize_gives_the_ids_the_completion_endpoints_decode_from(server):
     assert post("/detokenize", {"tokens": [-1]}).status_code == 400
 
 
+def test_logit_bias_and_penalties_shape_the_output(server):
+    base = complete(server, PROMPTS[13], max_tokens=8, **GREEDY).choices[0].token_ids
+    target = next(t for t in range(5, 50) if t not in base)
+    biased = complete(server, PROMPTS[13], max_tokens=8, logit_bias={str(target): 100}, **GREEDY)
+    assert biased.choices[0].token_ids == [target] * 8  # +100 wins every argmax
+    # Penalties: the server's ddtree reply is the target's own AR decoding under the same penalties.
+    from ddtree.engine import Engine
+    from ddtree.sampling import SamplingParams
+
+    kw = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "repetition_penalty": 1.3}}
+    penalized = complete(server, PROMPTS[13], max_tokens=24, frequency_penalty=1.0, presence_penalty=0.5, **kw)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5,
+                            repetition_penalty=1.3)
+    demo = Engine.from_pretrained(device="cpu")
+    ar = demo.generate(penalized.prompt_token_ids, params, method="ar").token_ids
+    assert penalized.choices[0].token_ids == ar
+    assert ar != complete(server, PROMPTS[13], max_tokens=24, **GREEDY).choices[0].token_ids
+
+
 def test_chat_logprobs_are_the_targets_distribution(server):
     r = chat(server, PROMPTS[8], max_tokens=10, logprobs=True, top_logprobs=3, **GREEDY)
     content = r.choices[0].logprobs.content

@@ -108,10 +108,10 @@ class FastPath:
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or temperature-only sampling, no logprobs, a budget in 1..MAX_BUDGET, and the whole request
-        fits the static caches (top-k / top-p filters need a per-request sort of every row: the reference
-        path does)."""
+        fits the static caches (top-k / top-p / min-p filters, penalties and logit bias need per-request,
+        per-node processing of every row: the reference path does it)."""
         p = gen.params
-        plain = p.greedy or (p.top_k <= 0 and p.top_p >= 1.0)
+        plain = not p.filters
         if self._busy or not plain or p.logprobs is not None or (gen.method != "ar" and self.draft is None):
             return False
         if gen.method == "ddtree" and not 1 <= gen.budget <= MAX_BUDGET:
