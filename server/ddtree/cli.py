@@ -33,6 +33,10 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
@@ -47,7 +51,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty)
     except ValueError as exc:
         raise DDTreeError(str(exc)) from None
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None

@@ -27,12 +27,20 @@ def test_generate_json_for_each_method_gives_the_same_tokens(ckpt):
             assert key in out["stats"]
         outputs[method] = out["token_ids"]
     assert outputs["ar"] == outputs["dflash"] == outputs["ddtree"]
+    penalized = {}
+    for method in ("ar", "ddtree"):
+        proc = run("--target", str(ckpt / "qwen3"), "--draft", str(ckpt / "draft"), "--prompt-ids", "1,2,3",
+                   "--method", method, "--max-new-tokens", "20", "--device", "cpu", "--json",
+                   "--repetition-penalty", "1.8", "--frequency-penalty", "0.5")
+        penalized[method] = json.loads(proc.stdout)["token_ids"]
+    assert penalized["ar"] == penalized["ddtree"] != outputs["ar"]
 
 
 @pytest.mark.parametrize("args,message", [
     (["--target", "/nonexistent", "--prompt-ids", "1"], "target directory /nonexistent does not exist"),
     (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
     (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt-ids", "1", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--prompt-ids", "1", "--method", "ddtree", "--budget", "-2"], "budget must be >= 0"),
 ])
 def test_user_errors_are_one_line_without_traceback(ckpt, args, message):
