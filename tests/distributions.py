@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 import torch
-from scipy.stats import chisquare
+from scipy.stats import binomtest, chisquare
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
@@ -28,14 +28,29 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
     return probs / probs.sum()
 
 
-def exact_joint(model: torch.nn.Module, prompt: list[int], vocab: int, steps: int,
+def penalized(logits: torch.Tensor, prompt: list[int], generated: tuple[int, ...], repetition: float,
+              frequency: float, presence: float) -> torch.Tensor:
+    """The penalties as their definitions state them: repetition over prompt and generated tokens
+    (positive logits divided, negative multiplied), frequency and presence over the generated ones."""
+    out = logits.double().clone()
+    for token in set(prompt) | set(generated):
+        out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+    for token in set(generated):
+        out[token] -= frequency * generated.count(token) + presence
+    return out
+
+
+def exact_joint(model: torch.nn.Module, prompt: list[int], vocab: int, steps: int, repetition_penalty: float = 1.0,
+                frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                 **kw: float) -> dict[tuple[int, ...], float]:
     """Probability of every `steps`-token continuation of `prompt` under the target (an HF causal LM)."""
     joint = dict.fromkeys(itertools.product(range(vocab), repeat=steps), 1.0)
     with torch.no_grad():
         for depth in range(steps):
             for prefix in itertools.product(range(vocab), repeat=depth):
-                p = reference_probs(model(torch.tensor([prompt + list(prefix)])).logits[0, -1], **kw)
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+                p = reference_probs(penalized(logits, prompt, prefix, repetition_penalty, frequency_penalty,
+                                              presence_penalty), **kw)
                 for seq in joint:
                     if seq[:depth] == prefix:
                         joint[seq] *= p[seq[depth]]
@@ -60,3 +75,11 @@ def fit_p_value(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...],
             pool_o += counts.get(cell, 0)
             pool_e += e
     return float(chisquare([*observed, pool_o], [*expected, pool_e]).pvalue)
+
+
+def event_p_value(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float], event) -> float:
+    """Two-sided binomial p-value of how often `event(sequence)` happened against its exact probability:
+    a narrow statistic catches a shift that the full chi-square spreads over too many cells."""
+    draws = sum(counts.values())
+    hits = sum(n for seq, n in counts.items() if event(seq))
+    return float(binomtest(hits, draws, sum(p for seq, p in joint.items() if event(seq))).pvalue)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from ddtree.engine import Engine
 from ddtree.sampling import SamplingParams, process_logits
-from distributions import exact_joint, fit_p_value
+from distributions import event_p_value, exact_joint, fit_p_value
 from tiny import make_draft, make_target
 
 VOCAB = 12
@@ -29,7 +29,9 @@ def small_vocab_engine(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_p=1.0, top_k=0), dict(temperature=0.8, top_p=0.8, top_k=0),
-                                dict(temperature=1.3, top_p=1.0, top_k=4)])
+                                dict(temperature=1.3, top_p=1.0, top_k=4),
+                                dict(temperature=1.0, repetition_penalty=3.0, frequency_penalty=2.0,
+                                     presence_penalty=2.0)])
 def test_ddtree_samples_the_target_distribution(small_vocab_engine, kw):
     engine = small_vocab_engine
     prompt = [1, 2, 3]
@@ -43,6 +45,9 @@ def test_ddtree_samples_the_target_distribution(small_vocab_engine, kw):
         assert sum(counts.values()) == DRAWS
         p_value = fit_p_value(counts, joint)
         assert p_value > 1e-4, f"{method}: chi-square p = {p_value:.2e}"
+        # Immediate repeats: the statistic penalties move most (a tree node must count its own path).
+        p_value = event_p_value(counts, joint, lambda seq: seq[1] == seq[2])
+        assert p_value > 1e-4, f"{method}: repeat-rate p = {p_value:.2e}"
 
 
 def test_speculation_happens_while_sampling(small_vocab_engine):
