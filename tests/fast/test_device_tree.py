@@ -51,3 +51,21 @@ def test_chain_and_ancestors_match_the_host_versions():
         tree = build_tree(logits, budget)
         _, parents, _, _ = top_prefixes(logits, budget)
         assert torch.equal(ancestors(parents, max_depth=6), visibility(tree))
+
+
+def test_a_kernel_that_cannot_launch_falls_back_once_and_says_so(capsys, monkeypatch):
+    from ddtree.fast import tree
+
+    monkeypatch.setattr(tree, "_DECLINED", set())
+    calls = []
+
+    def out_of_shared_memory(*args):
+        calls.append(args)
+        raise RuntimeError("out of resource: shared memory")
+
+    key = ("tree", 15, 256, 256, torch.device("cpu"))
+    assert tree._attempt(key, out_of_shared_memory, 1) is None
+    assert tree._attempt(key, out_of_shared_memory, 1) is None and len(calls) == 1  # not retried
+    err = capsys.readouterr().err
+    assert err.count("the tree kernel cannot run at (15, 256, 256) on this GPU (RuntimeError)") == 1
+    assert tree._attempt(("tree", 15, 64, 64, torch.device("cpu")), lambda: "built") == "built"  # other shapes
