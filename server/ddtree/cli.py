@@ -40,7 +40,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
-                   help="static caches + CUDA graphs for greedy and temperature sampling on Qwen3/Llama targets "
+                   help="static caches + CUDA graphs for greedy and sampled requests on Qwen3/Llama targets "
                         "(default: on when the model runs on CUDA; other requests use the reference path)")
     p.set_defaults(handler=_generate)
 

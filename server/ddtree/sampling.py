@@ -55,12 +55,6 @@ class SamplingParams:
         """Whether a token's logit depends on the tokens before it (so each tree node needs its own history)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
-    def filters(self) -> bool:
-        """Whether anything beyond temperature shapes the distribution a token is picked from."""
-        return self.penalized or bool(self.logit_bias) or (not self.greedy and (
-            self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0))
-
 
 class History:
     """What the penalties look at, on the device: how often each token was generated, and which tokens
@@ -111,20 +105,25 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
         out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     if params.greedy:
         return out
-    out = out / params.temperature
-    if params.min_p > 0:
+    return filter_logits(out / params.temperature, params.top_k, params.top_p, params.min_p)
+
+
+def filter_logits(out: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Min-p, then top-k, then top-p over temperature-scaled logits [N, V]; filtered entries become -inf.
+    (The fast path runs this same function inside its sampled graphs.)"""
+    if min_p > 0:
         probs = torch.softmax(out, dim=-1)
-        out = out.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        out = out.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     vocab = out.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(out, params.top_k, dim=-1).values[..., -1:]
+    if 0 < top_k < vocab:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
         out = out.masked_fill(out < kth, float("-inf"))
-    if params.top_p < 1.0:
+    if top_p < 1.0:
         sorted_logits, order = torch.sort(out, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p (the first token always stays).
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= params.top_p
+        drop_sorted = mass_before >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out

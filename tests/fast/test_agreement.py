@@ -62,11 +62,7 @@ def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
 
 
 def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast_ckpt):
-    reference, fast = pairs["qwen3"]
-    for filtered in (SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
-                     SamplingParams(max_new_tokens=12, temperature=0.8, top_k=5, seed=3)):
-        assert not fast.stream([1, 2, 3], filtered).on_fast_path
-        assert fast.generate([1, 2, 3], filtered).token_ids == reference.generate([1, 2, 3], filtered).token_ids
+    _, fast = pairs["qwen3"]
     with_logprobs = SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True)
     assert not fast.stream([1, 2, 3], with_logprobs).on_fast_path
     assert fast.generate([1, 2, 3], with_logprobs).logprobs
@@ -124,9 +120,26 @@ def test_budgets_above_the_tested_tree_size_take_the_reference_path(fast_ckpt):
 
 def test_penalties_and_logit_bias_take_the_reference_path(pairs):
     reference, fast = pairs["qwen3"]
-    for extra in (dict(repetition_penalty=1.4), dict(logit_bias=((5, 2.0),)), dict(temperature=1.0, min_p=0.1)):
+    for extra in (dict(repetition_penalty=1.4), dict(logit_bias=((5, 2.0),)),
+                  dict(temperature=1.0, top_p=0.9, presence_penalty=0.5)):
         params = SamplingParams(max_new_tokens=16, ignore_eos=True, seed=3, **extra)
         gen = fast.stream([1, 2, 3], params, method="ddtree", budget=8)
         assert not gen.on_fast_path
         list(gen)
         assert gen.token_ids == reference.generate([1, 2, 3], params, method="ddtree", budget=8).token_ids
+
+
+def test_filtered_sampling_runs_on_the_fast_path_for_a_bounded_number_of_settings(pairs, monkeypatch):
+    from ddtree import fast as fast_module
+
+    _, fast = pairs["qwen3"]
+    monkeypatch.setattr(fast.fast, "_plans", {})
+    monkeypatch.setattr(fast_module, "MAX_FILTER_SETTINGS", 2)
+    settings = [dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1)]
+    for i, kw in enumerate(settings):
+        params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=i, ignore_eos=True, **kw)
+        gen = fast.stream([1, 2, 3], params, method="ddtree", budget=8)
+        assert gen.on_fast_path == (i < 2), kw  # a third distinct setting would capture a third set of graphs
+        list(gen)
+    again = SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.9, ignore_eos=True)
+    assert fast.stream([4, 5], again, method="ddtree", budget=8).on_fast_path  # a known setting, any temperature

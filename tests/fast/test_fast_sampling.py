@@ -23,20 +23,21 @@ def small_vocab_fast(tmp_path_factory) -> Engine:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fast_path_sampling_follows_the_target_distribution(small_vocab_fast, temperature):
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7),
+                                dict(temperature=1.2, top_p=0.8), dict(temperature=1.0, top_k=4)])
+def test_fast_path_sampling_follows_the_target_distribution(small_vocab_fast, kw):
     engine = small_vocab_fast
-    joint = exact_joint(engine.target.model, PROMPT, VOCAB, STEPS, temperature=temperature)
+    joint = exact_joint(engine.target.model, PROMPT, VOCAB, STEPS, **kw)
     for method, budget in [("ddtree", 6), ("ar", None)]:
         counts: dict[tuple[int, ...], int] = {}
         for seed in range(DRAWS):
-            params = SamplingParams(max_new_tokens=STEPS, temperature=temperature, seed=seed, ignore_eos=True)
+            params = SamplingParams(max_new_tokens=STEPS, seed=seed, ignore_eos=True, **kw)
             gen = engine.stream(PROMPT, params, method=method, budget=budget)
             assert gen.on_fast_path
             list(gen)
             counts[tuple(gen.token_ids)] = counts.get(tuple(gen.token_ids), 0) + 1
         p_value = fit_p_value(counts, joint)
-        assert p_value > 1e-4, f"{method} at T={temperature}: chi-square p = {p_value:.2e}"
+        assert p_value > 1e-4, f"{method} with {kw}: chi-square p = {p_value:.2e}"
 
 
 def test_fast_sampling_is_seeded_and_still_speculates(small_vocab_fast):

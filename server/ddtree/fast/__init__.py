@@ -14,9 +14,9 @@ Each step is captured once per (method, budget) as a CUDA graph; the host replay
 back one small tensor (the accepted length and the emitted tokens). On the CPU the same steps run eagerly,
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
-Scope: greedy or temperature-sampled requests without top-k / top-p or logprobs, on dense pure-attention
-Qwen3 / Llama-family targets (no sliding windows, no MoE, no hybrid recurrent layers). Everything else stays
-on the reference path.
+Scope: greedy or sampled requests (temperature, top-k, top-p, min-p) without penalties, logit bias or
+logprobs, on dense pure-attention Qwen3 / Llama-family targets (no sliding windows, no MoE, no hybrid
+recurrent layers). Everything else stays on the reference path.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ddtree.draft import DFlashDraft
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
+from ddtree.sampling import SamplingParams, filter_logits
 from ddtree.target import HybridTarget, Target
 
 if TYPE_CHECKING:
@@ -42,6 +43,16 @@ __all__ = ["FastPath", "Plan", "ancestors", "chain", "top_prefixes", "tree_size"
 
 ARCHITECTURES = ("qwen3", "llama")
 MAX_BUDGET = 256  # the largest tree the one-program tree build is tested at (its selections grow with B ln B)
+MAX_FILTER_SETTINGS = 8  # distinct (top-k, top-p, min-p) settings with their own captured plans
+
+Filters = tuple[int, float, float]  # (top-k, top-p, min-p) of a sampled request, baked into its plans
+
+
+def sampling_filters(params: SamplingParams) -> Filters | None:
+    """A sampled request's (top-k, top-p, min-p), or None when none of them filters anything."""
+    if params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0):
+        return None
+    return max(params.top_k, 0), params.top_p, params.min_p
 
 
 def unsupported(target: Target) -> str | None:
@@ -89,7 +100,7 @@ class FastPath:
             # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, self.capacity, dc.head_dim),
                                         dtype=self.dtype, device=self.device)
-        self._plans: dict[tuple[str, int, bool], Plan] = {}
+        self._plans: dict[tuple[str, int, bool, Filters | None], Plan] = {}
         self._busy = False
         # Queue each round before reading the previous one: on CUDA that overlaps the host's bookkeeping with
         # the device's work; on the CPU a round runs when it is launched, so it would only delay the output.
@@ -107,12 +118,17 @@ class FastPath:
         return tree_size(depth, self.target.shape.vocab_size, budget) + 1
 
     def accepts(self, gen: Generation) -> bool:
-        """Greedy or temperature-only sampling, no logprobs, a budget in 1..MAX_BUDGET, and the whole request
-        fits the static caches (top-k / top-p / min-p filters, penalties and logit bias need per-request,
-        per-node processing of every row: the reference path does it)."""
+        """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
+        settings), no penalties, logit bias or logprobs, a budget in 1..MAX_BUDGET, and the whole request
+        fits the static caches (penalties need each node's own history: the reference path does that)."""
         p = gen.params
-        plain = not p.filters
-        if self._busy or not plain or p.logprobs is not None or (gen.method != "ar" and self.draft is None):
+        filters = sampling_filters(p)
+        known = {key[3] for key in self._plans} - {None}
+        if filters is not None and filters not in known and len(known) >= MAX_FILTER_SETTINGS:
+            return False
+        if p.penalized or p.logit_bias or p.logprobs is not None or self._busy:
+            return False
+        if gen.method != "ar" and self.draft is None:
             return False
         if gen.method == "ddtree" and not 1 <= gen.budget <= MAX_BUDGET:
             return False
@@ -127,8 +143,8 @@ class FastPath:
         """Generation._run on the fast path: same RoundOutputs, same stats, same tokens."""
         self._busy = True
         try:
-            sampled = not gen.params.greedy
-            plan = self.plan(gen.method, gen.budget, sampled)  # captured before the prefill resets the state
+            sampled, filters = not gen.params.greedy, sampling_filters(gen.params)
+            plan = self.plan(gen.method, gen.budget, sampled, filters)  # captured before the prefill resets state
             refill = prefill_noise = None
             if sampled:
                 self.inv_temperature.fill_(1.0 / gen.params.temperature)
@@ -141,7 +157,7 @@ class FastPath:
             most = 1 if gen.method == "ar" else self.block  # tokens one round can emit
             t0 = time.perf_counter()
             root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
-                                noise=prefill_noise)
+                                noise=prefill_noise, filters=filters)
             gen.stats.prefill_seconds = self._sync() - t0
             yield gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             decode_start = time.perf_counter()
@@ -175,13 +191,15 @@ class FastPath:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def plan(self, method: str, budget: int, sampled: bool = False) -> Plan:
+    def plan(self, method: str, budget: int, sampled: bool = False, filters: Filters | None = None) -> Plan:
         """The round's steps for (method, budget), greedy or sampled, captured as CUDA graphs on first use.
 
         A sampled plan owns a uniform-noise buffer, one row per verified node, refilled before every verify:
-        the graph turns it into Gumbel noise, so the picks are exact samples of softmax(logits / T).
+        the graph turns it into Gumbel noise, so the picks are exact samples of softmax(logits / T), after
+        the reference path's own `filter_logits` when the request filters (top-k, top-p, min-p: one plan per
+        setting, the temperature stays a device scalar).
         """
-        key = (method, budget if method == "ddtree" else 0, sampled)
+        key = (method, budget if method == "ddtree" else 0, sampled, filters)
         if key not in self._plans:
             noise = None
             if sampled:
@@ -194,7 +212,7 @@ class FastPath:
                 steps.append(("draft", lambda _: self.draft_logits()))
                 steps.append(("tree", (lambda x: top_prefixes(x, budget)) if method == "ddtree" else chain))
             depth = 0 if method == "ar" else self.block - 1
-            steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise)))
+            steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters)))
             steps.append(("commit", lambda out: self.commit(*out[1:], with_draft=method != "ar")))
             cuda = self.device.type == "cuda"
             self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise)
@@ -243,15 +261,16 @@ class FastPath:
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
 
-    def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None) -> int:
+    def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
+                filters: Filters | None = None) -> int:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
-        `noise` [1, V] when given)."""
+        `noise` [1, V] and `filters` when given)."""
         n = prompt.numel()
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         logits, taps = self.forward(prompt, positions, causal, last_only=True)
-        root = self.pick(logits[-1:], noise)[0]
+        root = self.pick(logits[-1:], noise, filters)[0]
         if with_draft:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
@@ -284,7 +303,8 @@ class FastPath:
         return self.target.lm_head(h)
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
-               max_depth: int, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+               max_depth: int, noise: torch.Tensor | None = None,
+               filters: Filters | None = None) -> tuple[torch.Tensor, ...]:
         """One target forward over root + tree (`visible`: each node and its ancestors), then the walk, on
         the device.
 
@@ -298,7 +318,7 @@ class FastPath:
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps = self.forward(ids, self.start + depths, visible)
-        picks = self.pick(logits, noise)
+        picks = self.pick(logits, noise, filters)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
         accepted = ~(visible & ~matches[None, :]).any(dim=1)
@@ -311,14 +331,19 @@ class FastPath:
         result = torch.cat([length.view(1), emitted])
         return result, path, length, bonus, taps
 
-    def pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """Per row: the argmax, or with uniform noise [N, V] a sample of softmax(logits / T) (Gumbel-max).
+    def pick(self, logits: torch.Tensor, noise: torch.Tensor | None, filters: Filters | None = None) -> torch.Tensor:
+        """Per row: the argmax, or with uniform noise [N, V] a sample of softmax(logits / T), filtered by
+        (top-k, top-p, min-p) as the reference path filters (Gumbel-max: filtered tokens stay at -inf).
 
         A noise value of exactly 0 gives that token -inf (never picked), not +inf: the safe side.
         """
         if noise is None:
             return logits.argmax(dim=-1)
-        return (logits.float() * self.inv_temperature - torch.log(-torch.log(noise))).argmax(dim=-1)
+        scaled = logits.float() * self.inv_temperature
+        if filters is not None:
+            top_k, top_p, min_p = filters
+            scaled = filter_logits(scaled, top_k, top_p, min_p)
+        return (scaled - torch.log(-torch.log(noise))).argmax(dim=-1)
 
     def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
                with_draft: bool) -> None:
