@@ -245,6 +245,11 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
 
 
+def _check_token_ids(ids: list[int], vocab: int, what: str, param: str) -> None:
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"{what} must be token ids in [0, {vocab}).", param)
+
+
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f"The model `{model}` does not exist.", type="NotFoundError", param="model",
@@ -276,14 +281,13 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
             max_param if len(prompt_ids) < limit else prompt_param)
     vocab = engine.vocab_size
     stop_ids = tuple(req.stop_token_ids or ())
-    if any(not 0 <= t < vocab for t in stop_ids):
-        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab}).", "stop_token_ids")
+    _check_token_ids(stop_ids, vocab, "stop_token_ids", "stop_token_ids")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    bias = []
-    for key, value in (req.logit_bias or {}).items():
-        if not (key.lstrip("-").isdigit() and 0 <= int(key) < vocab):
-            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}.", "logit_bias")
-        bias.append((int(key), value))
+    try:
+        bias = tuple((int(key), value) for key, value in (req.logit_bias or {}).items())
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids (integers as strings).", "logit_bias") from None
+    _check_token_ids([token for token, _ in bias], vocab, "logit_bias keys", "logit_bias")
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens,
@@ -298,7 +302,7 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            logit_bias=tuple(bias),
+            logit_bias=bias,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -373,9 +377,7 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
             raise bad_request("This model has no tokenizer: send the prompt as token ids.", "prompt")
         prompt_ids, prompt_text = engine.encode(prompt), prompt
     else:
-        vocab = engine.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise bad_request(f"Prompt token ids must be in [0, {vocab}).", "prompt")
+        _check_token_ids(prompt, engine.vocab_size, "Prompt token ids", "prompt")
         prompt_ids, prompt_text = list(prompt), engine.decode(list(prompt))
     prepared = _sampling(state, req, prompt_ids, req.max_tokens, req.logprobs, "prompt")
     prepared.prompt_text = prompt_text
@@ -732,8 +734,7 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.require_ready()
         _check_model(state, body.model)
-        if any(not 0 <= t < state.engine.vocab_size for t in body.tokens):
-            raise bad_request(f"Token ids must be in [0, {state.engine.vocab_size}).", "tokens")
+        _check_token_ids(body.tokens, state.engine.vocab_size, "tokens", "tokens")
         return {"prompt": state.engine.decode(body.tokens)}
 
     return app

@@ -102,8 +102,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-temperature", type=float, default=1.0,
                    help="temperature for requests that send none (default: 1.0 as OpenAI; 0 = greedy)")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
-                   help="greedy and temperature-sampled requests on the fast path (static caches, fused kernels, "
-                        "CUDA graphs; Qwen3/Llama targets). Default: on when the model runs on CUDA")
+                   help="greedy and sampled requests on the fast path (static caches, fused kernels, CUDA graphs; "
+                        "Qwen3/Llama targets). Default: on when the model runs on CUDA")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 

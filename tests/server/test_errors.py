@@ -32,6 +32,8 @@ def cases(name: str) -> list:
         (chat, {"model": name, "messages": MSG, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
         (chat, {"model": name, "messages": MSG, "repetition_penalty": 0}, 400, "repetition_penalty"),
         (chat, {"model": name, "messages": MSG, "logit_bias": {"five": 10}}, 400, "logit_bias"),
+        (chat, {"model": name, "messages": MSG, "logit_bias": {"--5": 1}}, 400, "logit_bias"),
+        (chat, {"model": name, "messages": MSG, "logit_bias": {"-5": 1}}, 400, "logit_bias"),
         (chat, {"model": name, "messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
         (chat, {"model": name, "messages": MSG, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
         (chat, {"model": name, "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
