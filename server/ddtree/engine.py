@@ -73,6 +73,15 @@ class GenerationStats:
         decoded = max(self.generated_tokens - 1, 0)
         return decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
+    def record_round(self, committed: int, phase_seconds: dict[str, float]) -> None:
+        """One verify round (reference or fast path): `committed` tokens, bonus included, and its phases."""
+        self.rounds += 1
+        self.committed_tokens += committed
+        for d in range(committed - 1):
+            self.accepted_per_depth[d] += 1
+        for name, seconds in phase_seconds.items():
+            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["acceptance_length"] = round(self.acceptance_length, 4)
@@ -284,10 +293,6 @@ class Generation:
             out = self._emit(emitted, processed, path, tree.size, len(path) - 1, phases, False)
             if history:
                 history.add(out.token_ids)
-            self.stats.rounds += 1
-            self.stats.committed_tokens += len(path)
-            for d in range(len(path) - 1):
-                self.stats.accepted_per_depth[d] += 1
             if self.finish_reason is None:
                 target.compact(cache, start, path)
                 if draft is not None:
@@ -298,8 +303,7 @@ class Generation:
                 if start >= eng.max_context - 1:
                     self.finish_reason = out.finish_reason = "length"
             phases["commit"], _ = self._lap(t)
-            for name, seconds in phases.items():
-                self.stats.phase_seconds[name] += seconds
+            self.stats.record_round(len(path), phases)
             self.stats.decode_seconds = self._now() - decode_start
             yield out
 

@@ -158,7 +158,7 @@ class FastPath:
             t0 = time.perf_counter()
             root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
                                 noise=prefill_noise, filters=filters)
-            gen.stats.prefill_seconds = self._sync() - t0
+            gen.stats.prefill_seconds = gen._now() - t0
             yield gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             decode_start = time.perf_counter()
             pending = plan.launch(refill, after=_stamp(plan.cuda))
@@ -171,12 +171,7 @@ class FastPath:
                 result, phases = pending.collect()
                 n = result[0]
                 out = gen._emit(result[1:1 + n], None, [], drafted, n - 1, phases, False)
-                gen.stats.rounds += 1
-                gen.stats.committed_tokens += n
-                for d in range(n - 1):
-                    gen.stats.accepted_per_depth[d] += 1
-                for name, seconds in phases.items():
-                    gen.stats.phase_seconds[name] = gen.stats.phase_seconds.get(name, 0.0) + seconds
+                gen.stats.record_round(n, phases)
                 gen.stats.decode_seconds = time.perf_counter() - decode_start
                 if gen.finish_reason is not None:
                     pending = None
@@ -185,11 +180,6 @@ class FastPath:
                 yield out
         finally:
             self._busy = False
-
-    def _sync(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     def plan(self, method: str, budget: int, sampled: bool = False, filters: Filters | None = None) -> Plan:
         """The round's steps for (method, budget), greedy or sampled, captured as CUDA graphs on first use.
