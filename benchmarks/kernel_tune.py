@@ -88,11 +88,6 @@ def tree_phase(logits: torch.Tensor, budget: int) -> None:
 
     vocab, k = logits.shape[1], min(budget, logits.shape[1])
 
-    def torch_top():
-        wide = logits.float()
-        top, tok = wide.topk(k, dim=-1)
-        return top - wide.logsumexp(dim=-1, keepdim=True), tok
-
     built = (*tree.vocab_top(logits, k), tree._frontier(budget, k, logits.device), budget,
              tree.tree_size(logits.shape[0], vocab, budget))
     default = tree._tree_warps
@@ -103,7 +98,7 @@ def tree_phase(logits: torch.Tensor, budget: int) -> None:
     tree._tree_warps = default
     rows = {"top_prefixes (the whole tree phase)": lambda: tree.top_prefixes(logits, budget),
             "vocab top-k + log-partition, Triton": lambda: tree.vocab_top(logits, k),
-            "vocab top-k + log-partition, torch": torch_top}
+            "vocab top-k + log-partition, torch": lambda: tree._vocab_top_torch(logits, k)}
     for name, op in rows.items():
         us = per_call_us(lambda op=op: [op() for _ in range(LAYERS)])
         print(f"| {vocab} | {budget} | {name} | {us:.1f} |")

@@ -79,6 +79,11 @@ def vocab_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
                        logits, k)
         if top is not None:
             return top
+    return _vocab_top_torch(logits, k)
+
+
+def _vocab_top_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vocab_top with torch.topk and logsumexp: the CPU path, and the baseline the kernels are timed against."""
     logits = logits.float()
     top, tok = logits.topk(k, dim=-1)
     return top - logits.logsumexp(dim=-1, keepdim=True), tok
