@@ -9,12 +9,13 @@ the time is per layer call, median of replays.
 2. Tree build: `top_prefixes` at each budget over the demo's 8192-token and Qwen3's 151936-token vocabulary,
    and its parts: the vocabulary top-k + log-partition (Triton vs torch) and the tree kernel at 4/8/16 warps.
 
-    PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep]   # --sweep: every attention launch config
+    PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep] [--part tree|attention]
+        # --sweep: every attention launch config; --part: only one of the two parts
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 from ddtree.fast.attention import TreeMask, _triton_attention, launch_config, tree_attention, tree_mask
@@ -54,13 +55,12 @@ def attention(sweep: bool) -> None:
         want = tree_attention(q, caches[0], sdpa).float()
         base = launch_config(GROUPS * n, CAPACITY, KV, sms)
         variants = {"sdpa (cuDNN), whole capacity": None, "default " + str(base): base}
-        for bm, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)) if sweep else ():
+        for bm, warps in ((16, 4), (32, 4), (64, 4), (64, 8)) if sweep else ():
             if bm > max(16, 2 * GROUPS * n):
                 continue
-            for stages in (1, 2):
-                for splits in (1, 4, 8, 16):
-                    cfg = dict(block_m=bm, block_n=64, splits=splits, num_warps=warps, num_stages=stages)
-                    variants[str(cfg)] = cfg
+            for splits in (1, 2, 4, 8, 16, 32):
+                cfg = dict(block_m=bm, block_n=64, splits=splits, num_warps=warps, num_stages=2)
+                variants[str(cfg)] = cfg
         results = []
         for name, cfg in variants.items():
             if cfg is not None:
@@ -105,5 +105,11 @@ def tree_phase(logits: torch.Tensor, budget: int) -> None:
 
 
 if __name__ == "__main__":
-    tree_ops()
-    attention(sweep="--sweep" in sys.argv)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--part", choices=["tree", "attention"])
+    args = parser.parse_args()
+    if args.part != "attention":
+        tree_ops()
+    if args.part != "tree":
+        attention(args.sweep)

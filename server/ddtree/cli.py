@@ -246,6 +246,12 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--corpus", default=None, help="held-out prompt files for a real pair (default: the stdlib)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (outputs checked against ar); above 0, sampled runs compared by speed and tau")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="sampled runs: prompt i uses seed + i")
     p.add_argument("--json", help="also write the full results here")
     p.set_defaults(handler=_bench)
 

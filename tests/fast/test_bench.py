@@ -28,6 +28,29 @@ def test_bench_reports_every_run_and_phase_and_agrees_with_ar(tmp_path, capsys):
     assert table.count("| fast |") == 3 and table.count("| eager |") == 3
 
 
+def test_a_sampled_bench_runs_the_filters_on_the_fast_path_and_compares_speed_not_tokens(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar", "ddtree", "--budgets", "8",
+               "--prompts", "2", "--prompt-tokens", "12", "--max-new-tokens", "10", "--temperature", "0.8",
+               "--top-p", "0.9", "--top-k", "20", "--seed", "7", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["sampling"] == "sampled at temperature 0.8, top-k 20, top-p 0.9, seed 7"
+    fast = [r for r in report["results"] if r["path"] == "fast"]
+    assert [r["on_fast_path"] for r in fast] == [True, True] and all(r["graphs"] for r in fast)
+    for r in report["results"]:
+        assert r["lossless"] is None and r["prefix_match"] is None  # samples differ by design
+        assert r["tau"] >= 1 and r["tokens_per_second"] > 0
+    assert "fast_vs_eager_ar_prefix_match" not in report
+    assert "sampled at temperature 0.8" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_sampling_settings_without_a_traceback(capsys):
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--temperature", "1", "--top-p", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "top_p must be in (0, 1]" in err and "Traceback" not in err
+
+
 def test_bench_rejects_an_unknown_shape(capsys):
     assert main(["bench", "--shape", "qwen9-1t", "--device", "cpu"]) == 2
     assert "unknown shape" in capsys.readouterr().err

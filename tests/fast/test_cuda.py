@@ -123,3 +123,33 @@ def test_sampled_rounds_replay_as_graphs_and_a_seed_fixes_the_output(fast_ckpt):
     plan = fast.fast.plan("ddtree", 16, sampled=True)
     assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
     assert runs[0] == runs[1] and len(runs[0]) == 40
+
+
+@pytest.mark.parametrize("filters", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.2, top_p=0.95)])
+def test_filtered_sampling_is_captured_in_graphs_and_stays_in_the_filtered_support(fast_ckpt, filters):
+    """top-k / top-p / min-p run inside the sampled verify graph (not eagerly), and every token drawn is one
+    the reference path's own filter keeps for that context (with a hair of slack on top-p and min-p: the two
+    paths' float32 logits differ in the last bits)."""
+    from ddtree.sampling import filter_logits
+
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32",
+                                  fast=True, fast_capacity=256)
+    params = SamplingParams(max_new_tokens=24, temperature=1.3, seed=5, ignore_eos=True, **filters)
+    prompt = [1, 2, 3, 4]
+    gen = fast.stream(prompt, params, method="ddtree", budget=16)
+    list(gen)
+    plan = fast.fast.plan("ddtree", 16, sampled=True, filters=fast_filters(params))
+    assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+    ids = prompt + gen.token_ids
+    with torch.no_grad():
+        logits = fast.target.model(torch.tensor([ids], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+    loose = filter_logits(logits / params.temperature, params.top_k, min(1.0, params.top_p + 0.01), 0.95 * params.min_p)
+    kept = loose > float("-inf")
+    drawn = torch.tensor(gen.token_ids, device="cuda")
+    assert kept[torch.arange(len(drawn)), drawn].all()
+
+
+def fast_filters(params: SamplingParams):
+    from ddtree.fast import sampling_filters
+
+    return sampling_filters(params)

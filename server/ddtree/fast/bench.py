@@ -1,7 +1,9 @@
 """`ddtree bench`: ar, dflash and ddtree side by side, in one process, on the same prompts.
 
 For each decoding path (`fast`: ddtree.fast, static caches and CUDA graphs; `eager`: the reference loop) and
-each method, every prompt is decoded greedily after a warm-up; outputs must equal `ar`'s. Reported per run:
+each method, every prompt is decoded after a warm-up: greedily by default, where outputs must equal `ar`'s;
+or sampled (`--temperature`, `--top-p`, `--top-k`, `--min-p`; prompt i seeded with seed + i), as most
+OpenAI clients ask, where only the speed and τ are compared (samples of one distribution differ). Reported per run:
 TPOT, tokens/s, τ, the mean time per round of each phase (draft, tree, verify, commit, host = the rest of
 the round's wall time), round time and verify time relative to one AR step on the same path, and the
 batch-1 bandwidth floor of one target step (weights + KV + recurrent state, see weight_bytes).
@@ -24,12 +26,14 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
 from ddtree.draft import DFlashDraft
 from ddtree.engine import DTYPES, Engine
 from ddtree.errors import DDTreeError
+from ddtree.fast import sampling_filters
 from ddtree.sampling import SamplingParams
 from ddtree.target import HybridTarget, Target
 
@@ -212,15 +216,15 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.numel() * src.element_size() / (graph_ms(lambda: torch.neg(src, out=dst)) / 1e3)
 
 
-def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, max_new_tokens: int) -> dict:
+def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, params: SamplingParams) -> dict:
     """Decode every prompt (after one warm-up that also captures the graphs); totals and per-round means."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    engine.generate(prompts[0], SamplingParams(max_new_tokens=16, ignore_eos=True), method=method, budget=budget)
+    engine.generate(prompts[0], replace(params, max_new_tokens=16), method=method, budget=budget)
     totals = dict(rounds=0, committed=0, decoded=0, seconds=0.0)
     phases: dict[str, float] = {}
     outputs, on_fast = [], True
-    for ids in prompts:
-        gen = engine.stream(ids, params, method=method, budget=budget)
+    for i, ids in enumerate(prompts):
+        seed = None if params.seed is None else params.seed + i
+        gen = engine.stream(ids, replace(params, seed=seed), method=method, budget=budget)
         on_fast &= gen.on_fast_path
         for _ in gen:
             pass
@@ -236,7 +240,10 @@ def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, max_
     per_round = {name: 1e3 * seconds / rounds for name, seconds in phases.items()}
     per_round["host"] = per_round.get("host", 0.0) + max(1e3 * totals["seconds"] / rounds - sum(per_round.values()), 0)
     round_ms = 1e3 * totals["seconds"] / rounds
-    graphs = engine.fast.plan(method, budget).eager_reason or "graphs" if on_fast and engine.fast else None
+    graphs = None
+    if on_fast and engine.fast:
+        plan = engine.fast.plan(method, budget, sampled=not params.greedy, filters=sampling_filters(params))
+        graphs = plan.eager_reason or "graphs"
     return dict(method=method, budget=budget if method == "ddtree" else None, on_fast_path=on_fast, graphs=graphs,
                 tau=totals["committed"] / rounds, tpot_ms=1e3 * totals["seconds"] / max(totals["decoded"], 1),
                 tokens_per_second=totals["decoded"] / totals["seconds"] if totals["seconds"] else 0.0,
@@ -253,6 +260,11 @@ def bench(args: argparse.Namespace) -> int:
         raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
     if any(b < 1 for b in args.budgets):
         raise DDTreeError("budgets must be >= 1")
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=True)
+    except ValueError as exc:
+        raise DDTreeError(str(exc)) from None
     capacity = args.prompt_tokens + args.max_new_tokens + max(args.budgets) + 64
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     if args.shape:
@@ -274,14 +286,15 @@ def bench(args: argparse.Namespace) -> int:
         for method, budget in runs:
             log(f"{path} {method}{' B=' + str(budget) if budget else ''} ...")
             t = time.perf_counter()
-            r = run(engine, prompts, method, budget or 1, args.max_new_tokens)
+            r = run(engine, prompts, method, budget or 1, params)
             r["path"] = path
             results.append(r)
             log(f"  {r['tokens_per_second']:.1f} tok/s, tau {r['tau']:.2f} ({time.perf_counter() - t:.1f} s)")
     for r in results:
         ar = next((a for a in results if a["path"] == r["path"] and a["method"] == "ar"), None)
-        r["lossless"] = r["outputs"] == ar["outputs"] if ar else None
-        r["prefix_match"] = prefix_match(r["outputs"], ar["outputs"]) if ar else None
+        compare = ar is not None and params.greedy  # samples are compared by τ and speed, not token by token
+        r["lossless"] = r["outputs"] == ar["outputs"] if compare else None
+        r["prefix_match"] = prefix_match(r["outputs"], ar["outputs"]) if compare else None
         r["round_vs_ar_step"] = r["round_ms"] / ar["round_ms"] if ar else None
         r["verify_vs_ar_step"] = r["phase_ms"].get("verify", 0.0) / ar["phase_ms"]["verify"] if ar else None
     floor_ms = {"spec": 1e3 * step_bytes / SPEC_BANDWIDTH}
@@ -290,10 +303,11 @@ def bench(args: argparse.Namespace) -> int:
     report = dict(model=args.shape or fast.model_name, device=torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", dtype=str(fast.target.dtype).removeprefix("torch."),
                   torch=torch.__version__, prompts=len(prompts),
-                  prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, step_bytes=step_bytes,
+                  prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, sampling=describe(params),
+                  step_bytes=step_bytes,
                   copy_bandwidth=bandwidth, floor_ms=floor_ms,
                   fast_path="available" if fast.fast else f"declined: {fast.fast_unsupported}", results=results)
-    if len(paths) == 2 and "ar" in args.methods:
+    if len(paths) == 2 and "ar" in args.methods and params.greedy:
         fast_ar, eager_ar = (next(r for r in results if r["path"] == p and r["method"] == "ar") for p in paths)
         report["fast_vs_eager_ar_prefix_match"] = prefix_match(fast_ar["outputs"], eager_ar["outputs"])
     for r in results:
@@ -303,6 +317,18 @@ def bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def describe(params: SamplingParams) -> str:
+    """The decoding the runs used, in words: "greedy" or "sampled at temperature 0.8, top-p 0.95, seed 0"."""
+    if params.greedy:
+        return "greedy"
+    parts = [f"temperature {params.temperature:g}"]
+    parts += [f"top-k {params.top_k}"] if params.top_k > 0 else []
+    parts += [f"top-p {params.top_p:g}"] if params.top_p < 1 else []
+    parts += [f"min-p {params.min_p:g}"] if params.min_p > 0 else []
+    parts += [f"seed {params.seed}"] if params.seed is not None else []
+    return "sampled at " + ", ".join(parts)
 
 
 def paths_to_run(asked: list[str], engine: Engine) -> list[str]:
@@ -333,7 +359,8 @@ def table(report: dict) -> str:
     floor = report["floor_ms"]
     lines = [f"{report['model']} ({report['dtype']}) on {report['device']}, torch {report['torch']}: "
              f"{report['prompts']} prompts x "
-             f"{report['prompt_tokens']} tokens, {report['max_new_tokens']} new, greedy. One target step moves "
+             f"{report['prompt_tokens']} tokens, {report['max_new_tokens']} new, {report['sampling']}. "
+             "One target step moves "
              f"{report['step_bytes'] / 1e9:.2f} GB: floor " + ", ".join(f"{v:.2f} ms ({k})" for k, v in floor.items()),
              *([f"fast path {report['fast_path']}"] if report["fast_path"] != "available" else []),
              "", "| path | method | B | tau | TPOT ms | tok/s | round ms | round/AR | verify/AR | draft | tree | "
