@@ -92,8 +92,10 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
                       config: dict[str, int] | None = None) -> torch.Tensor:
     kv_heads, rows, d = q.shape
     n, capacity = mask.n, cache.shape[2]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    cfg = config or launch_config(rows, capacity, kv_heads, sms)
+    if config is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        config = launch_config(rows, capacity, kv_heads, sms)
+    cfg = config
     splits = cfg["splits"]
     acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
     stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
@@ -106,8 +108,11 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
         IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)
     block_r = min(16, triton.next_power_of_2(rows))
-    _merge_kernel[(kv_heads, triton.cdiv(rows, block_r))](
-        acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, SPLITS=splits, num_warps=4)
+    row_blocks = triton.cdiv(rows, block_r)
+    block_d = d if kv_heads * row_blocks >= 64 else min(d, 32)  # few rows: spread the head dim over programs
+    _merge_kernel[(kv_heads, row_blocks, d // block_d)](
+        acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
+        num_warps=4 if block_d == d else 1)
     return out
 
 
@@ -168,19 +173,20 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(Acc, Stats, Out, rows, n, groups, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      SPLITS: tl.constexpr):
-        """Softmax-weighted sum of the splits, written as out[t, (head * groups + group) * d + e]."""
+                      BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        """Softmax-weighted sum of the splits for a block of rows and of head dims, written as
+        out[t, (head * groups + group) * d + e]."""
         head, r_block = tl.program_id(0), tl.program_id(1)
         heads = tl.num_programs(0)
         r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
         valid = r < rows
-        dims = tl.arange(0, HEAD_DIM)
+        dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
         for s in tl.static_range(SPLITS):
             m = tl.maximum(m, tl.load(Stats + (s * heads + head) * rows + r, mask=valid, other=float("-inf")))
         m = tl.where(m == float("-inf"), 0.0, m)
         total = tl.zeros((BLOCK_R,), tl.float32)
-        acc = tl.zeros((BLOCK_R, HEAD_DIM), tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         for s in tl.static_range(SPLITS):
             idx = (s * heads + head) * rows + r
             w = tl.exp(tl.load(Stats + idx, mask=valid, other=float("-inf")) - m)
