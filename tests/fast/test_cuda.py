@@ -153,3 +153,30 @@ def fast_filters(params: SamplingParams):
     from ddtree.fast import sampling_filters
 
     return sampling_filters(params)
+
+
+@pytest.mark.parametrize("vocab", [50, 8192, 151936])
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(5, 1.0, 0.0), (0, 0.9, 0.0), (40, 0.5, 0.0), (0, 0.95, 0.02),
+                                                       (1, 1.0, 0.0), (0, 0.999, 0.0), (3000, 0.2, 0.0)])
+def test_threshold_filters_keep_exactly_the_reference_tokens(vocab, top_k, top_p, min_p):
+    from ddtree.fast.filters import filter_logits
+    from ddtree.sampling import filter_logits as reference
+
+    logits = distinct_logits(65, vocab, seed=vocab + top_k) * 1.7  # no ties: one right answer
+    want = reference(logits.clone(), top_k, top_p, min_p)
+    got = filter_logits(logits.cuda(), top_k, top_p, min_p).cpu()
+    assert torch.equal(got, want)
+
+
+def test_threshold_filters_keep_every_token_tied_at_the_cut():
+    """bf16-rounded logits tie often: top-k keeps what the reference keeps; top-p keeps the reference's
+    tokens plus, at most, the other tokens tied with its last one."""
+    from ddtree.fast.filters import filter_logits
+    from ddtree.sampling import filter_logits as reference
+
+    logits = (torch.randn(16, 8192, generator=torch.Generator().manual_seed(2)) * 3).bfloat16().float()
+    assert torch.equal(filter_logits(logits.cuda(), 50, 1.0, 0.0).cpu(), reference(logits.clone(), 50, 1.0, 0.0))
+    want = reference(logits.clone(), 0, 0.8, 0.0) > float("-inf")
+    got = filter_logits(logits.cuda(), 0, 0.8, 0.0).cpu() > float("-inf")
+    cut = torch.where(want, logits, float("inf")).min(dim=-1, keepdim=True).values  # the reference's last kept
+    assert (got >= want).all() and torch.equal(got & ~want, got & ~want & (logits == cut))
