@@ -180,3 +180,20 @@ def test_threshold_filters_keep_every_token_tied_at_the_cut():
     got = filter_logits(logits.cuda(), 0, 0.8, 0.0).cpu() > float("-inf")
     cut = torch.where(want, logits, float("inf")).min(dim=-1, keepdim=True).values  # the reference's last kept
     assert (got >= want).all() and torch.equal(got & ~want, got & ~want & (logits == cut))
+
+
+def test_a_filter_kernel_that_cannot_build_falls_back_to_the_reference_filter(monkeypatch, capsys):
+    from ddtree.fast import filters, jit
+    from ddtree.sampling import filter_logits as reference
+
+    def broken(*args):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(jit, "_DECLINED", set())
+    monkeypatch.setattr(filters, "_keep_at_or_above", broken)
+    logits = distinct_logits(4, 300, seed=1)
+    for _ in range(2):
+        got = filters.filter_logits(logits.cuda(), 7, 0.6, 0.0).cpu()
+        assert torch.equal(got, reference(logits.clone(), 7, 0.6, 0.0))
+    err = capsys.readouterr().err
+    assert err.count("the top-k threshold kernel cannot run") == 1 and err.count("the top-p threshold kernel") == 1

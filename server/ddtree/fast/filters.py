@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.fast.jit import triton_works
+from ddtree.fast.jit import attempt, triton_works
 from ddtree.sampling import filter_logits as reference_filter_logits
 
 try:
@@ -35,17 +35,21 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     if not (scaled.is_cuda and scaled.dtype == torch.float32 and triton_works(scaled.device)):
         return reference_filter_logits(scaled, top_k, top_p, min_p)
     scaled = reference_filter_logits(scaled, 0, 1.0, min_p).contiguous()  # min-p needs only the row max
-    vocab = scaled.shape[-1]
-    if 0 < top_k < vocab:
-        _keep_at_or_above_threshold(scaled, float(top_k), by_mass=False)
+    if 0 < top_k < scaled.shape[-1]:
+        kept = attempt(("top-k threshold", *scaled.shape, scaled.device), _keep_at_or_above, scaled, top_k, False)
+        scaled = reference_filter_logits(scaled, top_k, 1.0, 0.0) if kept is None else kept
     if top_p < 1.0:
-        _keep_at_or_above_threshold(scaled, top_p, by_mass=True)
+        kept = attempt(("top-p threshold", *scaled.shape, scaled.device), _keep_at_or_above, scaled, top_p, True)
+        scaled = reference_filter_logits(scaled, 0, top_p, 0.0) if kept is None else kept
     return scaled
 
 
-def _keep_at_or_above_threshold(scaled: torch.Tensor, target: float, by_mass: bool) -> None:
+def _keep_at_or_above(scaled: torch.Tensor, target: float, by_mass: bool) -> torch.Tensor:
+    """Mask scaled [N, V] (contiguous rows) in place below each row's threshold for `target`; returns it."""
     rows, vocab = scaled.shape
-    _threshold_kernel[(rows,)](scaled, scaled.stride(0), vocab, target, BY_MASS=by_mass, BLOCK=1024, num_warps=8)
+    _threshold_kernel[(rows,)](scaled, scaled.stride(0), vocab, float(target), BY_MASS=by_mass, BLOCK=1024,
+                               num_warps=8)
+    return scaled
 
 
 if triton is not None:
@@ -79,7 +83,7 @@ if triton is not None:
         base = tl.zeros((), tl.int64)  # the threshold's key so far: the bits above `shift` are settled
         above = tl.zeros((), tl.float32)  # weight of the tokens whose key lies above the current bin range
         for step in tl.static_range(8):
-            shift: tl.constexpr = 28 - 4 * step
+            shift = 28 - 4 * step  # bits below the current 4-bit digit
             hist = tl.zeros((16,), tl.float32)
             for start in range(0, vocab, BLOCK):
                 valid = start + offsets < vocab
