@@ -110,8 +110,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
 
 def filter_logits(out: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Min-p, then top-k, then top-p over temperature-scaled logits [N, V]; filtered entries become -inf.
-    (The fast path runs this same function inside its sampled graphs off the GPU; on one, ddtree.fast.filters
-    keeps the same tokens without the sort.)"""
+    (The fast path runs this same function inside its sampled graphs.)"""
     if min_p > 0:
         probs = torch.softmax(out, dim=-1)
         out = out.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))

@@ -31,10 +31,9 @@ import torch
 
 from ddtree.draft import DFlashDraft
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
-from ddtree.fast.filters import filter_logits
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
-from ddtree.sampling import SamplingParams
+from ddtree.sampling import SamplingParams, filter_logits
 from ddtree.target import HybridTarget, Target
 
 if TYPE_CHECKING:
@@ -187,8 +186,8 @@ class FastPath:
 
         A sampled plan owns a uniform-noise buffer, one row per verified node, refilled before every verify:
         the graph turns it into Gumbel noise, so the picks are exact samples of softmax(logits / T), after
-        the reference path's filters when the request has them (top-k, top-p, min-p; on a GPU top-k and top-p
-        by threshold, see fast.filters; one plan per setting, the temperature stays a device scalar).
+        the reference path's own `filter_logits` when the request filters (top-k, top-p, min-p: one plan per
+        setting, the temperature stays a device scalar).
         """
         key = (method, budget if method == "ddtree" else 0, sampled, filters)
         if key not in self._plans:

@@ -1,8 +1,5 @@
 """Whether the fast path's Triton kernels build and run on a device, checked once per device.
 
-`attempt` runs one kernel launch and, should that shape fail to build or launch, sends the shape to the
-PyTorch code for good.
-
 Triton compiles each kernel's launcher with the host's C compiler and Python headers at run time; an
 image without them (or a Triton too old for `tl.topk`) must still serve. The first call runs every kernel
 on tiny inputs; if that fails, the fast path uses PyTorch SDPA and the PyTorch tree loop instead, and
@@ -12,8 +9,6 @@ says why on stderr.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -23,23 +18,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 _WORKS: dict[torch.device, bool] = {}
-
-_DECLINED: set[tuple] = set()  # (kernel, shape...) whose Triton launch failed: the PyTorch code serves them
-
-
-def attempt(key: tuple, launch: Callable[..., Any], *args: Any) -> Any:
-    """`launch(*args)`, unless it failed before for this shape; None when it fails (this shape then takes the
-    PyTorch path for good). A shape's first call is a warm-up, never inside a graph capture, and a failure
-    to build or launch (too little shared memory on this GPU for a big budget) happens before any work."""
-    if key in _DECLINED:
-        return None
-    try:
-        return launch(*args)
-    except Exception as exc:  # a compile error or OutOfResources from Triton
-        _DECLINED.add(key)
-        print(f"ddtree fast path: the {key[0]} kernel cannot run at {key[1:-1]} on this GPU "
-              f"({type(exc).__name__}); using PyTorch for it", file=sys.stderr)
-        return None
 
 
 def triton_works(device: torch.device) -> bool:

@@ -5,9 +5,13 @@ Same trees as ddtree.tree (the host's best-first search), as tensors a CUDA grap
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from ddtree.fast.jit import attempt, triton_works
+from ddtree.fast.jit import triton_works
 
 try:
     import triton
@@ -41,7 +45,7 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     pairs = _frontier(budget, k, device)
     n = tree_size(max_depth, vocab, budget)
     if draft_logits.is_cuda and triton_works(device):
-        built = attempt(("tree", max_depth, k, budget, device), _build_on_gpu, logp, tok, pairs, budget, n)
+        built = _attempt(("tree", max_depth, k, budget, device), _build_on_gpu, logp, tok, pairs, budget, n)
         if built is not None:
             return built
     scores = logp.new_full((max_depth, budget), float("-inf"))
@@ -71,7 +75,7 @@ def vocab_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     several kernels and ~75 µs for 15 rows; these take a few).
     """
     if logits.is_cuda and triton_works(logits.device):
-        top = attempt(("vocabulary top-k", *logits.shape, k, logits.dtype, logits.device), _vocab_top_on_gpu,
+        top = _attempt(("vocabulary top-k", *logits.shape, k, logits.dtype, logits.device), _vocab_top_on_gpu,
                        logits, k)
         if top is not None:
             return top
@@ -83,6 +87,24 @@ def _vocab_top_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     logits = logits.float()
     top, tok = logits.topk(k, dim=-1)
     return top - logits.logsumexp(dim=-1, keepdim=True), tok
+
+
+_DECLINED: set[tuple] = set()  # (kernel, shape...) whose Triton launch failed: the PyTorch code serves them
+
+
+def _attempt(key: tuple, launch: Callable[..., Any], *args: Any) -> Any:
+    """`launch(*args)`, unless it failed before for this shape; None when it fails (this shape then takes the
+    PyTorch path for good). A shape's first call is a warm-up, never inside a graph capture, and a failure
+    to build or launch (too little shared memory on this GPU for a big budget) happens before any work."""
+    if key in _DECLINED:
+        return None
+    try:
+        return launch(*args)
+    except Exception as exc:  # a compile error or OutOfResources from Triton
+        _DECLINED.add(key)
+        print(f"ddtree fast path: the {key[0]} kernel cannot run at {key[1:-1]} on this GPU "
+              f"({type(exc).__name__}); using PyTorch for it", file=sys.stderr)
+        return None
 
 
 _FRONTIERS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
