@@ -212,6 +212,8 @@ class ServerState:
         self.scheduler = Scheduler(engine, metrics, max_queue=self.config.max_queue)
         log.info("serving %s (method %s, budget %s, max context %d)", name, engine.method, engine.budget,
                  engine.max_context)
+        if note := getattr(engine, "fast_note", None):
+            log.warning("%s", note)
 
     def require_ready(self) -> Scheduler:
         if self.draining:

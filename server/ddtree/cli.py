@@ -61,6 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
                                     device=args.device, dtype=args.dtype, fast=args.fast)
     if engine.fast is None and engine.fast_unsupported != "off":
         print(f"ddtree generate: reference path ({engine.fast_unsupported})", file=sys.stderr)
+    elif engine.fast_note:
+        print(f"ddtree generate: {engine.fast_note}", file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
     result = engine.generate(prompt_ids, params)

@@ -16,7 +16,7 @@ import torch
 
 from ddtree.draft import DFlashDraft, DraftCache, load_draft
 from ddtree.errors import DDTreeError
-from ddtree.fast import FastPath, unsupported
+from ddtree.fast import MAX_BUDGET, FastPath, unsupported
 from ddtree.sampling import History, SamplingParams, make_generator, pick_tokens, process_logits
 from ddtree.target import Target, load_target
 from ddtree.tree import DraftTree, build_tree, chain_tree, walk
@@ -164,6 +164,15 @@ class Engine:
                              mask_token_from_tokenizer=mask_from_tok)
         return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)),
                    fast=fast, fast_capacity=fast_capacity)
+
+    @property
+    def fast_note(self) -> str | None:
+        """Why requests at this engine's own method and budget will take the reference path although the fast
+        path is on (None when they will not). Worth saying once at startup: on a GPU it costs several times."""
+        if self.fast is not None and self.method == "ddtree" and self.budget > MAX_BUDGET:
+            return (f"budget {self.budget} is above the fast path's largest tree ({MAX_BUDGET} nodes): ddtree "
+                    "requests take the reference path, several times slower on a GPU")
+        return None
 
     @property
     def max_context(self) -> int:

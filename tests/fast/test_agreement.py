@@ -118,6 +118,24 @@ def test_budgets_above_the_tested_tree_size_take_the_reference_path(fast_ckpt):
     assert big.token_ids == reference.generate([1, 2, 3], GREEDY, method="ddtree", budget=300).token_ids
 
 
+def test_a_default_budget_beyond_the_fast_path_is_said_at_startup(fast_ckpt, caplog, capsys):
+    from ddtree.api import ServerConfig, ServerState
+    from ddtree.cli import main
+
+    big = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True, budget=300)
+    assert "budget 300 is above the fast path's largest tree (256 nodes)" in big.fast_note
+    fits = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True, budget=256)
+    assert fits.fast_note is None
+    state = ServerState(ServerConfig())
+    with caplog.at_level("WARNING", logger="ddtree.server"):
+        state.load(lambda: big)
+    state.scheduler.shutdown(timeout=5)
+    assert any("take the reference path" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert main(["generate", "--target", str(fast_ckpt / "qwen3"), "--draft", str(fast_ckpt / "draft"),
+                 "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--budget", "300", "--fast", "--device", "cpu"]) == 0
+    assert "ddtree generate: budget 300 is above the fast path's largest tree" in capsys.readouterr().err
+
+
 def test_penalties_and_logit_bias_take_the_reference_path(pairs):
     reference, fast = pairs["qwen3"]
     for extra in (dict(repetition_penalty=1.4), dict(logit_bias=((5, 2.0),)),
