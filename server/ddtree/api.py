@@ -34,6 +34,7 @@ from ddtree.metrics import ServerMetrics
 from ddtree.sampling import SamplingParams
 from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
 from ddtree.scheduler import Request as EngineRequest
+from ddtree.tools import ToolCallStream, split_tool_calls, template_message, template_writes_tool_calls
 
 log = logging.getLogger("ddtree.server")
 
@@ -106,6 +107,9 @@ class ContentPart(_Tolerant):
 class ChatMessage(_Tolerant):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
 
 class _SamplingFields(_Tolerant):
@@ -143,6 +147,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -163,6 +168,7 @@ class TokenizeRequest(_Tolerant):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered as the chat endpoint renders them
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -186,6 +192,7 @@ class ServerConfig:
     max_queue: int = 256
     drain_timeout: float = 30.0  # seconds queued and running requests get to finish at shutdown
     default_temperature: float = 1.0  # for requests that send none (OpenAI's default is 1.0)
+    tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call> blocks; hermes; none
 
 
 @dataclass
@@ -236,6 +243,8 @@ class Prepared:
     params: SamplingParams
     stop: tuple[str, ...]
     prompt_text: str = ""
+    tool_calls: bool = False  # split the reply into content and tool calls
+    parallel_tool_calls: bool = True
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -323,17 +332,22 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-    """The prompt ids of a chat (as `ddtree generate --chat` tokenizes it, so both agree)."""
+def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt ids of a chat (as `ddtree generate --chat` tokenizes it, so both agree), with `tools`
+    rendered by the template when given."""
     # OpenAI's "developer" role is the system prompt under a new name; chat templates only know "system".
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
-                for i, m in enumerate(req.messages)]
+    messages = []
+    for i, m in enumerate(req.messages):
+        message = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+        extra = {"tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id, "name": m.name}
+        messages.append(template_message(message | {k: v for k, v in extra.items() if v is not None}))
     if state.engine.tokenizer is None:
         raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
+    kwargs = dict(req.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
     try:
         return state.engine.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message,
-                                     **(req.chat_template_kwargs or {}))
+                                     continue_final_message=req.continue_final_message, **kwargs)
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
         raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
 
@@ -345,18 +359,45 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     if fmt != "text":
         raise bad_request(f"response_format {fmt!r} is not supported yet (no constrained decoding).",
                           "response_format")
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("Tool calling is not supported yet; send tool_choice \"none\" or no tools.",
-                          "tool_choice")
+    tool_calls = _tool_calls_wanted(state, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    prompt_ids = _chat_prompt_ids(state, req)
+    prompt_ids = _chat_prompt_ids(state, req, req.tools if tool_calls else None)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
+    prepared = _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
+    prepared.tool_calls, prepared.parallel_tool_calls = tool_calls, req.parallel_tool_calls
+    return prepared
+
+
+def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> bool:
+    """Whether this chat renders its tools and parses calls from the reply; the refusals, with reasons."""
+    choice = req.tool_choice
+    if isinstance(choice, dict) or choice == "required":
+        raise bad_request("tool_choice \"required\" or a named function forces a call, which needs constrained "
+                          "decoding (not supported yet); send \"auto\" or \"none\".", "tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad_request(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {choice!r}.",
+                          "tool_choice")
+    if not req.tools or choice == "none":
+        return False
+    for i, tool in enumerate(req.tools):
+        function = tool.get("function") if tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request("Each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}.",
+                              f"tools.{i}")
+    parser = state.config.tool_call_parser
+    tokenizer = state.engine.tokenizer
+    if parser == "auto" and tokenizer is not None:
+        parser = "hermes" if template_writes_tool_calls(getattr(tokenizer, "chat_template", None)) else "none"
+    if parser != "hermes":
+        raise bad_request("This server does not parse tool calls for this model: its chat template does not "
+                          "write Hermes <tool_call> blocks (start it with --tool-call-parser hermes if the model "
+                          "does), or it runs with --tool-call-parser none.", "tools")
+    return True
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
@@ -520,14 +561,21 @@ async def _complete(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> 
     choices = []
     for index, out in enumerate(final):
         content = "".join(text[index])
+        finish_reason = out.finish_reason
         if call.kind == "chat":
-            choice = {"index": index, "message": {"role": "assistant", "content": content},
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if call.prepared.tool_calls:
+                message["content"], calls = split_tool_calls(content, parallel=call.prepared.parallel_tool_calls)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choice = {"index": index, "message": message,
                       "logprobs": {"content": call.logprobs.chat(logprobs[index])} if want_logprobs else None}
         else:
             prefix = call.prepared.prompt_text if call.body.echo else ""
             choice = {"index": index, "text": prefix + content,
                       "logprobs": call.logprobs.legacy(logprobs[index], len(prefix)) if want_logprobs else None}
-        choice.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        choice.update(finish_reason=finish_reason, stop_reason=out.stop_reason)
         if call.body.return_token_ids:
             choice["token_ids"] = token_ids[index]
         choices.append(choice)
@@ -544,6 +592,8 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
     include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
     want_logprobs = call.prepared.params.logprobs is not None
     offsets = [0] * len(call.requests)
+    tool_streams = [ToolCallStream(call.prepared.parallel_tool_calls) if chat and call.prepared.tool_calls else None
+                    for _ in call.requests]
 
     def chunk_body(choices: list[dict], **extra: Any) -> str:
         body = {"id": call.object_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -569,10 +619,12 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
                 yield _sse(APIError(500, f"The engine failed: {out.error}", type="internal_error").body())
                 yield _sse("[DONE]")
             return
-        if out.text or (out.token_ids and (want_logprobs or call.body.return_token_ids)):
+        tools = tool_streams[index]
+        text = out.text if tools is None else tools.feed(out.text)
+        if text or (out.token_ids and (want_logprobs or call.body.return_token_ids)):
             if chat:
                 logprobs = {"content": call.logprobs.chat(out.logprobs)} if want_logprobs else None
-                choice = {"index": index, "delta": {"content": out.text}, "logprobs": logprobs}
+                choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs}
             else:
                 logprobs = call.logprobs.legacy(out.logprobs, offsets[index]) if want_logprobs else None
                 choice = {"index": index, "text": out.text, "logprobs": logprobs}
@@ -581,8 +633,19 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
                 choice["token_ids"] = out.token_ids
             yield chunk({**choice, "finish_reason": None})
         if out.finish_reason is not None:
+            finish_reason = out.finish_reason
+            if tools is not None:  # what was held back: the content after the calls, then the calls
+                content, calls = tools.finish()
+                if content:
+                    yield chunk({"index": index, "delta": {"content": content}, "logprobs": None,
+                                 "finish_reason": None})
+                if calls:
+                    deltas = [{"index": i, **tool_call} for i, tool_call in enumerate(calls)]
+                    yield chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                 "finish_reason": None})
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             final = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
-            yield chunk({**final, "logprobs": None, "finish_reason": out.finish_reason,
+            yield chunk({**final, "logprobs": None, "finish_reason": finish_reason,
                          "stop_reason": out.stop_reason}, **call.extras({}))
     if include_usage:
         yield chunk_body([], usage=_usage(call.requests))
@@ -725,7 +788,7 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send exactly one of prompt and messages.", "prompt")
         if body.messages is not None:
-            ids = _chat_prompt_ids(state, body)
+            ids = _chat_prompt_ids(state, body, body.tools)
         elif state.engine.tokenizer is None:
             raise bad_request("This model has no tokenizer.", "prompt")
         else:

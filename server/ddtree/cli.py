@@ -106,6 +106,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy and sampled requests on the fast path (static caches, fused kernels, CUDA graphs; "
                         "Qwen3/Llama targets). Default: on when the model runs on CUDA")
+    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "none"], default="auto",
+                   help="how replies become `tool_calls`: hermes (<tool_call> JSON blocks: Qwen3, Qwen2.5); "
+                        "auto (default): hermes when the chat template writes such blocks; none: tools refused")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 
@@ -126,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
         drain_timeout=args.drain_timeout, default_temperature=args.default_temperature, fast=args.fast,
-        log_level=args.log_level))
+        tool_call_parser=args.tool_call_parser, log_level=args.log_level))
 
 
 def _add_pull_parser(sub: argparse._SubParsersAction) -> None:

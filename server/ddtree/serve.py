@@ -31,6 +31,7 @@ class ServeOptions:
     drain_timeout: float = 30.0
     default_temperature: float = 1.0
     fast: bool | None = None  # None: on when the model runs on CUDA
+    tool_call_parser: str = "auto"  # auto | hermes | none
     log_level: str = "info"
 
 
@@ -64,7 +65,8 @@ def run(options: ServeOptions) -> int:
 
     config = ServerConfig(served_model_name=options.served_model_name, api_key=options.api_key,
                           max_queue=options.max_queue, drain_timeout=options.drain_timeout,
-                          default_temperature=options.default_temperature)
+                          default_temperature=options.default_temperature,
+                          tool_call_parser=options.tool_call_parser)
     app = create_app(load, config, on_load_error)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                timeout_graceful_shutdown=options.drain_timeout)

@@ -38,7 +38,9 @@ def cases(name: str) -> list:
         (chat, {"model": name, "messages": MSG, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
         (chat, {"model": name, "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
          "response_format"),
-        (chat, {"model": name, "messages": MSG, "tools": [{"type": "function"}]}, 400, "tool_choice"),
+        (chat, {"model": name, "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools.0"),
+        (chat, {"model": name, "messages": MSG, "tools": [TOOL]}, 400, "tools"),  # no <tool_call> in the template
+        (chat, {"model": name, "messages": MSG, "tools": [TOOL], "tool_choice": "required"}, 400, "tool_choice"),
         (chat, {"model": name, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages.0.content"),
         (chat, {"model": name, "messages": MSG, "max_tokens": 10**6}, 400, "max_tokens"),
@@ -54,6 +56,9 @@ def cases(name: str) -> list:
         (comp, {"model": name, "prompt": "x = 1", "best_of": 3}, 400, "best_of"),
         (comp, {"model": "no-such-model", "prompt": "x = 1"}, 404, "model"),
     ]
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 def model_name(server) -> str:

@@ -1,0 +1,236 @@
+"""Tool calling: Hermes <tool_call> blocks become OpenAI `tool_calls`, streamed and not; forced choices refused."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from ddtree.api import ServerConfig, create_app
+from ddtree.engine import Engine
+from ddtree.tools import START, ToolCallStream, split_tool_calls, template_message, template_writes_tool_calls
+from fastapi.testclient import TestClient
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from scripted_engine import ScriptedEngine, prefill, round_
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+# A small Hermes-style template of our own: tools in the system turn, calls as <tool_call> JSON blocks.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Answer a call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# -- the parser -------------------------------------------------------------------------------------------
+
+
+def test_blocks_become_calls_and_the_rest_stays_content():
+    text = f"Let me look.\n{CALL}\n" + CALL.replace("Paris", "Oslo") + "\n"
+    content, calls = split_tool_calls(text)
+    assert content == "Let me look."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert split_tool_calls(text, parallel=False)[1][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert len(split_tool_calls(text, parallel=False)[1]) == 1
+
+
+def test_text_without_well_formed_calls_is_returned_untouched():
+    for text in ("  plain answer \n", "<tool_call>not json</tool_call> tail", '<tool_call>{"city": 1}</tool_call>',
+                 "<tool_call>[1, 2]</tool_call>"):
+        assert split_tool_calls(text) == (text, [])
+    content, calls = split_tool_calls(f"<tool_call>oops</tool_call>{CALL}")
+    assert content == "<tool_call>oops</tool_call>" and len(calls) == 1  # the malformed block is not lost
+
+
+def test_an_unterminated_block_with_whole_json_is_a_call_and_a_cut_one_is_content():
+    content, calls = split_tool_calls('<tool_call>{"name": "f", "parameters": {"x": 1}}')
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    cut = '<tool_call>{"name": "f", "argu'
+    assert split_tool_calls(cut) == (cut, [])
+    assert split_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1][0][
+        "function"]["arguments"] == '{"x": 1}'  # arguments already a string stay as sent
+
+
+@pytest.mark.parametrize("text", [f"Checking {CALL} done", CALL, "no calls at all <tool", f"a<tool_c{CALL}",
+                                  "<tool_call>broken</tool_call>"])
+def test_streaming_releases_content_early_and_ends_like_the_whole_reply(text):
+    whole_calls = split_tool_calls(text)[1]
+    for cut1 in range(len(text) + 1):
+        for cut2 in range(cut1, len(text) + 1, 7):
+            stream = ToolCallStream()
+            sent = "".join(stream.feed(piece) for piece in (text[:cut1], text[cut1:cut2], text[cut2:]))
+            tail, calls = stream.finish()
+            start = text.find(START)
+            if whole_calls:
+                assert sent == text[:start]  # everything before the first block went out at once
+                assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+                rest = split_tool_calls(text[start:])[0]
+                assert tail == rest
+            else:
+                assert sent + (tail or "") == text and not calls
+            assert START not in sent
+
+
+def test_template_helpers():
+    assert template_writes_tool_calls(HERMES_TEMPLATE)
+    assert template_writes_tool_calls({"default": "x", "tool_use": HERMES_TEMPLATE})
+    assert not template_writes_tool_calls("{{ messages }}") and not template_writes_tool_calls(None)
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]}
+    rendered = template_message(message)
+    assert rendered["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert rendered["tool_calls"][1]["function"]["arguments"] == "not json"
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # the request is not modified
+
+
+# -- the API with a scripted engine ------------------------------------------------------------------------
+
+
+class ToolEngine(ScriptedEngine):
+    """A scripted engine whose tokens are text pieces of a reply with a tool call; records each chat render."""
+
+    PIECES = ("I'll check.", "<tool_", "call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
+              "\n</tool_call>", "Sunny.")
+    vocab_size = len(PIECES)
+
+    def __init__(self, template: str = HERMES_TEMPLATE) -> None:
+        super().__init__()
+        self.tokenizer = type("Tokenizer", (), {"chat_template": template})()
+        self.renders: list[tuple[list[dict], dict]] = []
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.PIECES[i] for i in ids)
+
+    def chat_ids(self, messages, **kwargs) -> list[int]:
+        self.renders.append((messages, kwargs))
+        return [0, 1]
+
+
+def scripted_call_reply() -> list:
+    return [prefill(0), round_([1, 2]), round_([3, 4]), round_([5], finish="stop")]
+
+
+def client_for(engine: ScriptedEngine, **config) -> TestClient:
+    client = TestClient(create_app(lambda: engine, ServerConfig(**config)))
+    client.__enter__()
+    deadline = time.monotonic() + 10
+    while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return client
+
+
+def chat(client: TestClient, **body):
+    return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Paris?"}], **body})
+
+
+def test_a_reply_with_a_call_comes_back_as_tool_calls():
+    engine = ToolEngine()
+    engine.scripts.append(scripted_call_reply())
+    with client_for(engine) as client:
+        r = chat(client, tools=[WEATHER])
+    assert r.status_code == 200, r.text
+    reply = ChatCompletion.model_validate(r.json())  # the OpenAI SDK's own model of the response
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I'll check."
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert engine.renders[0][1]["tools"] == [WEATHER]  # the template rendered the tools
+
+
+def test_a_streamed_call_arrives_as_one_tool_call_delta_after_the_content():
+    engine = ToolEngine()
+    engine.scripts.append(scripted_call_reply())
+    with client_for(engine) as client:
+        r = chat(client, tools=[WEATHER], stream=True)
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert content == "I'll check." and START not in content
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_reply_without_a_call_is_plain_content_and_a_call_cut_by_length_stays_text():
+    engine = ToolEngine()
+    engine.scripts.append([prefill(6), round_([6], finish="stop")])
+    engine.scripts.append([prefill(1), round_([2, 3], finish="length")])
+    with client_for(engine) as client:
+        plain = chat(client, tools=[WEATHER]).json()["choices"][0]
+        cut = chat(client, tools=[WEATHER]).json()["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "Sunny.Sunny."} and plain["finish_reason"] == "stop"
+    assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
+    assert cut["message"]["content"].startswith("<tool_call>")
+
+
+def test_tool_choice_none_neither_renders_nor_parses_and_forced_choices_are_refused():
+    engine = ToolEngine()
+    engine.scripts.append(scripted_call_reply())
+    with client_for(engine) as client:
+        r = chat(client, tools=[WEATHER], tool_choice="none")
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].count("<tool_call>") == 1
+        assert "tools" not in engine.renders[0][1]
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = chat(client, tools=[WEATHER], tool_choice=choice)
+            assert r.status_code == 400 and "constrained decoding" in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == "tool_choice"
+        r = chat(client, tools=[{"type": "function", "function": {"description": "no name"}}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0"
+        assert chat(client, tools=[WEATHER], tool_choice="sometimes").status_code == 400
+
+
+def test_a_template_without_tool_blocks_refuses_tools_unless_the_parser_is_forced():
+    engine = ToolEngine(template="{{ messages }}")
+    engine.scripts.append(scripted_call_reply())
+    with client_for(engine) as client:
+        r = chat(client, tools=[WEATHER])
+        assert r.status_code == 400 and "--tool-call-parser hermes" in r.json()["error"]["message"]
+    with client_for(engine, tool_call_parser="hermes") as client:
+        assert chat(client, tools=[WEATHER]).json()["choices"][0]["finish_reason"] == "tool_calls"
+    with client_for(ToolEngine(), tool_call_parser="none") as client:
+        assert chat(client, tools=[WEATHER]).status_code == 400
+
+
+def test_earlier_calls_and_tool_results_reach_the_template():
+    engine = ToolEngine()
+    engine.scripts.append([prefill(6), round_([6], finish="stop")])
+    messages = [{"role": "user", "content": "Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_9", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "sunny, 21 C"}]
+    with client_for(engine) as client:
+        r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    rendered = engine.renders[0][0]
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert rendered[2] == {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_9"}
+
+
+# -- the real tokenizer --------------------------------------------------------------------------------------
+
+
+def test_the_real_chat_template_renders_tools_into_the_prompt_the_model_decodes():
+    engine = Engine.from_pretrained(device="cpu")  # the demo pair, with a Hermes-style template
+    engine.tokenizer.chat_template = HERMES_TEMPLATE
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with client_for(engine) as client:
+        ids = client.post("/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()["tokens"]
+        assert "get_weather" in engine.decode(ids) and "Weather in a city" in engine.decode(ids)
+        r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER], "max_tokens": 8,
+                                                      "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == ids  # the chat endpoint decoded from the same rendering
