@@ -29,7 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ddtree import __version__
+from ddtree import __version__, grammar
+from ddtree.errors import DDTreeError
 from ddtree.metrics import ServerMetrics
 from ddtree.sampling import SamplingParams
 from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
@@ -355,10 +356,7 @@ def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRe
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     _check_model(state, req.model)
     _check_unsupported(req)
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad_request(f"response_format {fmt!r} is not supported yet (no constrained decoding).",
-                          "response_format")
+    structure = _response_grammar(req.response_format)
     tool_calls = _tool_calls_wanted(state, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
@@ -370,7 +368,34 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
     prepared.tool_calls, prepared.parallel_tool_calls = tool_calls, req.parallel_tool_calls
+    if structure is not None:
+        if state.engine.tokenizer is None:
+            raise bad_request("Structured outputs need the model's tokenizer.", "response_format")
+        prepared.params = dataclasses.replace(prepared.params, grammar=structure)
     return prepared
+
+
+def _response_grammar(response_format: dict[str, Any] | None) -> str | None:
+    """The grammar `response_format` asks for (None for plain text): `json_object` is any JSON object,
+    `json_schema` its `json_schema.schema`."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = grammar.JSON_OBJECT
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object.",
+                              "response_format")
+    else:
+        raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}.",
+                          "response_format")
+    try:
+        return grammar.json_schema_grammar(schema)
+    except (ValueError, DDTreeError) as exc:
+        raise bad_request(f"response_format: {exc}", "response_format") from None
 
 
 def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> bool:

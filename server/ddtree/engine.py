@@ -7,6 +7,7 @@ sampling. The methods differ only in how many of those picks one target forward 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ddtree import grammar
 from ddtree.draft import DFlashDraft, DraftCache, load_draft
 from ddtree.errors import DDTreeError
 from ddtree.fast import MAX_BUDGET, FastPath, unsupported
@@ -165,6 +167,11 @@ class Engine:
         return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)),
                    fast=fast, fast_capacity=fast_capacity)
 
+    @functools.cached_property
+    def grammar_tokenizer(self) -> object:
+        """The tokenizer as the structured-output constraint reads it, built on first use."""
+        return grammar.grammar_tokenizer(self.tokenizer, self.vocab_size)
+
     @property
     def fast_note(self) -> str | None:
         """Why requests at this engine's own method and budget will take the reference path although the fast
@@ -265,10 +272,15 @@ class Generation:
         cache = target.new_cache()
         draft_cache = DraftCache(len(draft.layers)) if draft is not None else None
         history = History(self.prompt_ids, eng.vocab_size, device) if params.penalized else None
+        constraint = None
+        if params.grammar is not None:
+            constraint = grammar.Constraint(eng.grammar_tokenizer, params.grammar, eng.vocab_size)
 
         t0 = self._now()
         prompt = torch.tensor(self.prompt_ids, device=device)
         logits, taps = target.forward(prompt, torch.arange(len(prompt), device=device), cache, logits_rows=1)
+        if constraint:
+            logits = grammar.mask_logits(logits, constraint.allowed([[]]))
         processed = process_logits(logits, params, history.rows([[]]) if history else None)
         root = int(pick_tokens(processed, params, generator)[0])
         if draft is not None:
@@ -276,8 +288,7 @@ class Generation:
         self.stats.prefill_seconds = self._now() - t0
         start = len(prompt)  # position of the root = number of tokens in the target cache
         out = self._emit([root], processed, [0], 0, 0, {"prefill": self.stats.prefill_seconds}, True)
-        if history:
-            history.add(out.token_ids)
+        self._after_emit(out, history, constraint)
         yield out
         decode_start = self._now()
         while self.finish_reason is None:
@@ -292,16 +303,18 @@ class Generation:
             phases["tree"], t = self._lap(t)
             logits, taps = target.forward(ids, positions, cache, tree=tree)
             rows = None
-            if history:  # every node sees the history plus its own path below the root (not emitted yet)
-                rows = history.rows([[tree.tokens[j - 1] for j in tree.path_to(i)[1:]] for i in range(tree.size + 1)])
+            if history or constraint:  # each node: the emitted tokens plus its own path below the root
+                pending = [[tree.tokens[j - 1] for j in tree.path_to(i)[1:]] for i in range(tree.size + 1)]
+                rows = history.rows(pending) if history else None
+                if constraint:
+                    logits = grammar.mask_logits(logits, constraint.allowed(pending))
             processed = process_logits(logits, params, rows)
             picks = pick_tokens(processed, params, generator).tolist()
             path = walk(tree, picks)
             phases["verify"], t = self._lap(t)
             emitted = [picks[node] for node in path]
             out = self._emit(emitted, processed, path, tree.size, len(path) - 1, phases, False)
-            if history:
-                history.add(out.token_ids)
+            self._after_emit(out, history, constraint)
             if self.finish_reason is None:
                 target.compact(cache, start, path)
                 if draft is not None:
@@ -315,6 +328,16 @@ class Generation:
             self.stats.record_round(len(path), phases)
             self.stats.decode_seconds = self._now() - decode_start
             yield out
+
+    def _after_emit(self, out: RoundOutput, history: History | None, constraint: grammar.Constraint | None) -> None:
+        """Feed the emitted tokens to the penalties' history and the grammar; a finished grammar (the output
+        is whole and allows nothing more, not even EOS under ignore_eos) ends the generation."""
+        if history:
+            history.add(out.token_ids)
+        if constraint:
+            constraint.consume(out.token_ids)
+            if constraint.finished and self.finish_reason is None:
+                self.finish_reason = out.finish_reason = "stop"
 
     def _draft(self, root: int, start: int, draft_cache: DraftCache) -> torch.Tensor:
         """The drafter's logits for the next block_size - 1 positions after the root."""

@@ -29,6 +29,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: minus this per earlier generation of the token
     repetition_penalty: float = 1.0  # HF's / vLLM's: tokens of the prompt or output, positive logits / r, negative * r
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: str | None = None  # structured output (ddtree.grammar): only tokens that keep it valid
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

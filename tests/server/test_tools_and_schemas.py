@@ -1,4 +1,5 @@
-"""Tool calling: Hermes <tool_call> blocks become OpenAI `tool_calls`, streamed and not; forced choices refused."""
+"""Structured replies through the API: Hermes <tool_call> blocks become OpenAI `tool_calls` (streamed and not;
+forced choices refused), and `response_format` JSON objects and schemas constrain decoding."""
 
 from __future__ import annotations
 
@@ -234,3 +235,41 @@ def test_the_real_chat_template_renders_tools_into_the_prompt_the_model_decodes(
                                                       "temperature": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text
     assert r.json()["prompt_token_ids"] == ids  # the chat endpoint decoded from the same rendering
+
+
+# -- response_format ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_client():
+    with client_for(Engine.from_pretrained(device="cpu")) as client:
+        yield client
+
+
+def test_json_object_and_json_schema_replies_parse(demo_client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {
+        "type": "string", "maxLength": 8}, "maxItems": 2}}, "required": ["ok", "tags"], "additionalProperties": False}
+    formats = [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}]
+    for temperature in (0, 1):
+        for fmt in formats:
+            r = chat(demo_client, response_format=fmt, max_tokens=120, temperature=temperature, seed=1)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            value = json.loads(choice["message"]["content"])
+            assert isinstance(value, dict) and choice["finish_reason"] == "stop"
+            if fmt["type"] == "json_schema":
+                assert set(value) == {"ok", "tags"} and isinstance(value["ok"], bool) and len(value["tags"]) <= 2
+    streamed = chat(demo_client, response_format=formats[1], max_tokens=120, temperature=0, stream=True)
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in streamed.text.splitlines() if line.startswith("data: {") and '"choices":[{' in line)
+    assert set(json.loads(text)) == {"ok", "tags"}
+
+
+def test_bad_response_formats_are_refused_with_the_reason(demo_client):
+    cases = [({"type": "json_schema"}, "json_schema.schema"),
+             ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, "objectx"),
+             ({"type": "yaml"}, "text, json_object or json_schema")]
+    for fmt, words in cases:
+        r = chat(demo_client, response_format=fmt)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "response_format"

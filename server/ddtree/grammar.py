@@ -1,0 +1,106 @@
+"""Structured outputs: a request's JSON schema as a token-level constraint, per tree node (llguidance).
+
+A constrained request decodes from the target's distribution restricted, at every step, to the tokens that
+keep the output a valid prefix of the grammar (what vLLM does for `response_format`). DDTree stays
+lossless under it the same way it does under penalties: each tree node is masked for the state its own
+path below the root would leave the grammar in, so a node is accepted exactly when constrained AR would
+have picked its token. The drafter is not constrained; invalid proposals are simply never accepted.
+
+llguidance (a small Rust library with no dependencies) computes each mask from the tokenizer's vocabulary
+in tens of microseconds; it is imported only when a request asks for a schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ddtree.errors import DDTreeError
+
+try:
+    import llguidance
+    import llguidance.hf
+except ImportError:  # an install without the server extra: constrained requests are refused
+    llguidance = None
+
+JSON_OBJECT: dict[str, Any] = {"type": "object"}  # `response_format: json_object`: any JSON object
+# JSON laid out as json.dumps writes it: free whitespace lets a sampled model pad an object forever (seen
+# with the demo pair at temperature 1). A schema's own "x-guidance" settings take precedence.
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """The llguidance grammar (a JSON string) for outputs matching `schema`; ValueError with the reason
+    when the schema is not one it can compile."""
+    if llguidance is None:
+        raise DDTreeError("structured outputs need llguidance: pip install 'ddtree[server]'")
+    if not isinstance(schema, dict):
+        raise ValueError("the JSON schema must be an object")
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT)
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(f"unsupported JSON schema: {error}")
+    return grammar
+
+
+class Constraint:
+    """One request's grammar state over emitted tokens, and the masks a round's tree nodes need."""
+
+    def __init__(self, tokenizer: Any, grammar: str, vocab_size: int) -> None:
+        """`tokenizer` is `grammar_tokenizer`'s view of the model's tokenizer."""
+        self.vocab_size = vocab_size
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if self.matcher.is_error():
+            raise DDTreeError(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self._bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def allowed(self, pending: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Per row, the next tokens the grammar allows after the emitted tokens plus the row's own tokens
+        not emitted yet (a tree node's path below the root): bool [N, vocab]. A row whose path already
+        breaks the grammar can never be accepted (its parent's row forbids it); it allows everything."""
+        rows = torch.ones((len(pending), self.vocab_size), dtype=torch.bool)
+        for i, tokens in enumerate(pending):
+            consumed = self.matcher.try_consume_tokens(list(tokens)) if tokens else 0
+            if consumed == len(tokens):
+                self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
+                rows[i] = _bits(self._bitmask)[0, :self.vocab_size]
+            if consumed:
+                self.matcher.rollback(consumed)
+        return rows
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Tokens just emitted, each allowed by the mask it was picked under (past the grammar's end only an
+        end-of-sequence token can follow, which `ignore_eos` keeps in the output)."""
+        if not tokens:
+            return
+        if self.matcher.try_consume_tokens(list(tokens)) != len(tokens) and not self.matcher.is_stopped():
+            raise DDTreeError(f"emitted tokens broke the grammar: {self.matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and allows nothing more (the output is whole)."""
+        return self.matcher.is_stopped()
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Raw logits [N, V] with the tokens `allowed` forbids at -inf (before any other processing, as vLLM)."""
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def _bits(bitmask: torch.Tensor) -> torch.Tensor:
+    """llguidance's packed int32 bitmask [N, W] -> bool [N, 32 W] (bit j of word w is token 32 w + j)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+
+
+def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of a Hugging Face tokenizer over the model's `vocab_size` ids (it walks the whole
+    vocabulary: build it once per engine)."""
+    if llguidance is None:
+        raise DDTreeError("structured outputs need llguidance: pip install 'ddtree[server]'")
+    if tokenizer is None:
+        raise DDTreeError("structured outputs need the model's tokenizer")
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
