@@ -35,7 +35,13 @@ from ddtree.metrics import ServerMetrics
 from ddtree.sampling import SamplingParams
 from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
 from ddtree.scheduler import Request as EngineRequest
-from ddtree.tools import ToolCallStream, split_tool_calls, template_message, template_writes_tool_calls
+from ddtree.tools import (
+    ToolCallStream,
+    forced_call_grammar,
+    split_tool_calls,
+    template_message,
+    template_writes_tool_calls,
+)
 
 log = logging.getLogger("ddtree.server")
 
@@ -356,8 +362,8 @@ def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRe
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     _check_model(state, req.model)
     _check_unsupported(req)
-    structure = _response_grammar(req.response_format)
-    tool_calls = _tool_calls_wanted(state, req)
+    tool_calls, forced_call = _tool_calls_wanted(state, req)
+    structure = _response_grammar(req.response_format) or forced_call
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     prompt_ids = _chat_prompt_ids(state, req, req.tools if tool_calls else None)
@@ -398,17 +404,23 @@ def _response_grammar(response_format: dict[str, Any] | None) -> str | None:
         raise bad_request(f"response_format: {exc}", "response_format") from None
 
 
-def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> bool:
-    """Whether this chat renders its tools and parses calls from the reply; the refusals, with reasons."""
+def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """(whether this chat renders its tools and parses calls from the reply, the grammar a forced choice
+    decodes under); the refusals, with reasons."""
     choice = req.tool_choice
-    if isinstance(choice, dict) or choice == "required":
-        raise bad_request("tool_choice \"required\" or a named function forces a call, which needs constrained "
-                          "decoding (not supported yet); send \"auto\" or \"none\".", "tool_choice")
-    if choice not in (None, "auto", "none"):
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
+    if isinstance(choice, dict) and (choice.get("type") != "function" or not isinstance(named, str)):
+        raise bad_request("A named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                          "tool_choice")
+    if not isinstance(choice, dict) and choice not in (None, "auto", "none", "required"):
         raise bad_request(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {choice!r}.",
                           "tool_choice")
+    forced = choice == "required" or named is not None
+    if forced and not req.tools:
+        raise bad_request("tool_choice forces a call but the request offers no tools.", "tool_choice")
     if not req.tools or choice == "none":
-        return False
+        return False, None
     for i, tool in enumerate(req.tools):
         function = tool.get("function") if tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -422,7 +434,16 @@ def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> bool:
         raise bad_request("This server does not parse tool calls for this model: its chat template does not "
                           "write Hermes <tool_call> blocks (start it with --tool-call-parser hermes if the model "
                           "does), or it runs with --tool-call-parser none.", "tools")
-    return True
+    if not forced:
+        return True, None
+    if named is not None and named not in {t["function"]["name"] for t in req.tools}:
+        raise bad_request(f"tool_choice names {named!r}, which is not among the tools.", "tool_choice")
+    if (req.response_format or {}).get("type", "text") != "text":
+        raise bad_request("A forced tool_choice and a response_format cannot both shape the reply.", "tool_choice")
+    try:
+        return True, grammar.lark_grammar(forced_call_grammar(req.tools, named, req.parallel_tool_calls))
+    except (ValueError, DDTreeError) as exc:
+        raise bad_request(f"The tools' parameters cannot constrain decoding: {exc}", "tools") from None
 
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:

@@ -46,6 +46,18 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     return grammar
 
 
+def lark_grammar(source: str) -> str:
+    """The llguidance grammar for a Lark grammar (which may embed JSON schemas as `%json {...}`); ValueError
+    with the reason when it does not compile."""
+    if llguidance is None:
+        raise DDTreeError("structured outputs need llguidance: pip install 'ddtree[server]'")
+    grammar = llguidance.LLMatcher.grammar_from_lark(source)
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(f"unsupported grammar: {error}")
+    return grammar
+
+
 class Constraint:
     """One request's grammar state over emitted tokens, and the masks a round's tree nodes need."""
 

@@ -7,9 +7,10 @@ system prompt and teaches the model to answer with blocks like
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-The reply is split into plain content and calls (as vLLM's `hermes` parser does). Decoding itself is
-unchanged, so speculation and losslessness are untouched. A forced choice (`required`, a named function)
-would need constrained decoding, which the API refuses rather than ignores.
+The reply is split into plain content and calls (as vLLM's `hermes` parser does). With `tool_choice`
+`auto` decoding is unchanged. A forced choice (`required`, or a named function) decodes under a grammar
+(ddtree.grammar) that admits only such blocks, naming an offered function with arguments that match its
+parameters schema.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+
+from ddtree.grammar import LAYOUT
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -26,6 +29,20 @@ def template_writes_tool_calls(template: Any) -> bool:
     if isinstance(template, dict):
         return any(template_writes_tool_calls(t) for t in template.values())
     return isinstance(template, str) and START in template
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+    """The Lark source of a forced choice: <tool_call> blocks (one, or one or more with `parallel`) whose
+    JSON calls the function `name` (None: any offered one) with arguments valid for its parameters."""
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]},
+                             "arguments": f.get("parameters") or {"type": "object"}}} for f in functions]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": LAYOUT}
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return (f"start: call{repeat}\n"
+            f'call: "{START}\\n" body "\\n{END}"\n'
+            f"body: %json {json.dumps(schema)}\n")
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def cases(name: str) -> list:
          "response_format"),
         (chat, {"model": name, "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools.0"),
         (chat, {"model": name, "messages": MSG, "tools": [TOOL]}, 400, "tools"),  # no <tool_call> in the template
-        (chat, {"model": name, "messages": MSG, "tools": [TOOL], "tool_choice": "required"}, 400, "tool_choice"),
+        (chat, {"model": name, "messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),  # nothing to call
         (chat, {"model": name, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages.0.content"),
         (chat, {"model": name, "messages": MSG, "max_tokens": 10**6}, 400, "max_tokens"),

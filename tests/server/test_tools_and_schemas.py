@@ -177,20 +177,23 @@ def test_a_reply_without_a_call_is_plain_content_and_a_call_cut_by_length_stays_
     assert cut["message"]["content"].startswith("<tool_call>")
 
 
-def test_tool_choice_none_neither_renders_nor_parses_and_forced_choices_are_refused():
+def test_tool_choice_none_neither_renders_nor_parses_and_bad_choices_are_refused():
     engine = ToolEngine()
     engine.scripts.append(scripted_call_reply())
     with client_for(engine) as client:
         r = chat(client, tools=[WEATHER], tool_choice="none")
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].count("<tool_call>") == 1
         assert "tools" not in engine.renders[0][1]
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            r = chat(client, tools=[WEATHER], tool_choice=choice)
-            assert r.status_code == 400 and "constrained decoding" in r.json()["error"]["message"]
-            assert r.json()["error"]["param"] == "tool_choice"
-        r = chat(client, tools=[{"type": "function", "function": {"description": "no name"}}])
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0"
-        assert chat(client, tools=[WEATHER], tool_choice="sometimes").status_code == 400
+        bad = [(dict(tool_choice="sometimes"), "tool_choice"),
+               (dict(tool_choice={"type": "function", "function": {"name": "get_time"}}), "tool_choice"),
+               (dict(tool_choice={"type": "function"}), "tool_choice"),
+               (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+               (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools.0")]
+        for body, param in bad:
+            r = chat(client, **{"tools": [WEATHER], **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        r = chat(client, tool_choice="required")
+        assert r.status_code == 400 and "offers no tools" in r.json()["error"]["message"]
 
 
 def test_a_template_without_tool_blocks_refuses_tools_unless_the_parser_is_forced():
@@ -273,3 +276,51 @@ def test_bad_response_formats_are_refused_with_the_reason(demo_client):
         r = chat(demo_client, response_format=fmt)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "response_format"
+
+
+# -- forced tool choices, decoded under a grammar ---------------------------------------------------------------
+
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def hermes_client():
+    engine = Engine.from_pretrained(device="cpu")
+    engine.tokenizer.chat_template = HERMES_TEMPLATE
+    with client_for(engine) as client:
+        yield client
+
+
+def test_a_named_or_required_choice_always_yields_valid_calls(hermes_client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for temperature in (0, 1):
+        # Parallel calls allowed: the demo model, no agent, may repeat calls until max_tokens; every whole
+        # block is still a valid call of the named function.
+        r = chat(hermes_client, tools=[CITY, CLOCK], tool_choice=named, temperature=temperature, seed=3,
+                 max_tokens=120)
+        choice = ChatCompletion.model_validate(r.json()).choices[0]
+        assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls, r.text
+        assert {c.function.name for c in choice.message.tool_calls} == {"get_time"}
+        assert all(json.loads(c.function.arguments)["zone"] in ("UTC", "CET") for c in choice.message.tool_calls)
+        r = chat(hermes_client, tools=[CITY, CLOCK], tool_choice="required", parallel_tool_calls=False,
+                 temperature=temperature, seed=4, max_tokens=200)
+        choice = ChatCompletion.model_validate(r.json()).choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, r.text
+        call = choice.message.tool_calls[0]
+        arguments = json.loads(call.function.arguments)
+        assert (call.function.name, set(arguments)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
+
+
+def test_a_forced_call_streams_as_a_tool_call_delta(hermes_client):
+    r = chat(hermes_client, tools=[CITY], tool_choice="required", parallel_tool_calls=False, temperature=0,
+             max_tokens=200, stream=True)
+    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert set(json.loads(calls[0].function.arguments)) == {"city"}
