@@ -144,6 +144,11 @@ class _SamplingFields(_Tolerant):
     user: str | None = None
     return_token_ids: bool = False
     return_spec_stats: bool = False
+    # vLLM's structured outputs: the newer `structured_outputs` object, or the older guided_* fields.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -363,7 +368,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     _check_model(state, req.model)
     _check_unsupported(req)
     tool_calls, forced_call = _tool_calls_wanted(state, req)
-    structure = _response_grammar(req.response_format) or forced_call
+    structure = _requested_grammar(req, forced_call)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     prompt_ids = _chat_prompt_ids(state, req, req.tools if tool_calls else None)
@@ -374,6 +379,10 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
     prepared.tool_calls, prepared.parallel_tool_calls = tool_calls, req.parallel_tool_calls
+    return _constrained(state, prepared, structure)
+
+
+def _constrained(state: ServerState, prepared: Prepared, structure: str | None) -> Prepared:
     if structure is not None:
         if state.engine.tokenizer is None:
             raise bad_request("Structured outputs need the model's tokenizer.", "response_format")
@@ -381,27 +390,55 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     return prepared
 
 
-def _response_grammar(response_format: dict[str, Any] | None) -> str | None:
-    """The grammar `response_format` asks for (None for plain text): `json_object` is any JSON object,
-    `json_schema` its `json_schema.schema`."""
-    kind = (response_format or {}).get("type", "text")
-    if kind == "text":
-        return None
+def _requested_grammar(req: _SamplingFields, forced_call: str | None = None) -> str | None:
+    """The grammar a request decodes under, from whichever one structure it asks for: `response_format`
+    (`json_object`: any JSON object; `json_schema`: its `json_schema.schema`), vLLM's `structured_outputs`
+    (`json`, `regex` or `choice`) or `guided_json` / `guided_regex` / `guided_choice`, or a forced tool
+    choice. None for free text."""
+    asked: list[tuple[str, str, Any]] = []  # (param, kind, spec)
+    response_format = getattr(req, "response_format", None) or {}
+    kind = response_format.get("type", "text")
     if kind == "json_object":
-        schema = grammar.JSON_OBJECT
+        asked.append(("response_format", "json", grammar.JSON_OBJECT))
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object.",
-                              "response_format")
-    else:
+        asked.append(("response_format", "json", spec.get("schema") if isinstance(spec, dict) else None))
+    elif kind != "text":
         raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}.",
                           "response_format")
+    for key, spec in (req.structured_outputs or {}).items():
+        if key in ("json", "regex", "choice") and spec is not None:
+            asked.append(("structured_outputs", key, spec))
+        elif spec is not None and key not in ("disable_any_whitespace", "disable_additional_properties"):
+            raise bad_request(f"structured_outputs.{key} is not supported (json, regex and choice are).",
+                              "structured_outputs")
+    for key in ("json", "regex", "choice"):
+        if (spec := getattr(req, f"guided_{key}")) is not None:
+            asked.append((f"guided_{key}", key, spec))
+    if forced_call is not None:
+        asked.append(("tool_choice", "grammar", forced_call))
+    if len(asked) > 1:
+        raise bad_request(f"Ask for one output structure at a time (got {', '.join(a[0] for a in asked)}).",
+                          asked[1][0])
+    if not asked:
+        return None
+    param, kind, spec = asked[0]
     try:
-        return grammar.json_schema_grammar(schema)
-    except (ValueError, DDTreeError) as exc:
-        raise bad_request(f"response_format: {exc}", "response_format") from None
+        if kind == "grammar":
+            return spec
+        if kind == "json":
+            schema = json.loads(spec) if isinstance(spec, str) else spec
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema object is needed" + (" (json_schema.schema)"
+                                                                     if param == "response_format" else ""))
+            return grammar.json_schema_grammar(schema)
+        if kind == "regex":
+            if not isinstance(spec, str):
+                raise ValueError("the regex must be a string")
+            return grammar.regex_grammar(spec)
+        return grammar.choice_grammar(spec)
+    except (ValueError, DDTreeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise bad_request(f"{param}: {exc}", param) from None
 
 
 def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, str | None]:
@@ -438,8 +475,6 @@ def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> tuple[
         return True, None
     if named is not None and named not in {t["function"]["name"] for t in req.tools}:
         raise bad_request(f"tool_choice names {named!r}, which is not among the tools.", "tool_choice")
-    if (req.response_format or {}).get("type", "text") != "text":
-        raise bad_request("A forced tool_choice and a response_format cannot both shape the reply.", "tool_choice")
     try:
         return True, grammar.lark_grammar(forced_call_grammar(req.tools, named, req.parallel_tool_calls))
     except (ValueError, DDTreeError) as exc:
@@ -468,9 +503,10 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
     else:
         _check_token_ids(prompt, engine.vocab_size, "Prompt token ids", "prompt")
         prompt_ids, prompt_text = list(prompt), engine.decode(list(prompt))
+    structure = _requested_grammar(req)
     prepared = _sampling(state, req, prompt_ids, req.max_tokens, req.logprobs, "prompt")
     prepared.prompt_text = prompt_text
-    return prepared
+    return _constrained(state, prepared, structure)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -35,26 +35,42 @@ LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator":
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The llguidance grammar (a JSON string) for outputs matching `schema`; ValueError with the reason
     when the schema is not one it can compile."""
-    if llguidance is None:
-        raise DDTreeError("structured outputs need llguidance: pip install 'ddtree[server]'")
     if not isinstance(schema, dict):
         raise ValueError("the JSON schema must be an object")
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT)
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
-    if error:
-        raise ValueError(f"unsupported JSON schema: {error}")
-    return grammar
+    try:
+        return _checked(_matcher().grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("unsupported grammar", "unsupported JSON schema")) from None
+
+
+def regex_grammar(pattern: str) -> str:
+    """The llguidance grammar for outputs matching the whole regular expression `pattern` (Rust syntax)."""
+    return _checked(_matcher().grammar_from_regex(pattern))
+
+
+def choice_grammar(options: list[str]) -> str:
+    """The llguidance grammar for outputs equal to one of `options`."""
+    if not options or not all(isinstance(o, str) and o for o in options):
+        raise ValueError("the choices must be a non-empty list of non-empty strings")
+    return lark_grammar("start: " + " | ".join(json.dumps(o) for o in options))
 
 
 def lark_grammar(source: str) -> str:
     """The llguidance grammar for a Lark grammar (which may embed JSON schemas as `%json {...}`); ValueError
     with the reason when it does not compile."""
+    return _checked(_matcher().grammar_from_lark(source))
+
+
+def _matcher() -> Any:
     if llguidance is None:
         raise DDTreeError("structured outputs need llguidance: pip install 'ddtree[server]'")
-    grammar = llguidance.LLMatcher.grammar_from_lark(source)
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    return llguidance.LLMatcher
+
+
+def _checked(grammar: str) -> str:
+    error = _matcher().validate_grammar(grammar, None)
     if error:
-        raise ValueError(f"unsupported grammar: {error}")
+        raise ValueError(f"unsupported grammar: {error.strip()}")
     return grammar
 
 
@@ -111,8 +127,7 @@ def _bits(bitmask: torch.Tensor) -> torch.Tensor:
 def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of a Hugging Face tokenizer over the model's `vocab_size` ids (it walks the whole
     vocabulary: build it once per engine)."""
-    if llguidance is None:
-        raise DDTreeError("structured outputs need llguidance: pip install 'ddtree[server]'")
+    _matcher()
     if tokenizer is None:
         raise DDTreeError("structured outputs need the model's tokenizer")
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)

@@ -4,6 +4,7 @@ forced choices refused), and `response_format` JSON objects and schemas constrai
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -268,6 +269,27 @@ def test_json_object_and_json_schema_replies_parse(demo_client):
     assert set(json.loads(text)) == {"ok", "tags"}
 
 
+def test_vllm_structured_outputs_and_guided_fields_on_both_endpoints(demo_client):
+    choices = ["alpha", "beta gamma"]
+    for extra in (dict(guided_choice=choices), dict(structured_outputs={"choice": choices})):
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Pick."}]}),
+                           ("/v1/completions", {"prompt": "def pick():"})):
+            r = demo_client.post(path, json={**body, **extra, "temperature": 1, "seed": 2, "max_tokens": 20})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert (choice.get("text") or choice.get("message", {}).get("content")) in choices
+            assert choice["finish_reason"] == "stop"
+    r = demo_client.post("/v1/completions", json={"prompt": "x = ", "guided_regex": "[0-9]{3}-[a-z]{2}",
+                                                  "max_tokens": 20, "temperature": 0})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.json()["choices"][0]["text"]), r.text
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    for extra in (dict(guided_json=schema), dict(guided_json=json.dumps(schema)), dict(structured_outputs={
+            "json": schema})):
+        r = demo_client.post("/v1/completions", json={"prompt": "data = ", "max_tokens": 30, **extra})
+        assert set(json.loads(r.json()["choices"][0]["text"])) == {"n"}, r.text
+
+
 def test_bad_response_formats_are_refused_with_the_reason(demo_client):
     cases = [({"type": "json_schema"}, "json_schema.schema"),
              ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, "objectx"),
@@ -276,6 +298,16 @@ def test_bad_response_formats_are_refused_with_the_reason(demo_client):
         r = chat(demo_client, response_format=fmt)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "response_format"
+    refused = [(dict(guided_regex="(a|b"), "guided_regex", "unclosed group"),
+               (dict(guided_choice=[]), "guided_choice", "non-empty"),
+               (dict(guided_json="{not json"), "guided_json", "guided_json"),
+               (dict(structured_outputs={"grammar": "start: x"}), "structured_outputs", "not supported"),
+               (dict(guided_regex="a", guided_choice=["a"]), "guided_choice", "one output structure at a time"),
+               (dict(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "one output")]
+    for body, param, words in refused:
+        r = demo_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert words in r.json()["error"]["message"], r.text
 
 
 # -- forced tool choices, decoded under a grammar ---------------------------------------------------------------
