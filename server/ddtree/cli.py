@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from ddtree.errors import DDTreeError
 
@@ -38,6 +39,11 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA",
+                       help="constrain the output to a JSON schema: a file, or the schema itself ('{}': any object)")
+    shape.add_argument("--regex", help="constrain the output to match this regular expression")
+    shape.add_argument("--choice", action="append", help="constrain the output to one of these strings (repeat)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
                    help="static caches + CUDA graphs for greedy and sampled requests on Qwen3/Llama targets "
@@ -53,7 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                                frequency_penalty=args.frequency_penalty)
+                                frequency_penalty=args.frequency_penalty, grammar=_cli_grammar(args))
     except ValueError as exc:
         raise DDTreeError(str(exc)) from None
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
@@ -86,6 +92,29 @@ def _parse_ids(text: str) -> list[int]:
     if not ids:
         raise DDTreeError("--prompt-ids is empty")
     return ids
+
+
+def _cli_grammar(args: argparse.Namespace) -> str | None:
+    """The grammar --json-schema / --regex / --choice ask for (ValueError with the reason), or None."""
+    from ddtree import grammar
+
+    if args.regex is not None:
+        return grammar.regex_grammar(args.regex)
+    if args.choice:
+        return grammar.choice_grammar(args.choice)
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except OSError as exc:
+            raise ValueError(f"--json-schema: cannot read {args.json_schema}: {exc.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--json-schema is not JSON: {exc}") from None
+    return grammar.json_schema_grammar(schema or grammar.JSON_OBJECT)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:

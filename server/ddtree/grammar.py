@@ -13,6 +13,7 @@ in tens of microseconds; it is imported only when a request asks for a schema.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,8 +70,10 @@ def _matcher() -> Any:
 
 def _checked(grammar: str) -> str:
     error = _matcher().validate_grammar(grammar, None)
-    if error:
-        raise ValueError(f"unsupported grammar: {error.strip()}")
+    if error:  # llguidance points at the spot with caret lines and a source excerpt: keep the words
+        words = [line.strip() for line in error.splitlines()
+                 if line.strip() and set(line.strip()) != {"^"} and not re.match(r"\s*\d+ \|", line)]
+        raise ValueError("unsupported grammar: " + " ".join(words))
     return grammar
 
 

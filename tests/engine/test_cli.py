@@ -42,6 +42,10 @@ def test_generate_json_for_each_method_gives_the_same_tokens(ckpt):
     (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
     (["--prompt-ids", "1", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--prompt-ids", "1", "--method", "ddtree", "--budget", "-2"], "budget must be >= 0"),
+    (["--prompt-ids", "1", "--json-schema", '{"type": "objectx"}'], "unsupported JSON schema: Invalid type: objectx"),
+    (["--prompt-ids", "1", "--json-schema", "/nonexistent.json"], "--json-schema: cannot read /nonexistent.json"),
+    (["--prompt-ids", "1", "--regex", "(a"], "unclosed group"),
+    (["--prompt-ids", "1", "--choice", "yes"], "structured outputs need the model's tokenizer"),
 ])
 def test_user_errors_are_one_line_without_traceback(ckpt, args, message):
     args = [a.replace("CKPT", str(ckpt)) for a in args]
@@ -61,3 +65,16 @@ def test_mismatched_pair_is_refused(ckpt, tmp_path):
     proc = run("--target", str(ckpt / "qwen3"), "--draft", str(tmp_path / "wide"), "--prompt-ids", "1", "--device",
                "cpu")
     assert proc.returncode == 2 and "trained for a 6-layer target" in proc.stderr
+
+
+def test_generate_constrained_by_a_schema_file_a_regex_or_choices(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    base = ("--prompt", "Is the build green?", "--chat", "--device", "cpu", "--json", "--max-new-tokens", "40")
+    out = json.loads(run(*base, "--json-schema", str(schema)).stdout)
+    assert set(json.loads(out["text"])) == {"ok"} and out["finish_reason"] == "stop"
+    out = json.loads(run(*base, "--regex", "[0-9]{4}").stdout)
+    assert len(out["text"]) == 4 and out["text"].isdigit()
+    out = json.loads(run(*base, "--choice", "yes", "--choice", "no", "--temperature", "1", "--seed", "3").stdout)
+    assert out["text"] in ("yes", "no")
