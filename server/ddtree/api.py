@@ -204,6 +204,9 @@ class ServerConfig:
     max_queue: int = 256
     drain_timeout: float = 30.0  # seconds queued and running requests get to finish at shutdown
     default_temperature: float = 1.0  # for requests that send none (OpenAI's default is 1.0)
+    # Chat template arguments every chat gets unless it sends its own, e.g. {"enable_thinking": False}:
+    # Qwen3's DFlash drafters were trained on replies without thinking, so thinking costs acceptance.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call> blocks; hermes; none
 
 
@@ -356,7 +359,8 @@ def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRe
         messages.append(template_message(message | {k: v for k, v in extra.items() if v is not None}))
     if state.engine.tokenizer is None:
         raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
-    kwargs = dict(req.chat_template_kwargs or {}) | ({"tools": tools} if tools else {})
+    kwargs = state.config.default_chat_template_kwargs | (req.chat_template_kwargs or {})
+    kwargs |= {"tools": tools} if tools else {}
     try:
         return state.engine.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message, **kwargs)

@@ -135,6 +135,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy and sampled requests on the fast path (static caches, fused kernels, CUDA graphs; "
                         "Qwen3/Llama targets). Default: on when the model runs on CUDA")
+    p.add_argument("--default-chat-template-kwargs", metavar="JSON", default=None,
+                   help="chat template arguments for chats that send none, e.g. '{\"enable_thinking\": false}' "
+                        "(Qwen3: DFlash drafters were trained without thinking)")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "none"], default="auto",
                    help="how replies become `tool_calls`: hermes (<tool_call> JSON blocks: Qwen3, Qwen2.5); "
                         "auto (default): hermes when the chat template writes such blocks; none: tools refused")
@@ -153,12 +156,21 @@ def _serve(args: argparse.Namespace) -> int:
         raise DDTreeError(f"--max-queue must be at least 1, got {args.max_queue}")
     if not 0 <= args.default_temperature <= 2:
         raise DDTreeError(f"--default-temperature must be in [0, 2], got {args.default_temperature}")
+    template_kwargs = {}
+    if args.default_chat_template_kwargs is not None:
+        try:
+            template_kwargs = json.loads(args.default_chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise DDTreeError(f"--default-chat-template-kwargs is not JSON: {exc}") from None
+        if not isinstance(template_kwargs, dict):
+            raise DDTreeError("--default-chat-template-kwargs must be a JSON object")
     return run(ServeOptions(
         target=args.target, draft=args.draft, method=args.method, budget=args.budget, device=args.device,
         dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
         drain_timeout=args.drain_timeout, default_temperature=args.default_temperature, fast=args.fast,
-        tool_call_parser=args.tool_call_parser, log_level=args.log_level))
+        tool_call_parser=args.tool_call_parser, default_chat_template_kwargs=template_kwargs,
+        log_level=args.log_level))
 
 
 def _add_pull_parser(sub: argparse._SubParsersAction) -> None:

@@ -261,6 +261,9 @@ def test_examples_are_accepted(cluster, crd, namespace, path):
     ({"server": {"extraArgs": ["--fast"]}}, "server.extraArgs must not set flags that have spec fields"),
     ({"server": {"extraArgs": ["--no-fast"]}}, "server.extraArgs must not set flags that have spec fields"),
     ({"decoding": {"fastPath": "yes"}}, "must be of type boolean"),
+    ({"decoding": {"thinking": "off"}}, "must be of type boolean"),
+    ({"server": {"extraArgs": ["--default-chat-template-kwargs={}"]}},
+     "server.extraArgs must not set flags that have spec fields"),
     ({"server": {"drainSeconds": 90}}, "must be greater than server.drainSeconds"),
     ({"replicas": -1}, "should be greater than or equal to 0"),
 ])

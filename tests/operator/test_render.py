@@ -127,7 +127,7 @@ def test_server_contract_probes_and_drain():
     spec = {"server": {"port": 9000, "startupTimeoutSeconds": 3605, "drainSeconds": 20,
                        "terminationGracePeriodSeconds": 90, "maxQueue": 64, "extraArgs": ["--log-level", "debug"],
                        "apiKeySecretRef": {"name": "keys"}, "shmSize": "32Gi"},
-            "decoding": {"method": "dflash", "budget": 48, "temperature": 0.6}}
+            "decoding": {"method": "dflash", "budget": 48, "temperature": 0.6, "thinking": False}}
     children = render.render(cr(spec))
     pod = pod_spec(children)
     server = pod["containers"][0]
@@ -137,7 +137,8 @@ def test_server_contract_probes_and_drain():
     assert flags == {"--target": render.model_dest(cr()["spec"], "target"),
                      "--draft": render.model_dest(cr()["spec"], "draft"), "--host": "0.0.0.0", "--port": "9000",
                      "--served-model-name": "Qwen3-8B", "--method": "dflash", "--budget": "48", "--max-queue": "64",
-                     "--drain-timeout": "65", "--default-temperature": "0.6"}
+                     "--drain-timeout": "65", "--default-temperature": "0.6",
+                     "--default-chat-template-kwargs": '{"enable_thinking": false}'}
     assert server["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     assert server["startupProbe"]["httpGet"]["path"] == "/ready"
     assert server["startupProbe"]["failureThreshold"] == 361  # ceil(3605 / 10)

@@ -356,3 +356,29 @@ def test_a_forced_call_streams_as_a_tool_call_delta(hermes_client):
     calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
     assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert set(json.loads(calls[0].function.arguments)) == {"city"}
+
+
+# -- default chat template arguments ---------------------------------------------------------------------------
+
+THINKING_TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                     "{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_default_chat_template_kwargs_apply_unless_the_request_sends_its_own():
+    engine = Engine.from_pretrained(device="cpu")
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "hello"}]
+    with client_for(engine, default_chat_template_kwargs={"enable_thinking": False}) as client:
+        default = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        asked = client.post("/tokenize", json={"messages": messages,
+                                               "chat_template_kwargs": {"enable_thinking": True}}).json()["tokens"]
+    assert engine.decode(default).startswith("NOTHINK") and not engine.decode(asked).startswith("NOTHINK")
+
+
+def test_serve_refuses_default_chat_template_kwargs_that_are_not_a_json_object(capsys):
+    from ddtree.cli import main
+
+    for value, words in (("{nope", "is not JSON"), ("[1]", "must be a JSON object")):
+        assert main(["serve", "--default-chat-template-kwargs", value]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err
