@@ -32,16 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ddtree import __version__, grammar
 from ddtree.errors import DDTreeError
 from ddtree.metrics import ServerMetrics
+from ddtree.reasoning import CLOSE as REASONING_CLOSE
+from ddtree.reasoning import OPEN as REASONING_OPEN
+from ddtree.reasoning import template_thinks
+from ddtree.replies import ReplyFormat, ReplyStream
 from ddtree.sampling import SamplingParams
 from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
 from ddtree.scheduler import Request as EngineRequest
-from ddtree.tools import (
-    ToolCallStream,
-    forced_call_grammar,
-    split_tool_calls,
-    template_message,
-    template_writes_tool_calls,
-)
+from ddtree.tools import forced_call_grammar, template_message, template_writes_tool_calls
 
 log = logging.getLogger("ddtree.server")
 
@@ -208,6 +206,7 @@ class ServerConfig:
     # Qwen3's DFlash drafters were trained on replies without thinking, so thinking costs acceptance.
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call> blocks; hermes; none
+    reasoning_parser: str = "auto"  # auto: qwen3 when the chat template knows </think>; qwen3; none
 
 
 @dataclass
@@ -258,8 +257,7 @@ class Prepared:
     params: SamplingParams
     stop: tuple[str, ...]
     prompt_text: str = ""
-    tool_calls: bool = False  # split the reply into content and tool calls
-    parallel_tool_calls: bool = True
+    reply: ReplyFormat = field(default_factory=ReplyFormat)  # how a chat reply splits (reasoning, tool calls)
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -382,8 +380,24 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
-    prepared.tool_calls, prepared.parallel_tool_calls = tool_calls, req.parallel_tool_calls
+    prepared.reply = ReplyFormat(reasoning=structure is None and _thinks(state), tool_calls=tool_calls,
+                                 parallel_tool_calls=req.parallel_tool_calls,
+                                 reasoning_opened=_opens_reasoning(state, prompt_ids))
     return _constrained(state, prepared, structure)
+
+
+def _thinks(state: ServerState) -> bool:
+    """Whether replies are split into reasoning and content (not under a grammar: it allows no think block)."""
+    parser = state.config.reasoning_parser
+    if parser == "auto":
+        return template_thinks(getattr(state.engine.tokenizer, "chat_template", None))
+    return parser == "qwen3"
+
+
+def _opens_reasoning(state: ServerState, prompt_ids: list[int]) -> bool:
+    """Whether the rendered prompt ends inside a think block (templates that open it for the model)."""
+    tail = state.engine.decode(prompt_ids[-16:])
+    return tail.rfind(REASONING_OPEN) > tail.rfind(REASONING_CLOSE)
 
 
 def _constrained(state: ServerState, prepared: Prepared, structure: str | None) -> Prepared:
@@ -649,12 +663,9 @@ async def _complete(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> 
         content = "".join(text[index])
         finish_reason = out.finish_reason
         if call.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if call.prepared.tool_calls:
-                message["content"], calls = split_tool_calls(content, parallel=call.prepared.parallel_tool_calls)
-                if calls:
-                    message["tool_calls"] = calls
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            message = {"role": "assistant", **call.prepared.reply.message(content)}
+            if message.get("tool_calls") and finish_reason == "stop":
+                finish_reason = "tool_calls"
             choice = {"index": index, "message": message,
                       "logprobs": {"content": call.logprobs.chat(logprobs[index])} if want_logprobs else None}
         else:
@@ -678,8 +689,7 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
     include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
     want_logprobs = call.prepared.params.logprobs is not None
     offsets = [0] * len(call.requests)
-    tool_streams = [ToolCallStream(call.prepared.parallel_tool_calls) if chat and call.prepared.tool_calls else None
-                    for _ in call.requests]
+    replies = [ReplyStream(call.prepared.reply) if chat else None for _ in call.requests]
 
     def chunk_body(choices: list[dict], **extra: Any) -> str:
         body = {"id": call.object_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -705,12 +715,12 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
                 yield _sse(APIError(500, f"The engine failed: {out.error}", type="internal_error").body())
                 yield _sse("[DONE]")
             return
-        tools = tool_streams[index]
-        text = out.text if tools is None else tools.feed(out.text)
-        if text or (out.token_ids and (want_logprobs or call.body.return_token_ids)):
+        reply = replies[index]
+        delta = reply.feed(out.text) if reply else {"content": out.text} if out.text else {}
+        if delta or (out.token_ids and (want_logprobs or call.body.return_token_ids)):
             if chat:
                 logprobs = {"content": call.logprobs.chat(out.logprobs)} if want_logprobs else None
-                choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs}
             else:
                 logprobs = call.logprobs.legacy(out.logprobs, offsets[index]) if want_logprobs else None
                 choice = {"index": index, "text": out.text, "logprobs": logprobs}
@@ -720,11 +730,10 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
             yield chunk({**choice, "finish_reason": None})
         if out.finish_reason is not None:
             finish_reason = out.finish_reason
-            if tools is not None:  # what was held back: the content after the calls, then the calls
-                content, calls = tools.finish()
-                if content:
-                    yield chunk({"index": index, "delta": {"content": content}, "logprobs": None,
-                                 "finish_reason": None})
+            if reply is not None:  # what was held back: the last text, then the calls
+                delta, calls = reply.finish()
+                if delta:
+                    yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
                 if calls:
                     deltas = [{"index": i, **tool_call} for i, tool_call in enumerate(calls)]
                     yield chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,

@@ -141,6 +141,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "none"], default="auto",
                    help="how replies become `tool_calls`: hermes (<tool_call> JSON blocks: Qwen3, Qwen2.5); "
                         "auto (default): hermes when the chat template writes such blocks; none: tools refused")
+    p.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto",
+                   help="return <think> blocks as reasoning_content: qwen3; auto (default): when the chat "
+                        "template knows </think>; none: leave them in the content")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 
@@ -169,7 +172,8 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
         drain_timeout=args.drain_timeout, default_temperature=args.default_temperature, fast=args.fast,
-        tool_call_parser=args.tool_call_parser, default_chat_template_kwargs=template_kwargs,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=template_kwargs,
         log_level=args.log_level))
 
 

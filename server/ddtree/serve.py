@@ -32,6 +32,7 @@ class ServeOptions:
     default_temperature: float = 1.0
     fast: bool | None = None  # None: on when the model runs on CUDA
     tool_call_parser: str = "auto"  # auto | hermes | none
+    reasoning_parser: str = "auto"  # auto | qwen3 | none
     default_chat_template_kwargs: dict = field(default_factory=dict)
     log_level: str = "info"
 
@@ -67,7 +68,7 @@ def run(options: ServeOptions) -> int:
     config = ServerConfig(served_model_name=options.served_model_name, api_key=options.api_key,
                           max_queue=options.max_queue, drain_timeout=options.drain_timeout,
                           default_temperature=options.default_temperature,
-                          tool_call_parser=options.tool_call_parser,
+                          tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser,
                           default_chat_template_kwargs=options.default_chat_template_kwargs)
     app = create_app(load, config, on_load_error)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,

@@ -107,6 +107,11 @@ def _call(payload: str) -> dict[str, Any] | None:
             "function": {"name": obj["name"], "arguments": arguments}}
 
 
+def held_tail(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` (to hold back while streaming)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
 class ToolCallStream:
     """A streamed reply with its tool calls held back.
 
@@ -129,7 +134,7 @@ class ToolCallStream:
         if start >= 0:
             self.in_calls, self.held = True, text[start:]
             return text[:start]
-        tail = next((n for n in range(min(len(START) - 1, len(text)), 0, -1) if START.startswith(text[-n:])), 0)
+        tail = held_tail(text, START)
         self.held = text[len(text) - tail:]
         return text[:len(text) - tail]
 

@@ -382,3 +382,75 @@ def test_serve_refuses_default_chat_template_kwargs_that_are_not_a_json_object(c
         assert main(["serve", "--default-chat-template-kwargs", value]) == 2
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err
+
+
+# -- reasoning ----------------------------------------------------------------------------------------------------
+
+THINK_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}<think></think>"
+
+
+@pytest.mark.parametrize(("text", "opened", "want"), [
+    ("<think>\nfirst, the weather\n</think>\n\nSunny.", False, ("first, the weather", "Sunny.")),
+    ("the weather, then\n</think>\n\nSunny.", True, ("the weather, then", "Sunny.")),
+    ("Sunny.", False, (None, "Sunny.")),
+    ("<think>\ncut before the end", False, ("cut before the end", "")),
+    ("not <think> at the start", False, (None, "not <think> at the start")),
+])
+def test_reasoning_is_split_from_the_answer_whole_and_streamed(text, opened, want):
+    from ddtree.reasoning import ReasoningStream, split_reasoning
+
+    assert split_reasoning(text, opened) == want
+    for cut1 in range(len(text) + 1):
+        for cut2 in range(cut1, len(text) + 1, 3):
+            stream = ReasoningStream(opened)
+            pieces = [stream.feed(p) for p in (text[:cut1], text[cut1:cut2], text[cut2:])] + [stream.finish()]
+            assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == (want[0] or "", want[1])
+
+
+class ThinkEngine(ToolEngine):
+    PIECES = ("<think>\n", "The user wants weather.", " <tool_call>{} is not a call here", "\n</think>\n\n",
+              "Sunny.", CALL, "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n")
+
+    def __init__(self, opened: bool = False, template: str = THINK_TEMPLATE + HERMES_TEMPLATE) -> None:
+        super().__init__(template)
+        self.prompt = [6] if opened else [7]
+
+    def chat_ids(self, messages, **kwargs) -> list[int]:
+        self.renders.append((messages, kwargs))
+        return self.prompt
+
+
+def test_reasoning_content_comes_apart_from_content_and_tool_calls():
+    engine = ThinkEngine()
+    engine.scripts += [[prefill(0), round_([1, 2]), round_([3, 4], finish="stop")] for _ in range(2)]
+    engine.scripts += [[prefill(0), round_([1, 3]), round_([5], finish="stop")]]
+    with client_for(engine) as client:
+        message = chat(client).json()["choices"][0]["message"]
+        r = chat(client, stream=True)
+        called = chat(client, tools=[WEATHER]).json()["choices"][0]
+    assert message["reasoning_content"] == "The user wants weather. <tool_call>{} is not a call here"
+    assert message["content"] == "Sunny."
+    deltas = [ChatCompletionChunk.model_validate(json.loads(line[6:])).choices[0].delta
+              for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+    assert "".join(d.content or "" for d in deltas) == "Sunny."
+    assert called["finish_reason"] == "tool_calls"
+    assert called["message"]["reasoning_content"] == "The user wants weather."
+    assert called["message"]["content"] is None and len(called["message"]["tool_calls"]) == 1
+
+
+def test_a_prompt_that_opens_the_think_block_and_the_parser_switch():
+    engine = ThinkEngine(opened=True)
+    engine.scripts.append([prefill(1), round_([3, 4], finish="stop")])
+    with client_for(engine) as client:
+        message = chat(client).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Sunny.", "reasoning_content": "The user wants weather."}
+    engine = ThinkEngine()
+    engine.scripts.append([prefill(0), round_([1, 3, 4], finish="stop")])
+    with client_for(engine, reasoning_parser="none") as client:
+        message = chat(client).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "<think>\nThe user wants weather.\n</think>\n\nSunny."}
+    engine = ThinkEngine(template=HERMES_TEMPLATE)  # a template without think blocks: no parser under auto
+    engine.scripts.append([prefill(0), round_([1, 3, 4], finish="stop")])
+    with client_for(engine) as client:
+        assert "reasoning_content" not in chat(client).json()["choices"][0]["message"]

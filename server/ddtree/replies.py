@@ -1,0 +1,67 @@
+"""A chat reply's text as OpenAI messages carry it: `reasoning_content`, `content` and `tool_calls`.
+
+Reasoning comes first (ddtree.reasoning), then tool-call blocks are taken out of what is left
+(ddtree.tools). Whole replies and streamed ones split the same way; streamed, every piece of text goes out
+as soon as no later text can change where it belongs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ddtree.reasoning import ReasoningStream, split_reasoning
+from ddtree.tools import ToolCallStream, split_tool_calls
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """How a chat's reply is split: reasoning (and whether the prompt opened the block), tool calls."""
+
+    reasoning: bool = False
+    reasoning_opened: bool = False
+    tool_calls: bool = False
+    parallel_tool_calls: bool = True
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The assistant message of a finished reply (without `role`)."""
+        message: dict[str, Any] = {"content": text}
+        if self.reasoning:
+            reasoning, message["content"] = split_reasoning(text, self.reasoning_opened)
+            message["reasoning_content"] = reasoning or None
+        if self.tool_calls:
+            message["content"], calls = split_tool_calls(message["content"], parallel=self.parallel_tool_calls)
+            if calls:
+                message["tool_calls"] = calls
+        return message
+
+
+class ReplyStream:
+    """One streamed choice: `feed` and `finish` return the delta fields to send now (maybe none)."""
+
+    def __init__(self, fmt: ReplyFormat) -> None:
+        self.reasoning = ReasoningStream(fmt.reasoning_opened) if fmt.reasoning else None
+        self.tools = ToolCallStream(fmt.parallel_tool_calls) if fmt.tool_calls else None
+
+    def feed(self, text: str) -> dict[str, Any]:
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        return self._delta(reasoning, self.tools.feed(content) if self.tools else content)
+
+    def finish(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(the last delta, the tool calls held back)."""
+        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        calls: list[dict[str, Any]] = []
+        if self.tools:
+            content = self.tools.feed(content)
+            rest, calls = self.tools.finish()
+            content += rest or ""
+        return self._delta(reasoning, content), calls
+
+    @staticmethod
+    def _delta(reasoning: str, content: str) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return delta
