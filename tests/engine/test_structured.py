@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from ddtree.engine import Engine
-from ddtree.grammar import Constraint, json_schema_grammar
+from ddtree.grammar import Constraint, choice_grammar, json_schema_grammar
 from ddtree.sampling import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "name": {"type": "string", "maxLength": 12}},
@@ -81,10 +81,22 @@ def test_a_bad_schema_is_a_value_error():
         json_schema_grammar({"type": "objectx"})
 
 
-def test_the_fast_path_leaves_constrained_requests_to_the_reference_path(demo):
+def test_the_fast_path_serves_constrained_requests_with_the_reference_tokens(demo):
     fast = Engine.from_pretrained(device="cpu", fast=True)
     params = SamplingParams(max_new_tokens=60, grammar=json_schema_grammar(SCHEMA))
-    gen = fast.stream(prompt(fast), params, method="ddtree", budget=8)
-    assert fast.fast is not None and not gen.on_fast_path
+    want = demo.generate(prompt(demo), params, method="ar").token_ids
+    for method, budget in (("ar", None), ("dflash", None), ("ddtree", 8)):
+        gen = fast.stream(prompt(fast), params, method=method, budget=budget)
+        assert gen.on_fast_path
+        list(gen)
+        assert gen.token_ids == want, method
+    sampled = SamplingParams(max_new_tokens=80, temperature=1.0, seed=2, grammar=json_schema_grammar(SCHEMA))
+    gen = fast.stream(prompt(fast), sampled, method="ddtree", budget=16)
     list(gen)
-    assert gen.token_ids == demo.generate(prompt(demo), params, method="ar").token_ids
+    assert gen.on_fast_path and gen.finish_reason == "stop" and matches_schema(fast.decode(gen.token_ids))
+    for options in (["a"], ['"a"']):  # one token, complete at the prefill; or three
+        only = SamplingParams(max_new_tokens=10, grammar=choice_grammar(options))
+        got = fast.generate(prompt(fast), only, method="ddtree", budget=8)
+        assert fast.decode(got.token_ids) == options[0] and got.finish_reason == "stop"
+    assert len(fast.generate(prompt(fast), SamplingParams(max_new_tokens=10, grammar=choice_grammar(["a"])),
+                             method="ddtree").token_ids) == 1

@@ -49,13 +49,15 @@ def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
     full = reference.generate([1, 2, 3], GREEDY, method="ar").token_ids
     stop = full[9]
     for params in (SamplingParams(max_new_tokens=24, stop_token_ids=[stop], ignore_eos=True),
-                   SamplingParams(max_new_tokens=7, ignore_eos=True)):
+                   SamplingParams(max_new_tokens=7, ignore_eos=True),
+                   SamplingParams(max_new_tokens=1, ignore_eos=True),  # the prefill's token ends it: no round
+                   SamplingParams(max_new_tokens=24, stop_token_ids=[full[0]], ignore_eos=True)):
         for method in ("ar", "ddtree"):
             want = reference.generate([1, 2, 3], params, method=method)
             got = fast.generate([1, 2, 3], params, method=method)
             assert (got.token_ids, got.finish_reason, got.stop_token_id) == (
                 want.token_ids, want.finish_reason, want.stop_token_id)
-    assert got.finish_reason == "length" and len(got.token_ids) == 7
+    assert got.finish_reason == "stop" and got.token_ids == []
     monkeypatch.setattr(fast, "eos_token_ids", {full[4]})
     got = fast.generate([1, 2, 3], SamplingParams(max_new_tokens=24), method="ddtree")
     assert (got.token_ids, got.finish_reason) == (full[:full.index(full[4])], "stop")

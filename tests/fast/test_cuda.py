@@ -3,6 +3,8 @@
 These run where CUDA is (the GPU machine: `pytest tests/fast/test_cuda.py`); CI has no GPU.
 """
 
+import json
+
 import pytest
 import torch
 from ddtree.engine import Engine
@@ -153,3 +155,26 @@ def fast_filters(params: SamplingParams):
     from ddtree.fast import sampling_filters
 
     return sampling_filters(params)
+
+
+def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():
+    pytest.importorskip("llguidance", reason="the server extra's llguidance (carry its wheel to the GPU machine)")
+    from ddtree.grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "name": {"type": "string", "maxLength": 9}},
+              "required": ["ok", "name"], "additionalProperties": False}
+    fast = Engine.from_pretrained(device="cuda", dtype="float32", fast=True)  # the demo pair: it has a tokenizer
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    ids = fast.chat_ids([{"role": "user", "content": "The status as JSON."}])
+    for sampled in (False, True):
+        params = SamplingParams(max_new_tokens=60, grammar=json_schema_grammar(schema), seed=1,
+                                temperature=0.9 if sampled else 0.0)
+        want = reference.generate(ids, params, method="ar").token_ids
+        for method, budget in (("ar", None), ("ddtree", 16)):
+            gen = fast.stream(ids, params, method=method, budget=budget)
+            list(gen)
+            plan = fast.fast.plan(method, budget or 1, sampled=sampled, constrained=True)
+            assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+            assert set(json.loads(fast.decode(gen.token_ids))) == {"ok", "name"}
+            if not sampled:
+                assert gen.token_ids == want, method

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddtree import grammar
 from ddtree.draft import DFlashDraft
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
@@ -100,7 +101,7 @@ class FastPath:
             # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, self.capacity, dc.head_dim),
                                         dtype=self.dtype, device=self.device)
-        self._plans: dict[tuple[str, int, bool, Filters | None], Plan] = {}
+        self._plans: dict[tuple[str, int, bool, Filters | None, bool], Plan] = {}
         self._busy = False
         # Queue each round before reading the previous one: on CUDA that overlaps the host's bookkeeping with
         # the device's work; on the CPU a round runs when it is launched, so it would only delay the output.
@@ -119,14 +120,15 @@ class FastPath:
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
-        settings), no penalties, logit bias, logprobs or grammar, a budget in 1..MAX_BUDGET, and the whole request
-        fits the static caches (penalties need each node's own history: the reference path does that)."""
+        settings), with or without a grammar; no penalties, logit bias or logprobs; a budget in 1..MAX_BUDGET;
+        and the whole request fits the static caches (penalties need each node's own history: the reference
+        path does that)."""
         p = gen.params
         filters = sampling_filters(p)
         known = {key[3] for key in self._plans} - {None}
         if filters is not None and filters not in known and len(known) >= MAX_FILTER_SETTINGS:
             return False
-        if p.penalized or p.logit_bias or p.logprobs is not None or p.grammar is not None or self._busy:
+        if p.penalized or p.logit_bias or p.logprobs is not None or self._busy:
             return False
         if gen.method != "ar" and self.draft is None:
             return False
@@ -144,7 +146,11 @@ class FastPath:
         self._busy = True
         try:
             sampled, filters = not gen.params.greedy, sampling_filters(gen.params)
-            plan = self.plan(gen.method, gen.budget, sampled, filters)  # captured before the prefill resets state
+            constraint = None
+            if gen.params.grammar is not None:
+                constraint = grammar.Constraint(gen.engine.grammar_tokenizer, gen.params.grammar,
+                                                gen.engine.vocab_size)
+            plan = self.plan(gen.method, gen.budget, sampled, filters, constraint is not None)  # before the prefill
             refill = prefill_noise = None
             if sampled:
                 self.inv_temperature.fill_(1.0 / gen.params.temperature)
@@ -153,48 +159,76 @@ class FastPath:
                     generator = torch.Generator(device=self.device).manual_seed(gen.params.seed)
                 refill = partial(plan.noise.uniform_, generator=generator)  # fresh noise for every round
                 prefill_noise = plan.noise[:1].uniform_(generator=generator)
+            before_verify = refill
+            if constraint is not None:
+                before_verify = partial(self._mask_tree, plan, constraint, refill)
             drafted = self.nodes(gen.method, gen.budget) - 1
             most = 1 if gen.method == "ar" else self.block  # tokens one round can emit
             t0 = time.perf_counter()
             root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
-                                noise=prefill_noise, filters=filters)
+                                noise=prefill_noise, filters=filters,
+                                allowed=constraint.allowed([[]]).to(self.device) if constraint else None)
             gen.stats.prefill_seconds = gen._now() - t0
-            yield gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
+            out = gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
+            gen._after_emit(out, None, constraint)
+            yield out
             decode_start = time.perf_counter()
-            pending = plan.launch(refill, after=_stamp(plan.cuda))
+            # The next round goes in before this one is read, so the device never waits for the host's
+            # bookkeeping; not when this round may reach max_tokens (a stop token wastes the round queued
+            # behind it), nor under a grammar, whose masks need this round's tokens.
+            queue_ahead = self.queue_ahead and constraint is None
+            pending = plan.launch(before_verify, after=_stamp(plan.cuda)) if gen.finish_reason is None else None
             while pending is not None:
-                # The next round goes in before this one is read, so the device never waits for the host's
-                # bookkeeping; skipped when this round may reach max_tokens. A stop token wastes that round.
                 ahead = None
-                if self.queue_ahead and len(gen.token_ids) + most < gen.params.max_new_tokens:
-                    ahead = plan.launch(refill, after=pending.stamps[-1])
+                if queue_ahead and len(gen.token_ids) + most < gen.params.max_new_tokens:
+                    ahead = plan.launch(before_verify, after=pending.stamps[-1])
                 result, phases = pending.collect()
                 n = result[0]
                 out = gen._emit(result[1:1 + n], None, [], drafted, n - 1, phases, False)
+                gen._after_emit(out, None, constraint)
                 gen.stats.record_round(n, phases)
                 gen.stats.decode_seconds = time.perf_counter() - decode_start
                 if gen.finish_reason is not None:
                     pending = None
                 else:
-                    pending = ahead or plan.launch(refill, after=pending.stamps[-1])
+                    pending = ahead or plan.launch(before_verify, after=pending.stamps[-1])
                 yield out
         finally:
             self._busy = False
 
-    def plan(self, method: str, budget: int, sampled: bool = False, filters: Filters | None = None) -> Plan:
+    def _mask_tree(self, plan: Plan, constraint: grammar.Constraint, refill: Callable | None) -> None:
+        """Before a constrained verify: wait for the tree, then mask each node for the grammar state its own
+        path leaves (the host's one extra synchronisation per round, which the grammar needs)."""
+        if refill is not None:
+            refill()
+        tokens, parents = (t.tolist() for t in plan.outputs["tree"][:2])
+        paths: dict[int, list[int]] = {0: []}
+
+        def path(node: int) -> list[int]:  # the node's tokens below the root
+            if node not in paths:
+                paths[node] = [*path(parents[node]), tokens[node - 1]]
+            return paths[node]
+
+        plan.allowed.copy_(constraint.allowed([path(node) for node in range(len(parents))]), non_blocking=True)
+
+    def plan(self, method: str, budget: int, sampled: bool = False, filters: Filters | None = None,
+             constrained: bool = False) -> Plan:
         """The round's steps for (method, budget), greedy or sampled, captured as CUDA graphs on first use.
 
         A sampled plan owns a uniform-noise buffer, one row per verified node, refilled before every verify:
         the graph turns it into Gumbel noise, so the picks are exact samples of softmax(logits / T), after
         the reference path's own `filter_logits` when the request filters (top-k, top-p, min-p: one plan per
-        setting, the temperature stays a device scalar).
+        setting, the temperature stays a device scalar). A constrained plan owns a mask of the tokens each
+        node may pick, refilled from the request's grammar before every verify.
         """
-        key = (method, budget if method == "ddtree" else 0, sampled, filters)
+        key = (method, budget if method == "ddtree" else 0, sampled, filters, constrained)
         if key not in self._plans:
-            noise = None
+            noise = allowed = None
+            vocab = self.target.lm_head.weight.shape[0]
             if sampled:
-                vocab = self.target.lm_head.weight.shape[0]
                 noise = torch.rand((self.nodes(method, budget), vocab), device=self.device)
+            if constrained:
+                allowed = torch.ones((self.nodes(method, budget), vocab), dtype=torch.bool, device=self.device)
             steps: list[tuple[str, Callable]] = []
             if method == "ar":
                 steps.append(("tree", lambda _: self.lone_root()))
@@ -202,10 +236,11 @@ class FastPath:
                 steps.append(("draft", lambda _: self.draft_logits()))
                 steps.append(("tree", (lambda x: top_prefixes(x, budget)) if method == "ddtree" else chain))
             depth = 0 if method == "ar" else self.block - 1
-            steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters)))
+            steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters,
+                                                             allowed=allowed)))
             steps.append(("commit", lambda out: self.commit(*out[1:], with_draft=method != "ar")))
             cuda = self.device.type == "cuda"
-            self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise)
+            self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise, allowed)
         return self._plans[key]
 
     def _capture(self, fn: Callable, arg: object) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -252,15 +287,15 @@ class FastPath:
         return logits, taps
 
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
-                filters: Filters | None = None) -> int:
+                filters: Filters | None = None, allowed: torch.Tensor | None = None) -> int:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
-        `noise` [1, V] and `filters` when given)."""
+        `noise` [1, V] and `filters`, and restricted to `allowed` [1, V], when given)."""
         n = prompt.numel()
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         logits, taps = self.forward(prompt, positions, causal, last_only=True)
-        root = self.pick(logits[-1:], noise, filters)[0]
+        root = self.pick(_masked(logits[-1:], allowed), noise, filters)[0]
         if with_draft:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
@@ -293,8 +328,8 @@ class FastPath:
         return self.target.lm_head(h)
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
-               max_depth: int, noise: torch.Tensor | None = None,
-               filters: Filters | None = None) -> tuple[torch.Tensor, ...]:
+               max_depth: int, noise: torch.Tensor | None = None, filters: Filters | None = None,
+               allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """One target forward over root + tree (`visible`: each node and its ancestors), then the walk, on
         the device.
 
@@ -303,12 +338,12 @@ class FastPath:
         tokens, so the accepted nodes form one root path). The emitted tokens are the picks along that
         path, so a sampled round emits exactly what sampling the target token by token would. Returns
         (result = [accepted length, emitted tokens..., padding], path nodes [D+1], accepted length, bonus
-        token, taps).
+        token, taps). `allowed` [n, V] restricts each node's pick (a grammar: before any other processing).
         """
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps = self.forward(ids, self.start + depths, visible)
-        picks = self.pick(logits, noise, filters)
+        picks = self.pick(_masked(logits, allowed), noise, filters)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
         accepted = ~(visible & ~matches[None, :]).any(dim=1)
@@ -388,8 +423,9 @@ class Plan:
     """
 
     def __init__(self, steps: list[tuple[str, Callable]], capture: Callable | None, cuda: bool,
-                 noise: torch.Tensor | None = None) -> None:
-        self.steps, self.cuda, self.noise = steps, cuda, noise
+                 noise: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> None:
+        self.steps, self.cuda, self.noise, self.allowed = steps, cuda, noise, allowed
+        self.outputs: dict[str, object] = {}  # each step's latest output (static buffers once captured)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.result: torch.Tensor | None = None
         self.eager_reason = None if capture is not None else "graphs off"
@@ -399,6 +435,7 @@ class Plan:
                 for name, fn in steps:
                     graph, out = capture(fn, out)
                     self.graphs.append(graph)
+                    self.outputs[name] = out
                     if name == "verify":
                         self.result = out[0]
             except RuntimeError as exc:
@@ -409,8 +446,9 @@ class Plan:
                after: torch.cuda.Event | float | None = None) -> Launched:
         """Queue one round (run it, off CUDA) and a copy of its result to the host; read it with collect().
 
-        `before_verify` runs eagerly just before the verify step (a sampled plan's noise refill), inside its
-        timing. `after` is the previous round's last stamp: the gap from it is the device's wait for the host.
+        `before_verify` runs eagerly just before the verify step (a sampled plan's noise refill, a constrained
+        one's masks), inside its timing. `after` is the previous round's last stamp: the gap from it is the
+        device's wait for the host.
         """
         stamps: list = []
         out = result = None
@@ -421,7 +459,7 @@ class Plan:
             if self.graphs:
                 self.graphs[i].replay()
             else:
-                out = fn(out)
+                out = self.outputs[name] = fn(out)
                 result = out[0] if name == "verify" else result
         stamps.append(_stamp(self.cuda))
         result = self.result if self.graphs else result
@@ -451,6 +489,10 @@ class Launched:
         waited = 0.0 if self.after is None else _elapsed(self.after, self.stamps[0])
         phases["host"] = waited + _elapsed(self.stamps[-2], self.stamps[-1])  # idle device + the result's copy
         return self.result.tolist(), phases
+
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
 
 
 def _stamp(cuda: bool) -> torch.cuda.Event | float:
