@@ -138,7 +138,7 @@ class _SamplingFields(_Tolerant):
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's, non-streaming
     user: str | None = None
     return_token_ids: bool = False
     return_spec_stats: bool = False
@@ -282,8 +282,8 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 def _check_unsupported(req: _SamplingFields) -> None:
     """Refuse what would silently change the output distribution if ignored."""
-    if req.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs is not supported.", "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is only returned without streaming.", "prompt_logprobs")
     if req.model_extra:
         log.info("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
 
@@ -327,6 +327,7 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logit_bias=bias,
+            prompt_logprobs=req.prompt_logprobs,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -506,8 +507,9 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
         raise bad_request("suffix is not supported.", "suffix")
     if req.best_of not in (None, 1):
         raise bad_request("best_of must be 1.", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which are not supported.", "echo")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise bad_request("echo with logprobs (the prompt's log-probabilities) is only returned without "
+                          "streaming.", "echo")
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -524,6 +526,9 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
     structure = _requested_grammar(req)
     prepared = _sampling(state, req, prompt_ids, req.max_tokens, req.logprobs, "prompt")
     prepared.prompt_text = prompt_text
+    if req.echo and req.logprobs is not None:  # the echoed prompt comes with its own log-probabilities
+        k = max(req.logprobs, req.prompt_logprobs or 0)
+        prepared.params = dataclasses.replace(prepared.params, prompt_logprobs=k)
     return _constrained(state, prepared, structure)
 
 
@@ -557,6 +562,26 @@ class _LogprobFormatter:
         return [{**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
                 for lp in logprobs]
 
+    def legacy_prompt(self, prompt_ids: list[int], logprobs: list) -> dict:
+        """Completions logprobs of an echoed prompt (the first token has none, as in OpenAI's)."""
+        tokens = [self.token_text(t) for t in prompt_ids]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [None if lp is None else self._legacy_top(lp) for lp in logprobs],
+                "text_offset": offsets}
+
+    def vllm_prompt(self, logprobs: list) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} for the token
+        and its top alternatives (None for the first)."""
+        return [None if lp is None else {
+            str(t): {"logprob": _finite(v), "rank": rank, "decoded_token": self.token_text(t)}
+            for t, v, rank in [(lp.token_id, lp.logprob, lp.rank),
+                               *((t, v, i + 1) for i, (t, v) in enumerate(lp.top))]} for lp in logprobs]
+
+    def _legacy_top(self, lp) -> dict:
+        top = {self.token_text(t): _finite(v) for t, v in lp.top}
+        return top or {self.token_text(lp.token_id): _finite(lp.logprob)}
+
     def legacy(self, logprobs: list, offset: int) -> dict:
         """Completions logprobs; `offset` is where this piece starts in the returned text."""
         tokens, offsets = [], []
@@ -565,10 +590,8 @@ class _LogprobFormatter:
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-        tops = [{self.token_text(t): _finite(v) for t, v in lp.top} or
-                {self.token_text(lp.token_id): _finite(lp.logprob)} for lp in logprobs]
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": tops, "text_offset": offsets}
+                "top_logprobs": [self._legacy_top(lp) for lp in logprobs], "text_offset": offsets}
 
 
 def _sse(payload: dict | str) -> str:
@@ -672,6 +695,12 @@ async def _complete(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> 
             prefix = call.prepared.prompt_text if call.body.echo else ""
             choice = {"index": index, "text": prefix + content,
                       "logprobs": call.logprobs.legacy(logprobs[index], len(prefix)) if want_logprobs else None}
+            if want_logprobs and call.body.echo:  # the prompt's entries first, as OpenAI's echo gives them
+                request = call.requests[index]
+                echoed = call.logprobs.legacy_prompt(request.prompt_ids, request.prompt_logprobs)
+                choice["logprobs"] = {key: echoed[key] + choice["logprobs"][key] for key in echoed}
+        if call.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = call.logprobs.vllm_prompt(call.requests[index].prompt_logprobs)
         choice.update(finish_reason=finish_reason, stop_reason=out.stop_reason)
         if call.body.return_token_ids:
             choice["token_ids"] = token_ids[index]

@@ -34,6 +34,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # best first
+    rank: int | None = None  # the token's rank in its distribution (1: the most likely); prompt tokens only
 
 
 @dataclass
@@ -48,6 +49,7 @@ class RoundOutput:
     finish_reason: str | None = None  # None while going on; "stop" or "length"
     stop_token_id: int | None = None
     is_prefill: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prefill's, when asked for (first: None)
 
 
 @dataclass
@@ -278,7 +280,11 @@ class Generation:
 
         t0 = self._now()
         prompt = torch.tensor(self.prompt_ids, device=device)
-        logits, taps = target.forward(prompt, torch.arange(len(prompt), device=device), cache, logits_rows=1)
+        every_row = params.prompt_logprobs is not None
+        logits, taps = target.forward(prompt, torch.arange(len(prompt), device=device), cache,
+                                      logits_rows=None if every_row else 1)
+        prompt_logprobs = self._prompt_logprobs(logits, params.prompt_logprobs) if every_row else None
+        logits = logits[-1:]
         if constraint:
             logits = grammar.mask_logits(logits, constraint.allowed([[]]))
         processed = process_logits(logits, params, history.rows([[]]) if history else None)
@@ -288,6 +294,7 @@ class Generation:
         self.stats.prefill_seconds = self._now() - t0
         start = len(prompt)  # position of the root = number of tokens in the target cache
         out = self._emit([root], processed, [0], 0, 0, {"prefill": self.stats.prefill_seconds}, True)
+        out.prompt_logprobs = prompt_logprobs
         self._after_emit(out, history, constraint)
         yield out
         decode_start = self._now()
@@ -387,6 +394,21 @@ class Generation:
         top_lp, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
         return [TokenLogprob(tok, lp, list(zip(ids, lps, strict=True)))
                 for tok, lp, ids, lps in zip(tokens, chosen, top_ids.tolist(), top_lp.tolist(), strict=True)]
+
+    def _prompt_logprobs(self, logits: torch.Tensor, k: int, chunk: int = 512) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability under the target given the tokens before it (the raw model's,
+        as vLLM reports them), its rank and the top-k alternatives; None for the first token."""
+        out: list[TokenLogprob | None] = [None]
+        ids = torch.tensor(self.prompt_ids[1:], device=logits.device)
+        for lo in range(0, len(ids), chunk):  # [chunk, V] float32 at a time, not the whole prompt's
+            logp = torch.log_softmax(logits[lo:lo + chunk][:len(ids) - lo].float(), dim=-1)
+            tokens = ids[lo:lo + chunk]
+            chosen = logp.gather(1, tokens[:, None])[:, 0]
+            ranks = (logp > chosen[:, None]).sum(dim=-1) + 1
+            top_lp, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+            out += [TokenLogprob(t, lp, list(zip(i, v, strict=True)), r) for t, lp, r, i, v in zip(
+                tokens.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist(), strict=True)]
+        return out
 
     def _now(self) -> float:
         if self.engine.target.device.type == "cuda":

@@ -30,6 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's / vLLM's: tokens of the prompt or output, positive logits / r, negative * r
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: str | None = None  # structured output (ddtree.grammar): only tokens that keep it valid
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's log-probability and top-k
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -40,6 +41,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
         if not (-2.0 <= self.presence_penalty <= 2.0 and -2.0 <= self.frequency_penalty <= 2.0):

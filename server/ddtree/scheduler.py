@@ -177,6 +177,7 @@ class Request:
     first_token: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
+    prompt_logprobs: list | None = None  # the engine's TokenLogprob per prompt token (first: None), if asked
     spec: SpecStats | None = None
     finish_reason: str | None = None
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
@@ -388,6 +389,7 @@ class Scheduler:
             return self._output(run, [], None, run.generation.finish_reason or "stop", None)
         now = time.monotonic()
         if out.is_prefill:
+            request.prompt_logprobs = out.prompt_logprobs
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
             self.metrics.iteration_tokens.observe(len(request.prompt_ids))
             self.metrics.prefill_time.observe(now - request.scheduled)

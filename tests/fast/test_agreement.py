@@ -68,6 +68,9 @@ def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast
     with_logprobs = SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True)
     assert not fast.stream([1, 2, 3], with_logprobs).on_fast_path
     assert fast.generate([1, 2, 3], with_logprobs).logprobs
+    scored = SamplingParams(max_new_tokens=4, prompt_logprobs=1, ignore_eos=True)
+    gen = fast.stream([1, 2, 3], scored)
+    assert not gen.on_fast_path and len(next(gen).prompt_logprobs) == 3
     too_long = SamplingParams(max_new_tokens=fast.fast.capacity, ignore_eos=True)
     assert not fast.stream([1, 2, 3], too_long).on_fast_path
     assert not fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=0).on_fast_path

@@ -52,7 +52,9 @@ def cases(name: str) -> list:
         (comp, {"model": name, "prompt": ["a", "b"]}, 400, "prompt"),
         (comp, {"model": name, "prompt": long_ids}, 400, "prompt"),
         (comp, {"model": name, "prompt": "x = 1", "suffix": "y"}, 400, "suffix"),
-        (comp, {"model": name, "prompt": "x = 1", "echo": True, "logprobs": 1}, 400, "echo"),
+        (comp, {"model": name, "prompt": "x = 1", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
+        (comp, {"model": name, "prompt": "x = 1", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+        (comp, {"model": name, "prompt": "x = 1", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
         (comp, {"model": name, "prompt": "x = 1", "best_of": 3}, 400, "best_of"),
         (comp, {"model": "no-such-model", "prompt": "x = 1"}, 404, "model"),
     ]

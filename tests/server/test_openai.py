@@ -225,6 +225,36 @@ def test_completion_logprobs_match_chat_shape_and_offsets(server):
                for top, chosen in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
 
 
+def test_echo_with_logprobs_scores_the_prompt_with_the_target(server):
+    """What evaluation harnesses send to score a text: echo + logprobs gives each prompt token's target
+    log-probability (the first has none), then the completion's; vLLM's prompt_logprobs the same numbers."""
+    import torch
+    from ddtree.engine import Engine
+
+    text = "def fibonacci(n):\n    return n"
+    r = complete(server, text, max_tokens=2, logprobs=2, echo=True, **GREEDY)
+    lp = r.choices[0].logprobs
+    engine = Engine.from_pretrained(device="cpu")  # the server's demo pair, scored directly
+    ids = engine.encode(text)
+    with torch.no_grad():
+        want = engine.target.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-4)
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(want[i - 1].max().item(), abs=1e-4)
+    assert "".join(lp.tokens[:len(ids)]) == text and r.choices[0].text.startswith(text)
+    vllm = complete(server, text, max_tokens=1, extra_body={"prompt_logprobs": 1}).choices[0].model_extra
+    scored = vllm["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    for i in range(1, len(ids)):
+        entry = scored[i][str(ids[i])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-5)
+        assert entry["rank"] == 1 + int((want[i - 1] > want[i - 1, ids[i]]).sum())
+    streamed = server.http.post(f"{server.url}/v1/completions", json={
+        "model": server.model(), "prompt": text, "echo": True, "logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+
+
 def test_spec_stats_are_opt_in_and_consistent(server):
     plain = complete(server, PROMPTS[9], max_tokens=16, temperature=0)
     assert "metrics" not in plain.model_extra

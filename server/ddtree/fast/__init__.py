@@ -120,15 +120,15 @@ class FastPath:
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
-        settings), with or without a grammar; no penalties, logit bias or logprobs; a budget in 1..MAX_BUDGET;
-        and the whole request fits the static caches (penalties need each node's own history: the reference
-        path does that)."""
+        settings), with or without a grammar; no penalties, logit bias, logprobs or prompt logprobs; a budget
+        in 1..MAX_BUDGET; and the whole request fits the static caches (penalties need each node's own
+        history: the reference path does that)."""
         p = gen.params
         filters = sampling_filters(p)
         known = {key[3] for key in self._plans} - {None}
         if filters is not None and filters not in known and len(known) >= MAX_FILTER_SETTINGS:
             return False
-        if p.penalized or p.logit_bias or p.logprobs is not None or self._busy:
+        if p.penalized or p.logit_bias or p.logprobs is not None or p.prompt_logprobs is not None or self._busy:
             return False
         if gen.method != "ar" and self.draft is None:
             return False
