@@ -6,8 +6,8 @@ lossless under it the same way it does under penalties: each tree node is masked
 path below the root would leave the grammar in, so a node is accepted exactly when constrained AR would
 have picked its token. The drafter is not constrained; invalid proposals are simply never accepted.
 
-llguidance (a small Rust library with no dependencies) computes each mask from the tokenizer's vocabulary
-in tens of microseconds; it is imported only when a request asks for a schema.
+llguidance (a small Rust library with no dependencies) computes the masks from the tokenizer's vocabulary
+on the host: 0.9 ms for a 65-node tree over the demo's 8192-token vocabulary on a 2-core CPU.
 """
 
 from __future__ import annotations
