@@ -142,7 +142,9 @@ class _SamplingFields(_Tolerant):
     user: str | None = None
     return_token_ids: bool = False
     return_spec_stats: bool = False
-    # vLLM's structured outputs: the newer `structured_outputs` object, or the older guided_* fields.
+    # Structured outputs: OpenAI's `response_format` (vLLM takes it on completions too), vLLM's newer
+    # `structured_outputs` object, or its older guided_* fields.
+    response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -154,7 +156,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -415,7 +416,7 @@ def _requested_grammar(req: _SamplingFields, forced_call: str | None = None) -> 
     (`json`, `regex` or `choice`) or `guided_json` / `guided_regex` / `guided_choice`, or a forced tool
     choice. None for free text."""
     asked: list[tuple[str, str, Any]] = []  # (param, kind, spec)
-    response_format = getattr(req, "response_format", None) or {}
+    response_format = req.response_format or {}
     kind = response_format.get("type", "text")
     if kind == "json_object":
         asked.append(("response_format", "json", grammar.JSON_OBJECT))
