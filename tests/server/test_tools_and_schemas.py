@@ -279,9 +279,12 @@ def test_vllm_structured_outputs_and_guided_fields_on_both_endpoints(demo_client
             choice = r.json()["choices"][0]
             assert (choice.get("text") or choice.get("message", {}).get("content")) in choices
             assert choice["finish_reason"] == "stop"
-    r = demo_client.post("/v1/completions", json={"prompt": "x = ", "response_format": {"type": "json_object"},
-                                                  "max_tokens": 40})
-    assert isinstance(json.loads(r.json()["choices"][0]["text"]), dict), r.text
+    flag = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+            "additionalProperties": False}
+    r = demo_client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 40, "temperature": 1, "seed": 5,
+                                                  "response_format": {"type": "json_schema",
+                                                                      "json_schema": {"name": "f", "schema": flag}}})
+    assert set(json.loads(r.json()["choices"][0]["text"])) == {"on"}, r.text
     r = demo_client.post("/v1/completions", json={"prompt": "x = ", "guided_regex": "[0-9]{3}-[a-z]{2}",
                                                   "max_tokens": 20, "temperature": 0})
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.json()["choices"][0]["text"]), r.text
