@@ -34,12 +34,12 @@ from ddtree.errors import DDTreeError
 from ddtree.metrics import ServerMetrics
 from ddtree.reasoning import CLOSE as REASONING_CLOSE
 from ddtree.reasoning import OPEN as REASONING_OPEN
-from ddtree.reasoning import template_thinks
-from ddtree.replies import ReplyFormat, ReplyStream
+from ddtree.replies import ReplyFormat, ReplyStream, finish_reason, template_mentions
 from ddtree.sampling import SamplingParams
 from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
 from ddtree.scheduler import Request as EngineRequest
-from ddtree.tools import forced_call_grammar, template_message, template_writes_tool_calls
+from ddtree.tools import START as TOOL_CALL_START
+from ddtree.tools import forced_call_grammar, template_message
 
 log = logging.getLogger("ddtree.server")
 
@@ -382,18 +382,19 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
-    prepared.reply = ReplyFormat(reasoning=structure is None and _thinks(state), tool_calls=tool_calls,
+    # Not under a grammar: it leaves no room for a think block.
+    thinks = structure is None and _parser_on(state, state.config.reasoning_parser, "qwen3", REASONING_CLOSE)
+    prepared.reply = ReplyFormat(reasoning=thinks, tool_calls=tool_calls,
                                  parallel_tool_calls=req.parallel_tool_calls,
                                  reasoning_opened=_opens_reasoning(state, prompt_ids))
     return _constrained(state, prepared, structure)
 
 
-def _thinks(state: ServerState) -> bool:
-    """Whether replies are split into reasoning and content (not under a grammar: it allows no think block)."""
-    parser = state.config.reasoning_parser
-    if parser == "auto":
-        return template_thinks(getattr(state.engine.tokenizer, "chat_template", None))
-    return parser == "qwen3"
+def _parser_on(state: ServerState, setting: str, name: str, marker: str) -> bool:
+    """Whether the reply parser `name` runs: set to it, or `auto` and the chat template writes `marker`."""
+    if setting == "auto":
+        return template_mentions(getattr(state.engine.tokenizer, "chat_template", None), marker)
+    return setting == name
 
 
 def _opens_reasoning(state: ServerState, prompt_ids: list[int]) -> bool:
@@ -483,11 +484,7 @@ def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> tuple[
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad_request("Each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., ...}}.",
                               f"tools.{i}")
-    parser = state.config.tool_call_parser
-    tokenizer = state.engine.tokenizer
-    if parser == "auto" and tokenizer is not None:
-        parser = "hermes" if template_writes_tool_calls(getattr(tokenizer, "chat_template", None)) else "none"
-    if parser != "hermes":
+    if not _parser_on(state, state.config.tool_call_parser, "hermes", TOOL_CALL_START):
         raise bad_request("This server does not parse tool calls for this model: its chat template does not "
                           "write Hermes <tool_call> blocks (start it with --tool-call-parser hermes if the model "
                           "does), or it runs with --tool-call-parser none.", "tools")
@@ -685,11 +682,10 @@ async def _complete(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> 
     choices = []
     for index, out in enumerate(final):
         content = "".join(text[index])
-        finish_reason = out.finish_reason
+        reason = out.finish_reason
         if call.kind == "chat":
             message = {"role": "assistant", **call.prepared.reply.message(content)}
-            if message.get("tool_calls") and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            reason = finish_reason(reason, message.get("tool_calls"))
             choice = {"index": index, "message": message,
                       "logprobs": {"content": call.logprobs.chat(logprobs[index])} if want_logprobs else None}
         else:
@@ -702,7 +698,7 @@ async def _complete(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> 
                 choice["logprobs"] = {key: echoed[key] + choice["logprobs"][key] for key in echoed}
         if call.body.prompt_logprobs is not None:
             choice["prompt_logprobs"] = call.logprobs.vllm_prompt(call.requests[index].prompt_logprobs)
-        choice.update(finish_reason=finish_reason, stop_reason=out.stop_reason)
+        choice.update(finish_reason=reason, stop_reason=out.stop_reason)
         if call.body.return_token_ids:
             choice["token_ids"] = token_ids[index]
         choices.append(choice)
@@ -759,7 +755,7 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
                 choice["token_ids"] = out.token_ids
             yield chunk({**choice, "finish_reason": None})
         if out.finish_reason is not None:
-            finish_reason = out.finish_reason
+            calls = []
             if reply is not None:  # what was held back: the last text, then the calls
                 delta, calls = reply.finish()
                 if delta:
@@ -768,9 +764,8 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
                     deltas = [{"index": i, **tool_call} for i, tool_call in enumerate(calls)]
                     yield chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
                                  "finish_reason": None})
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             final = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
-            yield chunk({**final, "logprobs": None, "finish_reason": finish_reason,
+            yield chunk({**final, "logprobs": None, "finish_reason": finish_reason(out.finish_reason, calls),
                          "stop_reason": out.stop_reason}, **call.extras({}))
     if include_usage:
         yield chunk_body([], usage=_usage(call.requests))

@@ -174,6 +174,12 @@ class Engine:
         """The tokenizer as the structured-output constraint reads it, built on first use."""
         return grammar.grammar_tokenizer(self.tokenizer, self.vocab_size)
 
+    def constraint(self, params: SamplingParams) -> grammar.Constraint | None:
+        """A fresh grammar state for one generation under `params.grammar` (None without one)."""
+        if params.grammar is None:
+            return None
+        return grammar.Constraint(self.grammar_tokenizer, params.grammar, self.vocab_size)
+
     @property
     def fast_note(self) -> str | None:
         """Why requests at this engine's own method and budget will take the reference path although the fast
@@ -274,9 +280,7 @@ class Generation:
         cache = target.new_cache()
         draft_cache = DraftCache(len(draft.layers)) if draft is not None else None
         history = History(self.prompt_ids, eng.vocab_size, device) if params.penalized else None
-        constraint = None
-        if params.grammar is not None:
-            constraint = grammar.Constraint(eng.grammar_tokenizer, params.grammar, eng.vocab_size)
+        constraint = eng.constraint(params)
 
         t0 = self._now()
         prompt = torch.tensor(self.prompt_ids, device=device)

@@ -116,9 +116,10 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
-def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Raw logits [N, V] with the tokens `allowed` forbids at -inf (before any other processing, as vLLM)."""
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Raw logits [N, V] with the tokens `allowed` forbids at -inf (before any other processing, as vLLM);
+    unchanged without a mask."""
+    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _bits(bitmask: torch.Tensor) -> torch.Tensor:

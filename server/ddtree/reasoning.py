@@ -14,13 +14,6 @@ from ddtree.tools import held_tail
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def template_thinks(template: object) -> bool:
-    """Whether a chat template (a string, or a dict of named templates) knows think blocks."""
-    if isinstance(template, dict):
-        return any(template_thinks(t) for t in template.values())
-    return isinstance(template, str) and CLOSE in template
-
-
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """(reasoning, or None without a think block; content) of a finished reply."""
     return _split(text, opened, finished=True)

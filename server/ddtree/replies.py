@@ -14,6 +14,19 @@ from ddtree.reasoning import ReasoningStream, split_reasoning
 from ddtree.tools import ToolCallStream, split_tool_calls
 
 
+def template_mentions(template: object, marker: str) -> bool:
+    """Whether a tokenizer's chat template (a string, or a dict of named templates) contains `marker`: how
+    the parsers tell that a model writes tool-call blocks or think blocks."""
+    if isinstance(template, dict):
+        return any(template_mentions(t, marker) for t in template.values())
+    return isinstance(template, str) and marker in template
+
+
+def finish_reason(reason: str | None, calls: list[dict[str, Any]] | None) -> str | None:
+    """OpenAI's finish reason for a reply: `tool_calls` when it ended by itself with calls in it."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 @dataclass(frozen=True)
 class ReplyFormat:
     """How a chat's reply is split: reasoning (and whether the prompt opened the block), tool calls."""

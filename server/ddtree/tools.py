@@ -24,13 +24,6 @@ from ddtree.grammar import LAYOUT
 START, END = "<tool_call>", "</tool_call>"
 
 
-def template_writes_tool_calls(template: Any) -> bool:
-    """Whether a tokenizer's chat template (a string, or a dict of named templates) uses Hermes blocks."""
-    if isinstance(template, dict):
-        return any(template_writes_tool_calls(t) for t in template.values())
-    return isinstance(template, str) and START in template
-
-
 def forced_call_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
     """The Lark source of a forced choice: <tool_call> blocks (one, or one or more with `parallel`) whose
     JSON calls the function `name` (None: any offered one) with arguments valid for its parameters."""

@@ -10,7 +10,8 @@ import time
 import pytest
 from ddtree.api import ServerConfig, create_app
 from ddtree.engine import Engine
-from ddtree.tools import START, ToolCallStream, split_tool_calls, template_message, template_writes_tool_calls
+from ddtree.replies import template_mentions
+from ddtree.tools import START, ToolCallStream, split_tool_calls, template_message
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from scripted_engine import ScriptedEngine, prefill, round_
@@ -84,9 +85,9 @@ def test_streaming_releases_content_early_and_ends_like_the_whole_reply(text):
 
 
 def test_template_helpers():
-    assert template_writes_tool_calls(HERMES_TEMPLATE)
-    assert template_writes_tool_calls({"default": "x", "tool_use": HERMES_TEMPLATE})
-    assert not template_writes_tool_calls("{{ messages }}") and not template_writes_tool_calls(None)
+    assert template_mentions(HERMES_TEMPLATE, START)
+    assert template_mentions({"default": "x", "tool_use": HERMES_TEMPLATE}, START)
+    assert not template_mentions("{{ messages }}", START) and not template_mentions(None, START)
     message = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
         {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]}

@@ -146,10 +146,7 @@ class FastPath:
         self._busy = True
         try:
             sampled, filters = not gen.params.greedy, sampling_filters(gen.params)
-            constraint = None
-            if gen.params.grammar is not None:
-                constraint = grammar.Constraint(gen.engine.grammar_tokenizer, gen.params.grammar,
-                                                gen.engine.vocab_size)
+            constraint = gen.engine.constraint(gen.params)
             plan = self.plan(gen.method, gen.budget, sampled, filters, constraint is not None)  # before the prefill
             refill = prefill_noise = None
             if sampled:
@@ -167,7 +164,7 @@ class FastPath:
             t0 = time.perf_counter()
             root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
                                 noise=prefill_noise, filters=filters,
-                                allowed=constraint.allowed([[]]).to(self.device) if constraint else None)
+                                allowed=constraint.allowed([[]]) if constraint else None)
             gen.stats.prefill_seconds = gen._now() - t0
             out = gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             gen._after_emit(out, None, constraint)
@@ -295,7 +292,7 @@ class FastPath:
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         logits, taps = self.forward(prompt, positions, causal, last_only=True)
-        root = self.pick(_masked(logits[-1:], allowed), noise, filters)[0]
+        root = self.pick(grammar.mask_logits(logits[-1:], allowed), noise, filters)[0]
         if with_draft:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
@@ -343,7 +340,7 @@ class FastPath:
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps = self.forward(ids, self.start + depths, visible)
-        picks = self.pick(_masked(logits, allowed), noise, filters)
+        picks = self.pick(grammar.mask_logits(logits, allowed), noise, filters)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
         accepted = ~(visible & ~matches[None, :]).any(dim=1)
@@ -489,10 +486,6 @@ class Launched:
         waited = 0.0 if self.after is None else _elapsed(self.after, self.stamps[0])
         phases["host"] = waited + _elapsed(self.stamps[-2], self.stamps[-1])  # idle device + the result's copy
         return self.result.tolist(), phases
-
-
-def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
 
 
 def _stamp(cuda: bool) -> torch.cuda.Event | float:
