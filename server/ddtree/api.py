@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -386,7 +387,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     thinks = structure is None and _parser_on(state, state.config.reasoning_parser, "qwen3", REASONING_CLOSE)
     prepared.reply = ReplyFormat(reasoning=thinks, tool_calls=tool_calls,
                                  parallel_tool_calls=req.parallel_tool_calls,
-                                 reasoning_opened=_opens_reasoning(state, prompt_ids))
+                                 reasoning_opened=thinks and _opens_reasoning(state, prompt_ids))
     return _constrained(state, prepared, structure)
 
 
@@ -563,7 +564,7 @@ class _LogprobFormatter:
     def legacy_prompt(self, prompt_ids: list[int], logprobs: list) -> dict:
         """Completions logprobs of an echoed prompt (the first token has none, as in OpenAI's)."""
         tokens = [self.token_text(t) for t in prompt_ids]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
         return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp.logprob) for lp in logprobs],
                 "top_logprobs": [None if lp is None else self._legacy_top(lp) for lp in logprobs],
                 "text_offset": offsets}

@@ -136,8 +136,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="greedy and sampled requests on the fast path (static caches, fused kernels, CUDA graphs; "
                         "Qwen3/Llama targets). Default: on when the model runs on CUDA")
     p.add_argument("--default-chat-template-kwargs", metavar="JSON", default=None,
-                   help="chat template arguments for chats that send none, e.g. '{\"enable_thinking\": false}' "
-                        "(Qwen3: DFlash drafters were trained without thinking)")
+                   help="chat template arguments every chat gets unless it sets the same key, e.g. "
+                        "'{\"enable_thinking\": false}' (Qwen3: DFlash drafters were trained without thinking)")
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "none"], default="auto",
                    help="how replies become `tool_calls`: hermes (<tool_call> JSON blocks: Qwen3, Qwen2.5); "
                         "auto (default): hermes when the chat template writes such blocks; none: tools refused")
