@@ -114,7 +114,7 @@ def _cli_grammar(args: argparse.Namespace) -> str | None:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--json-schema is not JSON: {exc}") from None
-    return grammar.json_schema_grammar(schema or grammar.JSON_OBJECT)
+    return grammar.json_schema_grammar(grammar.JSON_OBJECT if schema == {} else schema)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:

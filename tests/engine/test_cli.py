@@ -78,3 +78,7 @@ def test_generate_constrained_by_a_schema_file_a_regex_or_choices(tmp_path):
     assert len(out["text"]) == 4 and out["text"].isdigit()
     out = json.loads(run(*base, "--choice", "yes", "--choice", "no", "--temperature", "1", "--seed", "3").stdout)
     assert out["text"] in ("yes", "no")
+    schema.write_text("[]")  # JSON, but no schema: refused rather than taken as "any object"
+    proc = run(*base, "--json-schema", str(schema))
+    assert proc.returncode == 2 and "the JSON schema must be an object" in proc.stderr
+    assert "Traceback" not in proc.stderr
