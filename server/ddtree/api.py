@@ -180,7 +180,8 @@ class TokenizeRequest(_Tolerant):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered as the chat endpoint renders them
+    tools: list[dict[str, Any]] | None = None  # rendered as the chat endpoint renders them (tool_choice too)
+    tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -348,10 +349,10 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest,
-                     tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The prompt ids of a chat (as `ddtree generate --chat` tokenizes it, so both agree), with `tools`
-    rendered by the template when given."""
+def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], bool]:
+    """(the prompt ids of a chat, whether its tools were rendered into them): /tokenize renders with this
+    too, so both agree, and so does `ddtree generate --chat`."""
+    tools = _tools_rendered(state, req)
     # OpenAI's "developer" role is the system prompt under a new name; chat templates only know "system".
     messages = []
     for i, m in enumerate(req.messages):
@@ -361,22 +362,22 @@ def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRe
     if state.engine.tokenizer is None:
         raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
     kwargs = state.config.default_chat_template_kwargs | (req.chat_template_kwargs or {})
-    kwargs |= {"tools": tools} if tools else {}
+    kwargs |= {"tools": req.tools} if tools else {}
     try:
-        return state.engine.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message, **kwargs)
+        ids = state.engine.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message, **kwargs)
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
         raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
+    return ids, tools
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     _check_model(state, req.model)
     _check_unsupported(req)
-    tool_calls, forced_call = _tool_calls_wanted(state, req)
-    structure = _requested_grammar(req, forced_call)
+    prompt_ids, tool_calls = _chat_prompt_ids(state, req)
+    structure = _requested_grammar(req, _forced_call(req) if tool_calls else None)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    prompt_ids = _chat_prompt_ids(state, req, req.tools if tool_calls else None)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -463,9 +464,9 @@ def _requested_grammar(req: _SamplingFields, forced_call: str | None = None) -> 
         raise bad_request(f"{param}: {exc}", param) from None
 
 
-def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> tuple[bool, str | None]:
-    """(whether this chat renders its tools and parses calls from the reply, the grammar a forced choice
-    decodes under); the refusals, with reasons."""
+def _tools_rendered(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> bool:
+    """Whether a chat renders its tools into the prompt (and parses calls from the reply): it offers some
+    and tool_choice is not "none"; the refusals, with reasons."""
     choice = req.tool_choice
     function = choice.get("function") if isinstance(choice, dict) else None
     named = function.get("name") if isinstance(function, dict) else None
@@ -475,11 +476,10 @@ def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> tuple[
     if not isinstance(choice, dict) and choice not in (None, "auto", "none", "required"):
         raise bad_request(f"tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {choice!r}.",
                           "tool_choice")
-    forced = choice == "required" or named is not None
-    if forced and not req.tools:
+    if (choice == "required" or named is not None) and not req.tools:
         raise bad_request("tool_choice forces a call but the request offers no tools.", "tool_choice")
     if not req.tools or choice == "none":
-        return False, None
+        return False
     for i, tool in enumerate(req.tools):
         function = tool.get("function") if tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -489,12 +489,18 @@ def _tool_calls_wanted(state: ServerState, req: ChatCompletionRequest) -> tuple[
         raise bad_request("This server does not parse tool calls for this model: its chat template does not "
                           "write Hermes <tool_call> blocks (start it with --tool-call-parser hermes if the model "
                           "does), or it runs with --tool-call-parser none.", "tools")
-    if not forced:
-        return True, None
     if named is not None and named not in {t["function"]["name"] for t in req.tools}:
         raise bad_request(f"tool_choice names {named!r}, which is not among the tools.", "tool_choice")
+    return True
+
+
+def _forced_call(req: ChatCompletionRequest) -> str | None:
+    """The grammar a forced tool_choice (`required`, or a named function) decodes under; None for `auto`."""
+    named = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+    if req.tool_choice != "required" and named is None:
+        return None
     try:
-        return True, grammar.lark_grammar(forced_call_grammar(req.tools, named, req.parallel_tool_calls))
+        return grammar.lark_grammar(forced_call_grammar(req.tools, named, req.parallel_tool_calls))
     except (ValueError, DDTreeError) as exc:
         raise bad_request(f"The tools' parameters cannot constrain decoding: {exc}", "tools") from None
 
@@ -909,7 +915,7 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Send exactly one of prompt and messages.", "prompt")
         if body.messages is not None:
-            ids = _chat_prompt_ids(state, body, body.tools)
+            ids = _chat_prompt_ids(state, body)[0]
         elif state.engine.tokenizer is None:
             raise bad_request("This model has no tokenizer.", "prompt")
         else:

@@ -365,6 +365,21 @@ def test_a_forced_call_streams_as_a_tool_call_delta(hermes_client):
     assert set(json.loads(calls[0].function.arguments)) == {"city"}
 
 
+def test_tokenize_renders_what_the_chat_decodes_from_for_each_tool_choice(hermes_client):
+    decode = hermes_client.app.state.ddtree.engine.decode
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in (None, "auto", "none", "required", named):
+        body = {"messages": messages, "tools": [CITY, CLOCK], "tool_choice": choice}
+        ids = hermes_client.post("/tokenize", json=body).json()["tokens"]
+        r = hermes_client.post("/v1/chat/completions", json={**body, "max_tokens": 1, "return_token_ids": True})
+        assert r.json()["prompt_token_ids"] == ids, choice
+        assert ("get_time" in decode(ids)) == (choice != "none"), choice
+    bad = {"messages": messages, "tools": [CITY], "tool_choice": named}
+    r = hermes_client.post("/tokenize", json=bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"  # as the chat refuses it
+
+
 # -- default chat template arguments ---------------------------------------------------------------------------
 
 THINKING_TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
