@@ -722,7 +722,7 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
     include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
     want_logprobs = call.prepared.params.logprobs is not None
     offsets = [0] * len(call.requests)
-    replies = [ReplyStream(call.prepared.reply) if chat else None for _ in call.requests]
+    replies = [ReplyStream(call.prepared.reply) for _ in call.requests] if chat else []
 
     def chunk_body(choices: list[dict], **extra: Any) -> str:
         body = {"id": call.object_id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -748,29 +748,27 @@ async def _stream(call: _Call, outputs: AsyncIterator[tuple[int, Output]]) -> As
                 yield _sse(APIError(500, f"The engine failed: {out.error}", type="internal_error").body())
                 yield _sse("[DONE]")
             return
-        reply = replies[index]
-        delta = reply.feed(out.text) if reply else {"content": out.text} if out.text else {}
-        if delta or (out.token_ids and (want_logprobs or call.body.return_token_ids)):
-            if chat:
-                logprobs = {"content": call.logprobs.chat(out.logprobs)} if want_logprobs else None
-                choice = {"index": index, "delta": delta, "logprobs": logprobs}
-            else:
-                logprobs = call.logprobs.legacy(out.logprobs, offsets[index]) if want_logprobs else None
-                choice = {"index": index, "text": out.text, "logprobs": logprobs}
+        if chat:
+            choices = [{"delta": delta, "logprobs": None} for delta in replies[index].feed(out.text)]
+            logprobs = {"content": call.logprobs.chat(out.logprobs)} if want_logprobs else None
+        else:
+            choices = [{"text": out.text, "logprobs": None}] if out.text else []
+            logprobs = call.logprobs.legacy(out.logprobs, offsets[index]) if want_logprobs else None
             offsets[index] += len(out.text)
+        if not choices and out.token_ids and (want_logprobs or call.body.return_token_ids):
+            choices = [{"delta": {}} if chat else {"text": ""}]
+        if choices:  # a round's log-probs and token ids go with its first chunk
+            choices[0]["logprobs"] = logprobs
             if call.body.return_token_ids:
-                choice["token_ids"] = out.token_ids
-            yield chunk({**choice, "finish_reason": None})
+                choices[0]["token_ids"] = out.token_ids
+        for choice in choices:
+            yield chunk({"index": index, **choice, "finish_reason": None})
         if out.finish_reason is not None:
-            calls = []
-            if reply is not None:  # what was held back: the last text, then the calls
-                delta, calls = reply.finish()
-                if delta:
+            calls: list[dict[str, Any]] = []
+            if chat:  # what was held back: the last text, the rest of the calls
+                deltas, calls = replies[index].finish()
+                for delta in deltas:
                     yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
-                if calls:
-                    deltas = [{"index": i, **tool_call} for i, tool_call in enumerate(calls)]
-                    yield chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
-                                 "finish_reason": None})
             final = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
             yield chunk({**final, "logprobs": None, "finish_reason": finish_reason(out.finish_reason, calls),
                          "stop_reason": out.stop_reason}, **call.extras({}))

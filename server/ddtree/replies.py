@@ -50,31 +50,28 @@ class ReplyFormat:
 
 
 class ReplyStream:
-    """One streamed choice: `feed` and `finish` return the delta fields to send now (maybe none)."""
+    """One streamed choice: `feed` and `finish` return the deltas to send now, in order (maybe none)."""
 
     def __init__(self, fmt: ReplyFormat) -> None:
         self.reasoning = ReasoningStream(fmt.reasoning_opened) if fmt.reasoning else None
         self.tools = ToolCallStream(fmt.parallel_tool_calls) if fmt.tool_calls else None
 
-    def feed(self, text: str) -> dict[str, Any]:
+    def feed(self, text: str) -> list[dict[str, Any]]:
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
-        return self._delta(reasoning, self.tools.feed(content) if self.tools else content)
+        return _deltas(reasoning, self.tools.feed(content) if self.tools else _content(content))
 
-    def finish(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """(the last delta, the tool calls held back)."""
+    def finish(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(the last deltas, the tool calls sent)."""
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
-        calls: list[dict[str, Any]] = []
-        if self.tools:
-            content = self.tools.feed(content)
-            rest, calls = self.tools.finish()
-            content += rest or ""
-        return self._delta(reasoning, content), calls
+        if self.tools is None:
+            return _deltas(reasoning, _content(content)), []
+        return _deltas(reasoning, self.tools.finish(content)), self.tools.calls
 
-    @staticmethod
-    def _delta(reasoning: str, content: str) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        return delta
+
+def _content(text: str) -> list[dict[str, Any]]:
+    return [{"content": text}] if text else []
+
+
+def _deltas(reasoning: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reasoning goes first: it comes before the answer in the reply."""
+    return [{"reasoning_content": reasoning}, *deltas] if reasoning else deltas

@@ -4,13 +4,15 @@ forced choices refused), and `response_format` JSON objects and schemas constrai
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
 
+import openai
 import pytest
 from ddtree.api import ServerConfig, create_app
 from ddtree.engine import Engine
-from ddtree.replies import template_mentions
+from ddtree.replies import ReplyFormat, ReplyStream, template_mentions
 from ddtree.tools import START, ToolCallStream, split_tool_calls, template_message
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -64,24 +66,99 @@ def test_an_unterminated_block_with_whole_json_is_a_call_and_a_cut_one_is_conten
         "function"]["arguments"] == '{"x": 1}'  # arguments already a string stay as sent
 
 
-@pytest.mark.parametrize("text", [f"Checking {CALL} done", CALL, "no calls at all <tool", f"a<tool_c{CALL}",
-                                  "<tool_call>broken</tool_call>"])
-def test_streaming_releases_content_early_and_ends_like_the_whole_reply(text):
-    whole_calls = split_tool_calls(text)[1]
-    for cut1 in range(len(text) + 1):
-        for cut2 in range(cut1, len(text) + 1, 7):
-            stream = ToolCallStream()
-            sent = "".join(stream.feed(piece) for piece in (text[:cut1], text[cut1:cut2], text[cut2:]))
-            tail, calls = stream.finish()
-            start = text.find(START)
-            if whole_calls:
-                assert sent == text[:start]  # everything before the first block went out at once
-                assert [c["function"] for c in calls] == [c["function"] for c in whole_calls]
-                rest = split_tool_calls(text[start:])[0]
-                assert tail == rest
+# Replies as a model may write them: content, one or two calls, reasoning; and blocks that are not calls.
+OSLO = CALL.replace("Paris", "Oslo")
+CLOCK_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "at": [1, {"x": "}]"}]}}\n</tool_call>'
+REPLIES = [
+    (f"I'll check.\n{CALL}", False),
+    (f"  Let me look.\n{CALL}\n{OSLO}\nDone, mostly. \n", False),
+    (f"\n{CALL}\n\n{CLOCK_CALL}\n\nBoth asked.", False),
+    (f"<think>\nThe weather, then the time.\n</think>\n\nSure.\n{CALL}\n{CLOCK_CALL}", False),
+    (f"the weather\n</think>\n\n{OSLO}", True),
+    (f"<tool_call>not json</tool_call> then {CALL} and <tool_call>[1, 2]</tool_call>", False),
+    ('<tool_call>{"arguments": {"q": "a <tool_call> b </tool"}, "name": "search"}</tool_call>', False),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": \\"</\\"}"}</tool_call><tool_call>{"name": "g"}</tool_call>',
+     False),
+    ('<tool_call>\n{\n  "name": "f",\n  "parameters": {\n    "x": 1e3\n  },\n  "arguments": 7\n}', False),
+    ('<tool_call>{"name": "f", "arguments": 12}</tool_call>', False),
+    (f"a<tool_c{CALL}", False),
+    ("  plain answer, no calls at all <tool", False),
+]
+
+
+def reassemble(deltas: list[dict]) -> dict:
+    """A streamed choice's deltas put together as OpenAI clients do, checking each tool-call entry's shape:
+    a call's first entry names it (arguments ""), later ones carry only argument pieces."""
+    message = {"reasoning_content": "", "content": "", "tool_calls": []}
+    for delta in deltas:
+        message["reasoning_content"] += delta.get("reasoning_content", "")
+        message["content"] += delta.get("content", "")
+        for entry in delta.get("tool_calls", ()):
+            calls = message["tool_calls"]
+            if entry["index"] == len(calls):
+                assert set(entry) == {"index", "id", "type", "function"} and entry["function"]["arguments"] == ""
+                calls.append({key: entry[key] for key in ("id", "type", "function")})
             else:
-                assert sent + (tail or "") == text and not calls
-            assert START not in sent
+                assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+                calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
+    return message
+
+
+def streamed(fmt: ReplyFormat, pieces: list[str]) -> tuple[dict, list[dict]]:
+    stream = ReplyStream(fmt)
+    deltas = [delta for piece in pieces for delta in stream.feed(piece)]
+    last, calls = stream.finish()
+    return reassemble(deltas + last), calls
+
+
+@pytest.mark.parametrize(("text", "opened"), REPLIES)
+def test_streamed_pieces_add_up_to_the_whole_reply_wherever_the_rounds_cut_it(text, opened):
+    rng = random.Random(text)
+    for parallel in (True, False):
+        fmt = ReplyFormat(reasoning=True, reasoning_opened=opened, tool_calls=True, parallel_tool_calls=parallel)
+        whole = fmt.message(text)
+        want = {"reasoning_content": whole["reasoning_content"] or "", "content": whole["content"] or "",
+                "tool_calls": [(c["type"], c["function"]) for c in whole.get("tool_calls", ())]}
+        for _ in range(300):
+            cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, 8)))
+            message, calls = streamed(fmt, [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+            assert calls == message["tool_calls"] and all(c["id"].startswith("call_") for c in calls)
+            message["tool_calls"] = [(c["type"], c["function"]) for c in calls]
+            assert message == want, (parallel, cuts)
+
+
+def test_the_whole_reply_keeps_the_arguments_as_written_and_trims_only_around_the_calls():
+    # The leading spaces stay: a stream sends them before it can know a call will follow.
+    assert split_tool_calls(f"  Let me look.\n{CALL}\n{OSLO}\nDone. \n")[0] == "  Let me look.\n\n\nDone."
+    assert split_tool_calls(f"\n {CALL}\n Done.")[0] == "Done."
+    text = '<tool_call>{"name":"f","arguments":{"city":"Par\\u00eds"},"parameters":{"y":2}}</tool_call>'
+    assert split_tool_calls(text)[1][0]["function"] == {"name": "f", "arguments": '{"city":"Par\\u00eds"}'}
+
+
+def test_a_call_goes_out_as_soon_as_its_name_and_each_piece_of_its_arguments_are_known():
+    stream = ToolCallStream()
+    first = stream.feed('Hi <tool_call>\n{"name": "get_weather"')
+    assert first[0] == {"content": "Hi"} and first[1]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                                     "arguments": ""}
+    assert stream.feed(', "arguments": {"city": "Pa') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}]
+    assert stream.feed('ris"}}\n</tool_') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'ris"}'}}]}]
+    assert stream.feed("call> ok") == [{"content": "  ok"}] and stream.finish() == []
+
+
+def test_a_named_call_stands_in_the_stream_when_its_block_breaks_later():
+    fmt = ReplyFormat(tool_calls=True)
+    cut = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'  # max_tokens hit here
+    assert fmt.message(cut) == {"content": cut}
+    message, _ = streamed(fmt, [cut[:20], cut[20:]])
+    assert message["content"] == "Sure." and message["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Par'}
+    broken = 'Hi <tool_call>{"name": "f", "arguments": {"x": 1}} oops</tool_call>'
+    assert fmt.message(broken) == {"content": broken}
+    message, _ = streamed(fmt, [broken])
+    assert message["content"] == "Hi" and message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    never = "Hi <tool_call>not a call</tool_call>"  # no name was read: held whole, then content
+    assert streamed(fmt, list(never))[0] == {"reasoning_content": "", "content": never, "tool_calls": []}
 
 
 def test_template_helpers():
@@ -152,19 +229,38 @@ def test_a_reply_with_a_call_comes_back_as_tool_calls():
     assert engine.renders[0][1]["tools"] == [WEATHER]  # the template rendered the tools
 
 
-def test_a_streamed_call_arrives_as_one_tool_call_delta_after_the_content():
-    engine = ToolEngine()
-    engine.scripts.append(scripted_call_reply())
+class TwoCallEngine(ToolEngine):
+    """Content and two calls, the first one's arguments written over three rounds."""
+
+    PIECES = ("Checking both.\n", '<tool_call>\n{"name": "get_weather", "argu', 'ments": {"ci', 'ty": "Pa',
+              'ris"}}\n</tool', '_call>\n<tool_call>\n{"name": "get_time", ', '"arguments": {"zone": "CET"}}',
+              "\n</tool_call>\nDone.")
+    vocab_size = len(PIECES)
+
+
+def test_the_openai_sdk_stream_accumulates_the_calls_of_the_whole_reply_piece_by_piece():
+    engine = TwoCallEngine()
+    engine.scripts += [[prefill(0), round_([1]), round_([2]), round_([3]), round_([4, 5]), round_([6]),
+                        round_([7], finish="stop")] for _ in range(2)]
+    # The SDK's stream helper parses the arguments of strict tools only.
+    tools = [{"type": "function", "function": {**t["function"], "strict": True}} for t in (CITY, CLOCK)]
+    messages = [{"role": "user", "content": "Weather and time?"}]
     with client_for(engine) as client:
-        r = chat(client, tools=[WEATHER], stream=True)
-    chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in r.text.splitlines()
-              if line.startswith("data: {")]
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
-    assert content == "I'll check." and START not in content
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
-    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+        whole = sdk.chat.completions.create(model="scripted", messages=messages, tools=tools).choices[0]
+        with sdk.chat.completions.stream(model="scripted", messages=messages, tools=tools) as stream:
+            events = list(stream)
+            streamed = stream.get_final_completion().choices[0]
+    assert whole.finish_reason == streamed.finish_reason == "tool_calls"
+    assert whole.message.content == streamed.message.content == "Checking both.\n\n\nDone."
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole.message.tool_calls)] == [
+        (0, "get_weather", '{"city": "Paris"}'), (1, "get_time", '{"zone": "CET"}')]
+    assert all(c.id.startswith("call_") for c in streamed.message.tool_calls + whole.message.tool_calls)
+    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta" and e.index == 0]
+    assert pieces == ["", '{"ci', 'ty": "Pa', 'ris"}']  # as the rounds wrote them, never the call's closing brace
+    done = [e.parsed_arguments for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert done == [{"city": "Paris"}, {"zone": "CET"}]
 
 
 def test_a_reply_without_a_call_is_plain_content_and_a_call_cut_by_length_stays_text():
@@ -355,14 +451,18 @@ def test_a_named_or_required_choice_always_yields_valid_calls(hermes_client):
         assert (call.function.name, set(arguments)) in (("get_weather", {"city"}), ("get_time", {"zone"}))
 
 
-def test_a_forced_call_streams_as_a_tool_call_delta(hermes_client):
-    r = chat(hermes_client, tools=[CITY], tool_choice="required", parallel_tool_calls=False, temperature=0,
-             max_tokens=200, stream=True)
+def test_a_forced_call_streams_the_arguments_of_the_whole_reply(hermes_client):
+    body = dict(tools=[CITY], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200)
+    whole = ChatCompletion.model_validate(chat(hermes_client, **body).json()).choices[0].message.tool_calls
+    r = chat(hermes_client, **body, stream=True)
     chunks = [ChatCompletionChunk.model_validate(json.loads(line[6:])) for line in r.text.splitlines()
               if line.startswith("data: {")]
-    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert set(json.loads(calls[0].function.arguments)) == {"city"}
+    entries = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert entries[0].function.name == "get_weather" and entries[0].function.arguments == ""
+    assert len(entries) > 2 and all(e.index == 0 and e.id is None and e.function.name is None for e in entries[1:])
+    assert "".join(e.function.arguments for e in entries) == whole[0].function.arguments
+    assert set(json.loads(whole[0].function.arguments)) == {"city"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_tokenize_renders_what_the_chat_decodes_from_for_each_tool_choice(hermes_client):
