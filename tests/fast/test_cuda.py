@@ -21,6 +21,7 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
                                   fast_capacity=256)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     assert fast.fast.ops.compiled and triton_works(fast.fast.device)  # the Triton kernels, not their fallbacks
+    assert fast.fast.row_gemv  # AR steps through the fused GEMVs
     for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
             gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
@@ -76,6 +77,36 @@ def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window):
     got = tree_attention(*cuda, mask).float().cpu()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (6144, 4096), (4096, 12288)])
+@pytest.mark.parametrize("mode", ["plain", "norm", "norm_first", "silu"])
+def test_one_row_gemv_equals_its_unfused_steps(dtype, n, k, mode):
+    """The fused GEMV against the steps it replaces: the same input row (rounded where the reference rounds
+    it), a float32 dot, one rounding at the end; the summed residual bit for bit."""
+    import torch.nn.functional as F
+    from ddtree.draft import rms_norm
+    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv
+
+    gen = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).cuda()
+    width = 2 * k if mode == "silu" else k
+    x, delta = ((torch.randn(1, width, generator=gen) * 3).to(dtype).cuda() for _ in range(2))
+    norm = (torch.rand(width, generator=gen) + 0.5).to(dtype).cuda()
+    if mode == "plain":
+        row, (y, residual) = x, gemv(x, weight, PLAIN)
+    elif mode == "silu":
+        gate, up = x.chunk(2, dim=-1)
+        row, (y, residual) = F.silu(gate) * up, gemv(x, weight, SILU)
+    else:
+        summed = x + delta if mode == "norm" else x
+        row = rms_norm(summed, norm, 1e-6)
+        y, residual = gemv(x, weight, NORM, delta if mode == "norm" else None, norm, 1e-6)
+        assert torch.equal(residual, summed)
+    want = F.linear(row.double(), weight.double())
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (and rare input ties)
+    assert torch.allclose(y.double(), want, atol=tolerance, rtol=tolerance), (y.double() - want).abs().max()
 
 
 def distinct_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ recurrent layers). Everything else stays on the reference path.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,9 @@ from ddtree import grammar
 from ddtree.draft import DFlashDraft
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
+from ddtree.fast.gemv import NORM, SILU, gemv
+from ddtree.fast.gemv import supported as gemv_supported
+from ddtree.fast.jit import triton_works
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
 from ddtree.sampling import SamplingParams, filter_logits
 from ddtree.target import HybridTarget, Target
@@ -87,6 +91,13 @@ class FastPath:
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(compile=self.device.type == "cuda")
         self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
+        # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
+        # (ddtree/fast/gemv.py); DDTREE_GEMV=0 keeps cuBLAS and the separate kernels, for A/B runs.
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.row_gemv = (self.device.type == "cuda" and os.environ.get("DDTREE_GEMV", "1") != "0"
+                         and triton_works(self.device) and target.lm_head.bias is None
+                         and all(gemv_supported(w) for w in [target.lm_head.weight, *(p.weight for p in projections)])
+                         and all(p.bias is None for p in projections))
         # K and V of every layer in one tensor [L, 2, kv, T, d]: compaction is one gather + one scatter.
         self.kv = torch.zeros((len(self.layers), 2, self.kv_heads, self.capacity, self.head_dim), dtype=self.dtype,
                               device=self.device)
@@ -275,11 +286,17 @@ class FastPath:
         cos, sin = (t[0] for t in self.model.rotary_emb(x[None], positions[None]))
         tapped: dict[int, torch.Tensor] = {}
         delta = None
+        one_row = n == 1 and self.row_gemv
+        step = decoder_row if one_row else decoder_layer
         for i, layer in enumerate(self.layers):  # layer i hands back layer i-1's output (-1: the embeddings)
-            tapped[i - 1], x, delta = decoder_layer(ops, layer, x, delta, self.kv[i], mask, slots, cos, sin, eps)
-        h, x = ops.add_rms_norm(x, delta, self.model.norm.weight, self.model.norm.variance_epsilon)
+            tapped[i - 1], x, delta = step(ops, layer, x, delta, self.kv[i], mask, slots, cos, sin, eps)
+        norm = self.model.norm
+        if one_row:
+            logits, x = gemv(x, self.target.lm_head.weight, NORM, delta, norm.weight, norm.variance_epsilon)
+        else:
+            h, x = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+            logits = self.target.lm_head(h[-1:] if last_only else h)
         tapped[len(self.layers) - 1] = x
-        logits = self.target.lm_head(h[-1:] if last_only else h)
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
 
@@ -410,6 +427,20 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
                             layer.head_dim, cache, slots)
     h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps)
     return entering, x, layer.down(ops.silu_mul(layer.gate_up(h)))
+
+
+def decoder_row(ops: Ops, layer: TargetLayer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
+                mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decoder_layer for a single row (an AR step): every projection is a Triton GEMV, and the residual adds,
+    the norms and SiLU · up are computed inside the GEMVs that read them (ddtree/fast/gemv.py): three
+    kernels fewer per layer, and no cuBLAS split-K pass for the narrow weights."""
+    qkv, x = gemv(x, layer.qkv.weight, NORM, delta, layer.input_norm, eps)
+    q = ops.attention_heads(*qkv.split(layer.splits, dim=-1), layer.q_norm, layer.k_norm, eps, cos, sin,
+                            layer.kv_heads, layer.head_dim, cache, slots)
+    attended = gemv(tree_attention(q, cache, mask), layer.o.weight)[0]
+    gate_up, after = gemv(x, layer.gate_up.weight, NORM, attended, layer.post_norm, eps)
+    return x, after, gemv(gate_up, layer.down.weight, SILU)[0]
 
 
 class Plan:

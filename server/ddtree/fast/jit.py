@@ -37,8 +37,10 @@ def triton_works(device: torch.device) -> bool:
 
 
 def _probe(device: torch.device) -> None:
-    """Every kernel on tiny inputs: a 2-row tree over an empty cache, a vocabulary top-2, a budget-2 tree."""
+    """Every kernel on tiny inputs: a 2-row tree over an empty cache, a vocabulary top-2, a budget-2 tree, a
+    normed one-row GEMV."""
     from ddtree.fast.attention import TreeMask, _triton_attention
+    from ddtree.fast.gemv import NORM, gemv
     from ddtree.fast.tree import _build_on_gpu, _frontier, _vocab_top_on_gpu
 
     start = torch.zeros((), dtype=torch.long, device=device)
@@ -46,4 +48,6 @@ def _probe(device: torch.device) -> None:
     _triton_attention(torch.zeros(1, 2, 16, device=device), torch.zeros(2, 1, 64, 16, device=device), mask)
     logp, tokens = _vocab_top_on_gpu(torch.zeros(3, 20, device=device), 2)
     _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
+    row = torch.zeros(1, 16, device=device)
+    gemv(row, torch.zeros(16, 16, device=device), NORM, row, torch.ones(16, device=device), 1e-6)
     torch.cuda.synchronize(device)
