@@ -114,22 +114,26 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
 
 def filter_logits(out: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Min-p, then top-k, then top-p over temperature-scaled logits [N, V]; filtered entries become -inf.
-    (The fast path runs this same function inside its sampled graphs.)"""
+    (The fast path runs this same function inside its sampled graphs.)
+
+    Top-p keeps the most probable tokens until the mass before the next one reaches top_p (the first always
+    stays), and every token tied with the last one kept. After top-k, the k values torch.topk returned
+    already rank the survivors, so top-p needs no sort of the vocabulary: on a GPU that sort was most of
+    what top-p cost (benchmarks/RESULTS.md).
+    """
     if min_p > 0:
         probs = torch.softmax(out, dim=-1)
         out = out.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    vocab = out.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
-        out = out.masked_fill(out < kth, float("-inf"))
+    ranked = None  # descending values holding every finite entry's rank, when known
+    if 0 < top_k < out.shape[-1]:
+        ranked = torch.topk(out, top_k, dim=-1).values
+        out = out.masked_fill(out < ranked[..., -1:], float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the first token always stays).
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        out = out.masked_fill(drop, float("-inf"))
+        if ranked is None:
+            ranked = torch.sort(out, dim=-1, descending=True).values
+        probs = torch.exp(ranked - torch.logsumexp(out, dim=-1, keepdim=True))
+        kept = (torch.cumsum(probs, dim=-1) - probs < top_p).sum(dim=-1, keepdim=True)  # a prefix of the ranking
+        out = out.masked_fill(out < ranked.gather(-1, (kept - 1).clamp(min=0)), float("-inf"))
     return out
 
 

@@ -7,10 +7,12 @@ a chi-square goodness-of-fit test. Seeds are fixed, so the test is deterministic
 used the draft's distribution or forgot top-p fails by orders of magnitude.
 """
 
+import math
+
 import pytest
 import torch
 from ddtree.engine import Engine
-from ddtree.sampling import SamplingParams, process_logits
+from ddtree.sampling import SamplingParams, filter_logits, process_logits
 from distributions import event_p_value, exact_joint, fit_p_value
 from tiny import make_draft, make_target
 
@@ -83,3 +85,35 @@ def test_penalties_bias_and_min_p_follow_their_formulas():
     kept = process_logits(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])),
                           SamplingParams(temperature=1.0, min_p=0.25)).isfinite()
     assert kept.tolist() == [[True, True, True, False]]  # 0.05 < 0.25 * 0.5
+
+
+def _kept_by_definition(row: list[float], top_k: int, top_p: float) -> set[int]:
+    """Top-k then top-p, written out token by token: the reference the vectorised filter must match."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])
+    if top_k > 0:
+        order = order[:top_k]
+    weights = [math.exp(row[i] - row[order[0]]) for i in order]
+    total, kept, mass = sum(weights), set(), 0.0
+    for i, w in zip(order, weights, strict=True):
+        if kept and mass >= top_p:
+            break
+        kept.add(i)
+        mass += w / total
+    return kept
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 50])
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99, 1.0])
+def test_top_k_and_top_p_keep_exactly_the_tokens_their_definition_keeps(top_k, top_p):
+    gen = torch.Generator().manual_seed(top_k * 100 + int(100 * top_p))
+    logits = torch.randn(8, 300, generator=gen, dtype=torch.float64) * 3  # distinct values: no ties
+    kept = filter_logits(logits, top_k, top_p, 0.0).isfinite()
+    for row, mask in zip(logits.tolist(), kept, strict=True):
+        assert set(mask.nonzero().flatten().tolist()) == _kept_by_definition(row, top_k, top_p)
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, -3.0]])
+    for top_k in (0, 2, 4):  # after top-k 2 the tie at the kth value already keeps all three 1.0s
+        kept = filter_logits(logits, top_k, 0.5, 0.0).isfinite()
+        assert kept.tolist() == [[True, True, True, True, False]]

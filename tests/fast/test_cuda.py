@@ -158,7 +158,8 @@ def test_sampled_rounds_replay_as_graphs_and_a_seed_fixes_the_output(fast_ckpt):
     assert runs[0] == runs[1] and len(runs[0]) == 40
 
 
-@pytest.mark.parametrize("filters", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.2, top_p=0.95)])
+@pytest.mark.parametrize("filters", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.2, top_p=0.95),
+                                     dict(top_k=20, top_p=0.9)])
 def test_filtered_sampling_is_captured_in_graphs_and_stays_in_the_filtered_support(fast_ckpt, filters):
     """top-k / top-p / min-p run inside the sampled verify graph (not eagerly), and every token drawn is one
     the reference path's own filter keeps for that context (with a hair of slack on top-p and min-p: the two
