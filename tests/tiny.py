@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -41,12 +42,17 @@ def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, s
     raise ValueError(arch)
 
 
-def make_target(out: Path, arch: str = "qwen3", seed: int = 0, **kw) -> Path:
-    """A random target saved with save_pretrained (config.json + model.safetensors + generation config)."""
+def make_target(out: Path, arch: str = "qwen3", seed: int = 0, generation_config: dict | None = None, **kw) -> Path:
+    """A random target saved with save_pretrained (config.json + model.safetensors + generation config);
+    `generation_config` adds keys to generation_config.json as written, e.g. Qwen3's sampling defaults (even
+    ones transformers would refuse to save, as older checkpoints hold)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(target_config(arch, **kw), dtype=torch.float32)
     model.generation_config.eos_token_id = model.config.vocab_size - 2
     model.save_pretrained(out)
+    if generation_config:
+        path = Path(out) / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **generation_config}, indent=2))
     return out
 
 

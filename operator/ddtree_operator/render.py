@@ -287,6 +287,8 @@ def server_args(spec: Manifest) -> list[str]:
             "--max-queue", str(server["maxQueue"]), "--drain-timeout", str(drain_timeout(spec))]
     if "temperature" in decoding:
         args += ["--default-temperature", str(decoding["temperature"])]
+    if "generationConfig" in decoding:
+        args += ["--generation-config", decoding["generationConfig"]]
     if "thinking" in decoding:
         args += ["--default-chat-template-kwargs", json.dumps({"enable_thinking": decoding["thinking"]})]
     if _gpu(spec)["count"] > 0:  # explicit both ways (the server's default depends on what it finds)

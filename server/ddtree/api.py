@@ -46,6 +46,8 @@ log = logging.getLogger("ddtree.server")
 
 MAX_LOGPROBS = 20
 MAX_CHOICES = 128  # OpenAI's limit on n
+# What a request that omits these fields gets without --default-temperature or the model's generation config.
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 # JSON has no -inf; vLLM reports filtered-out alternatives with this value.
 MIN_LOGPROB = -9999.0
 
@@ -136,8 +138,8 @@ class _SamplingFields(_Tolerant):
     stream_options: StreamOptions | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's, non-streaming
     user: str | None = None
@@ -204,7 +206,8 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 256
     drain_timeout: float = 30.0  # seconds queued and running requests get to finish at shutdown
-    default_temperature: float = 1.0  # for requests that send none (OpenAI's default is 1.0)
+    default_temperature: float | None = None  # for requests that send none; None: the model's, else OpenAI's 1.0
+    generation_config: str = "auto"  # auto: the checkpoint's sampling defaults (vLLM's); none / vllm: ignore them
     # Chat template arguments every chat gets unless it sends its own, e.g. {"enable_thinking": False}:
     # Qwen3's DFlash drafters were trained on replies without thinking, so thinking costs acceptance.
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -224,6 +227,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     load_error: str | None = None
+    sampling_defaults: dict[str, float] = field(default_factory=lambda: dict(NEUTRAL_SAMPLING))
 
     def load(self, load_engine: Callable[[], Any]) -> None:
         """Load the engine and start the scheduler (runs in a thread; the server answers meanwhile)."""
@@ -232,12 +236,25 @@ class ServerState:
         budget = engine.budget if engine.method == "ddtree" else None
         metrics = ServerMetrics(name, method=engine.method, budget=budget, block_size=engine.block_size,
                                 max_model_len=engine.max_context)
+        self.sampling_defaults = self._sampling_defaults(engine)
         self.engine, self.model_name, self.metrics = engine, name, metrics
         self.scheduler = Scheduler(engine, metrics, max_queue=self.config.max_queue)
         log.info("serving %s (method %s, budget %s, max context %d)", name, engine.method, engine.budget,
                  engine.max_context)
         if note := getattr(engine, "fast_note", None):
             log.warning("%s", note)
+
+    def _sampling_defaults(self, engine: Any) -> dict[str, float]:
+        """What requests that omit a sampling field get: --default-temperature, then (auto) the checkpoint's
+        generation config, then the neutral values. Said once, as vLLM says it: replies change with it."""
+        flag = {} if self.config.default_temperature is None else {"temperature": self.config.default_temperature}
+        model = engine.generation_defaults if self.config.generation_config == "auto" else {}
+        model = {k: v for k, v in model.items() if k not in flag}
+        if model:
+            log.info("default sampling parameters from the model's generation_config.json: %s (fields a request "
+                     "sends win; --generation-config none ignores the file)",
+                     ", ".join(f"{k}={v}" for k, v in model.items()))
+        return {**NEUTRAL_SAMPLING, **model, **flag}
 
     def require_ready(self) -> Scheduler:
         if self.draining:
@@ -315,20 +332,19 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
     except ValueError:
         raise bad_request("logit_bias keys must be token ids (integers as strings).", "logit_bias") from None
     _check_token_ids([token for token, _ in bias], vocab, "logit_bias keys", "logit_bias")
+    sampling = {**state.sampling_defaults,
+                **{k: getattr(req, k) for k in NEUTRAL_SAMPLING if getattr(req, k) is not None}}
+    sampling["top_k"] = max(0, sampling["top_k"])  # -1 and 0 both mean off
     try:
         params = SamplingParams(
+            **sampling,
             max_new_tokens=max_tokens,
-            temperature=state.config.default_temperature if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
             seed=req.seed,
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            min_p=req.min_p,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             logit_bias=bias,
             prompt_logprobs=req.prompt_logprobs,
         )

@@ -21,6 +21,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
 
 
+def _add_generation_config_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--generation-config", choices=["auto", "none", "vllm"], default="auto",
+                        help=f"auto (default): {what} take the target's generation_config.json values (Qwen3: "
+                        "temperature 0.6, top_p 0.95, top_k 20), as vLLM does; none (or vllm, vLLM's name for it): "
+                        "ignore the file")
+
+
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt and print the result")
     _add_model_args(p)
@@ -31,11 +38,13 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
     p.add_argument("--budget", type=int, default=None, help="DDTree node budget (default: 32)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1 (off)")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's, else 0 (off)")
+    p.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0 (off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages prompt and output tokens (default: the model's, else 1)")
+    _add_generation_config_arg(p, "--temperature, --top-p, --top-k, --min-p and --repetition-penalty when not given")
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -52,14 +61,16 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ddtree.engine import Engine
+    import dataclasses
+
+    from ddtree.engine import GENERATION_KEYS, Engine
     from ddtree.sampling import SamplingParams
 
-    try:
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, min_p=args.min_p,
-                                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                                frequency_penalty=args.frequency_penalty, grammar=_cli_grammar(args))
+    given = {k: getattr(args, k) for k in GENERATION_KEYS if getattr(args, k) is not None}
+    try:  # checked before the (slow) loading; the model's defaults fill in what was not given
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                grammar=_cli_grammar(args), **given)
     except ValueError as exc:
         raise DDTreeError(str(exc)) from None
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
@@ -69,6 +80,12 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"ddtree generate: reference path ({engine.fast_unsupported})", file=sys.stderr)
     elif engine.fast_note:
         print(f"ddtree generate: {engine.fast_note}", file=sys.stderr)
+    auto = args.generation_config == "auto"
+    model = {k: v for k, v in engine.generation_defaults.items() if k not in given} if auto else {}
+    if model:
+        params = dataclasses.replace(params, **model)
+        print("ddtree generate: sampling defaults from the model's generation_config.json: "
+              + ", ".join(f"{k}={v}" for k, v in model.items()), file=sys.stderr)
     if prompt_ids is None:
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
     result = engine.generate(prompt_ids, params)
@@ -130,8 +147,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: $DDTREE_API_KEY; none: open)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
-    p.add_argument("--default-temperature", type=float, default=1.0,
-                   help="temperature for requests that send none (default: 1.0 as OpenAI; 0 = greedy)")
+    p.add_argument("--default-temperature", type=float, default=None,
+                   help="temperature for requests that send none, over the model's (default: the model's "
+                   "generation config, else 1.0 as OpenAI; 0 = greedy)")
+    _add_generation_config_arg(p, "requests that leave out temperature, top_p, top_k, min_p or repetition_penalty")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy and sampled requests on the fast path (static caches, fused kernels, CUDA graphs; "
                         "Qwen3/Llama targets). Default: on when the model runs on CUDA")
@@ -157,7 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise DDTreeError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
         raise DDTreeError(f"--max-queue must be at least 1, got {args.max_queue}")
-    if not 0 <= args.default_temperature <= 2:
+    if args.default_temperature is not None and not 0 <= args.default_temperature <= 2:
         raise DDTreeError(f"--default-temperature must be in [0, 2], got {args.default_temperature}")
     template_kwargs = {}
     if args.default_chat_template_kwargs is not None:
@@ -171,7 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         target=args.target, draft=args.draft, method=args.method, budget=args.budget, device=args.device,
         dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
-        drain_timeout=args.drain_timeout, default_temperature=args.default_temperature, fast=args.fast,
+        drain_timeout=args.drain_timeout, default_temperature=args.default_temperature,
+        generation_config=args.generation_config, fast=args.fast,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=template_kwargs,
         log_level=args.log_level))

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from ddtree import grammar
 from ddtree.draft import DFlashDraft, DraftCache, load_draft
@@ -27,6 +28,7 @@ METHODS = ("ddtree", "dflash", "ar")
 DEFAULT_BUDGET = 32
 ASSETS = Path(__file__).parent / "assets" / "demo"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass
@@ -117,6 +119,24 @@ def check_method(method: str, budget: int | None, *, has_draft: bool) -> tuple[s
     return method, budget
 
 
+def generation_defaults(config: GenerationConfig | None) -> dict[str, float]:
+    """The sampling values the target's generation_config.json sets (Qwen3: temperature 0.6, top_p 0.95,
+    top_k 20), for requests that leave them out, as vLLM's `--generation-config auto` applies them.
+
+    Only keys the file itself names: transformers 5 leaves the others None, so `to_diff_dict` holds exactly
+    those. `do_sample` is ignored, as vLLM ignores it, so a checkpoint samples the same behind either server.
+    Checked here so that a bad value stops loading instead of failing every request.
+    """
+    given = config.to_diff_dict() if config is not None else {}
+    try:
+        defaults = {k: int(given[k]) if k == "top_k" else float(given[k])
+                    for k in GENERATION_KEYS if given.get(k) is not None}
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise DDTreeError(f"the target's generation_config.json has an invalid sampling value: {exc}") from None
+    return defaults
+
+
 class Engine:
     """A target, an optional drafter and their tokenizer, decoding one sequence at a time."""
 
@@ -134,6 +154,7 @@ class Engine:
             value = getattr(source, "eos_token_id", None)
             eos.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
         self.eos_token_ids: set[int] = eos
+        self.generation_defaults = generation_defaults(getattr(target.model, "generation_config", None))
         if draft is not None:
             target.set_taps(draft.config.target_layer_ids)
         # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.

@@ -29,7 +29,8 @@ class ServeOptions:
     api_key: str | None = None
     max_queue: int = 256
     drain_timeout: float = 30.0
-    default_temperature: float = 1.0
+    default_temperature: float | None = None  # None: the model's generation config, else 1.0
+    generation_config: str = "auto"  # auto | none | vllm (= none)
     fast: bool | None = None  # None: on when the model runs on CUDA
     tool_call_parser: str = "auto"  # auto | hermes | none
     reasoning_parser: str = "auto"  # auto | qwen3 | none
@@ -68,6 +69,7 @@ def run(options: ServeOptions) -> int:
     config = ServerConfig(served_model_name=options.served_model_name, api_key=options.api_key,
                           max_queue=options.max_queue, drain_timeout=options.drain_timeout,
                           default_temperature=options.default_temperature,
+                          generation_config=options.generation_config,
                           tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser,
                           default_chat_template_kwargs=options.default_chat_template_kwargs)
     app = create_app(load, config, on_load_error)

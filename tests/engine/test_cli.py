@@ -82,3 +82,23 @@ def test_generate_constrained_by_a_schema_file_a_regex_or_choices(tmp_path):
     proc = run(*base, "--json-schema", str(schema))
     assert proc.returncode == 2 and "the JSON schema must be an object" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_takes_the_models_sampling_defaults_for_flags_not_given(ckpt, tmp_path):
+    from tiny import make_target
+
+    target = make_target(tmp_path / "sampled", generation_config={"do_sample": True, "temperature": 1.5, "top_k": 8})
+    base = ("--target", str(target), "--draft", str(ckpt / "draft"), "--prompt-ids", "1,2,3", "--max-new-tokens",
+            "24", "--device", "cpu", "--json", "--seed", "5")
+
+    def tokens(*args: str) -> tuple[list[int], str]:
+        proc = run(*base, *args)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["token_ids"], proc.stderr
+
+    auto, err = tokens()
+    assert "sampling defaults from the model's generation_config.json: temperature=1.5, top_k=8" in err
+    assert tokens("--temperature", "1.5", "--top-k", "8")[0] == auto  # the same draws as the flags themselves
+    greedy, err = tokens("--generation-config", "none")
+    assert "generation_config.json" not in err
+    assert tokens("--temperature", "0")[0] == greedy != auto  # a flag given wins over the file

@@ -255,6 +255,8 @@ def test_examples_are_accepted(cluster, crd, namespace, path):
     ({"draft": {"model": {"uri": "/x", "revision": "main"}}}, "revision only applies to hf:// models"),
     ({"decoding": {"method": "beam"}}, 'Unsupported value: "beam"'),
     ({"decoding": {"temperature": 3}}, "should be less than or equal to 2"),
+    ({"decoding": {"generationConfig": "hf"}}, 'Unsupported value: "hf"'),
+    ({"server": {"extraArgs": ["--generation-config=none"]}}, "must not set flags that have spec fields"),
     ({"storage": {"mode": "existingClaim"}}, "storage.claimName is required when storage.mode is existingClaim"),
     ({"gpu": {"count": 0, "products": ["NVIDIA-H100"]}}, "gpu.products needs gpu.count > 0"),
     ({"server": {"extraArgs": ["--port=9000"]}}, "server.extraArgs must not set flags that have spec fields"),

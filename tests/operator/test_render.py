@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import pytest
 import yaml
 from ddtree_operator import render, status
 from ddtree_operator.reconcile import parse_progress
-from k8s_testing import EXAMPLE, cr
+from k8s_testing import CRD_FILE, EXAMPLE, cr
 
 
 def pod_spec(children: render.Children) -> dict[str, Any]:
@@ -127,7 +128,8 @@ def test_server_contract_probes_and_drain():
     spec = {"server": {"port": 9000, "startupTimeoutSeconds": 3605, "drainSeconds": 20,
                        "terminationGracePeriodSeconds": 90, "maxQueue": 64, "extraArgs": ["--log-level", "debug"],
                        "apiKeySecretRef": {"name": "keys"}, "shmSize": "32Gi"},
-            "decoding": {"method": "dflash", "budget": 48, "temperature": 0.6, "thinking": False}}
+            "decoding": {"method": "dflash", "budget": 48, "temperature": 0.6, "thinking": False,
+                         "generationConfig": "none"}}
     children = render.render(cr(spec))
     pod = pod_spec(children)
     server = pod["containers"][0]
@@ -137,7 +139,7 @@ def test_server_contract_probes_and_drain():
     assert flags == {"--target": render.model_dest(cr()["spec"], "target"),
                      "--draft": render.model_dest(cr()["spec"], "draft"), "--host": "0.0.0.0", "--port": "9000",
                      "--served-model-name": "Qwen3-8B", "--method": "dflash", "--budget": "48", "--max-queue": "64",
-                     "--drain-timeout": "65", "--default-temperature": "0.6",
+                     "--drain-timeout": "65", "--default-temperature": "0.6", "--generation-config": "none",
                      "--default-chat-template-kwargs": '{"enable_thinking": false}'}
     assert server["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     assert server["startupProbe"]["httpGet"]["path"] == "/ready"
@@ -152,6 +154,16 @@ def test_server_contract_probes_and_drain():
     assert children.service["spec"]["ports"] == [
         {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
     assert render.url(cr(spec)) == "http://qwen.ml.svc:9000/v1"
+
+
+def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    rule = spec["server"]["properties"]["extraArgs"]["x-kubernetes-validations"][0]["rule"]
+    refused = re.compile(re.search(r"matches\('(.+)'\)", rule).group(1))
+    decoding = {"method": "ar", "budget": 8, "temperature": 0.5, "generationConfig": "none", "thinking": True}
+    flags = [a for a in render.server_args(cr({"decoding": decoding})["spec"])[1:] if a.startswith("--")]
+    assert "--generation-config" in flags and all(refused.match(f) for f in flags), flags
 
 
 def test_the_fast_path_needs_a_gpu_and_can_be_turned_off():

@@ -46,6 +46,7 @@ class ScriptedEngine:
         self.generations: list[ScriptedGeneration] = []
         self.gate: threading.Semaphore | None = None
         self.params: list = []  # the SamplingParams of each request, in order
+        self.generation_defaults: dict[str, float] = {}  # what a checkpoint's generation_config.json would set
 
     def decode(self, ids: list[int]) -> str:
         return "".join(WORDS[i] for i in ids)
