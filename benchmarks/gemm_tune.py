@@ -9,25 +9,21 @@ For each projection of the Qwen3-8B shape at one row (an AR step), in the form a
 the table gives µs per call for cuBLAS alone, cuBLAS plus the separate (compiled) kernel the GEMV folds
 in, the GEMV at its default launch config, and the best few of a config grid, with the bandwidth reached
 (weight bytes / time). Each timing is a CUDA graph of 36 calls cycling over distinct weight copies (more
-bytes than L2 holds), median of replays. `--step` instead times whole AR steps of the 8B shape with the
-GEMVs on and off, alternating in one process.
+bytes than L2 holds), median of replays. benchmarks/ab_steps.py times whole steps with the GEMVs on and off.
 
-    PYTHONPATH=server python benchmarks/gemm_tune.py          # the sweep
-    PYTHONPATH=server python benchmarks/gemm_tune.py --step   # AR steps, GEMVs on / off
+    PYTHONPATH=server python benchmarks/gemm_tune.py
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.fast.bench import build_shape, graph_ms, run
+from ddtree.fast.bench import graph_ms
 from ddtree.fast.fused import Ops
 from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv, launch_config
-from ddtree.sampling import SamplingParams
 
 CALLS = 36
 EPS = 1e-6
@@ -102,28 +98,5 @@ def tune(name: str, n: int, k: int, mode: int, ops: Ops) -> tuple[float, float, 
     return rows[1][1], rows[2][1], tried[0][0] if tried else rows[2][1]
 
 
-def ar_steps(rounds: int = 2) -> None:
-    """Whole AR steps of the 8B shape (512-token prompt, 64 tokens), GEMVs on and off alternately."""
-    fast, _ = build_shape("qwen3-8b", torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
-    prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    outputs = {}
-    print("| GEMVs | AR step ms | verify ms |\n|---|---|---|")
-    for _, on in itertools.product(range(rounds), (True, False)):
-        fast.fast.row_gemv = on
-        fast.fast._plans.clear()  # recapture with the other forward
-        r = run(fast, prompts, "ar", 1, params)
-        outputs.setdefault(on, r["outputs"])
-        print(f"| {'on' if on else 'off'} | {r['round_ms']:.3f} | {r['phase_ms'].get('verify', 0):.3f} |", flush=True)
-    same = sum(a == b for a, b in zip(outputs[True][0], outputs[False][0], strict=True))
-    print(f"\ntokens equal with GEMVs on and off: {same} of {len(outputs[True][0])} (random bf16 weights: near-ties)")
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--step", action="store_true", help="time whole AR steps of the 8B shape instead")
-    args = parser.parse_args()
-    if args.step:
-        ar_steps()
-    else:
-        sweep()
+    sweep()

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from ddtree.engine import Engine
+from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
 from ddtree.sampling import SamplingParams
 
@@ -22,6 +23,7 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     assert fast.fast.ops.compiled and triton_works(fast.fast.device)  # the Triton kernels, not their fallbacks
     assert fast.fast.row_gemv  # AR steps through the fused GEMVs
+    assert fast.fast.ops.attention_heads is heads_kernel
     for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
             gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
@@ -107,6 +109,31 @@ def test_one_row_gemv_equals_its_unfused_steps(dtype, n, k, mode):
     want = F.linear(row.double(), weight.double())
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (and rare input ties)
     assert torch.allclose(y.double(), want, atol=tolerance, rtol=tolerance), (y.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "d", "norm"),
+                         [(1, 32, 8, 128, True), (65, 32, 8, 128, True), (16, 4, 2, 64, False), (3, 2, 2, 16, True)])
+def test_attention_heads_kernel_equals_the_reference_step(dtype, n, heads, kv_heads, d, norm):
+    """The one-kernel heads step against fused.attention_heads run eagerly: grouped queries, the cache rows
+    at `slots` (v bit for bit), and no other cache row touched; q/k/v as row-strided views of one qkv."""
+    from ddtree.fast.fused import attention_heads
+
+    gen = torch.Generator().manual_seed(n * d)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype).cuda()
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_norm, k_norm = ((torch.rand(d, generator=gen) + 0.5).to(dtype).cuda() if norm else None for _ in range(2))
+    angles = torch.randn(n, d // 2, generator=gen)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype).cuda() for f in (torch.cos, torch.sin))
+    slots = torch.randperm(100, generator=gen)[:n].cuda()
+    want_cache = torch.randn(2, kv_heads, 100, d, generator=gen).to(dtype).cuda()
+    got_cache = want_cache.clone()
+    want = attention_heads(q, k, v, q_norm, k_norm, 1e-6, cos, sin, kv_heads, d, want_cache, slots)
+    got = heads_kernel(q, k, v, q_norm, k_norm, 1e-6, cos, sin, kv_heads, d, got_cache, slots)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the reference rounds after every op
+    assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert torch.allclose(got_cache.float(), want_cache.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got_cache[1], want_cache[1])
 
 
 def distinct_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:

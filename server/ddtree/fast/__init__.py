@@ -36,6 +36,7 @@ from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.gemv import NORM, SILU, gemv
 from ddtree.fast.gemv import supported as gemv_supported
+from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
 from ddtree.sampling import SamplingParams, filter_logits
@@ -90,6 +91,9 @@ class FastPath:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(compile=self.device.type == "cuda")
+        head_dims = {self.head_dim} | ({draft.config.head_dim} if draft is not None else set())
+        if self.device.type == "cuda" and triton_works(self.device) and all(d & (d - 1) == 0 for d in head_dims):
+            self.ops.attention_heads = heads_kernel  # one Triton kernel instead of the compiled three
         self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
         # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
         # (ddtree/fast/gemv.py); DDTREE_GEMV=0 keeps cuBLAS and the separate kernels, for A/B runs.

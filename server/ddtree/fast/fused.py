@@ -7,7 +7,8 @@ about ten kernels:
     add + norm | qkv GEMM | q/k norm + RoPE + head layout + KV write | attention | o GEMM |
     add + norm | gate+up GEMM | SiLU * up | down GEMM
 
-(a single row, an AR step, folds the add + norm and SiLU * up steps into Triton GEMVs: ddtree/fast/gemv.py).
+On CUDA the q/k norm + RoPE + KV write step is one Triton kernel (ddtree/fast/heads.py), and a single row
+(an AR step) folds the add + norm and SiLU * up steps into Triton GEMVs (ddtree/fast/gemv.py).
 
 Projections that read the same input share one weight: q, k and v; gate and up; and, in the drafter, the
 k and v of every layer (context rows are projected by all layers at once). The original modules'

@@ -38,9 +38,10 @@ def triton_works(device: torch.device) -> bool:
 
 def _probe(device: torch.device) -> None:
     """Every kernel on tiny inputs: a 2-row tree over an empty cache, a vocabulary top-2, a budget-2 tree, a
-    normed one-row GEMV."""
+    normed one-row GEMV, one row's attention heads."""
     from ddtree.fast.attention import TreeMask, _triton_attention
     from ddtree.fast.gemv import NORM, gemv
+    from ddtree.fast.heads import attention_heads
     from ddtree.fast.tree import _build_on_gpu, _frontier, _vocab_top_on_gpu
 
     start = torch.zeros((), dtype=torch.long, device=device)
@@ -48,6 +49,8 @@ def _probe(device: torch.device) -> None:
     _triton_attention(torch.zeros(1, 2, 16, device=device), torch.zeros(2, 1, 64, 16, device=device), mask)
     logp, tokens = _vocab_top_on_gpu(torch.zeros(3, 20, device=device), 2)
     _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
-    row = torch.zeros(1, 16, device=device)
-    gemv(row, torch.zeros(16, 16, device=device), NORM, row, torch.ones(16, device=device), 1e-6)
+    row, ones = torch.zeros(1, 16, device=device), torch.ones(16, device=device)
+    gemv(row, torch.zeros(16, 16, device=device), NORM, row, ones, 1e-6)
+    attention_heads(row, row, row, ones, ones, 1e-6, row, row, 1, 16, torch.zeros(2, 1, 4, 16, device=device),
+                    torch.zeros(1, dtype=torch.long, device=device))
     torch.cuda.synchronize(device)
