@@ -36,7 +36,7 @@ from ddtree.metrics import ServerMetrics
 from ddtree.reasoning import CLOSE as REASONING_CLOSE
 from ddtree.reasoning import OPEN as REASONING_OPEN
 from ddtree.replies import ReplyFormat, ReplyStream, finish_reason, template_mentions
-from ddtree.sampling import SamplingParams
+from ddtree.sampling import SamplingParams, ThinkBlock
 from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
 from ddtree.scheduler import Request as EngineRequest
 from ddtree.tools import START as TOOL_CALL_START
@@ -400,12 +400,16 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prepared = _sampling(state, req, prompt_ids, max_tokens, logprobs, "messages", max_param)
-    # Not under a grammar: it leaves no room for a think block.
-    thinks = structure is None and _parser_on(state, state.config.reasoning_parser, "qwen3", REASONING_CLOSE)
+    thinks = _parser_on(state, state.config.reasoning_parser, "qwen3", REASONING_CLOSE)
+    prompt_block = _prompt_think_block(state, prompt_ids) if thinks else None
+    think = None
+    if thinks and structure is not None:
+        think = _think_block(state, req, prompt_block)
+        thinks = think is not None  # else the grammar applies from the first token: no room for a think block
     prepared.reply = ReplyFormat(reasoning=thinks, tool_calls=tool_calls,
                                  parallel_tool_calls=req.parallel_tool_calls,
-                                 reasoning_opened=thinks and _opens_reasoning(state, prompt_ids))
-    return _constrained(state, prepared, structure)
+                                 reasoning_opened=thinks and prompt_block == "open")
+    return _constrained(state, prepared, structure, think)
 
 
 def _parser_on(state: ServerState, setting: str, name: str, marker: str) -> bool:
@@ -415,17 +419,33 @@ def _parser_on(state: ServerState, setting: str, name: str, marker: str) -> bool
     return setting == name
 
 
-def _opens_reasoning(state: ServerState, prompt_ids: list[int]) -> bool:
-    """Whether the rendered prompt ends inside a think block (templates that open it for the model)."""
+def _prompt_think_block(state: ServerState, prompt_ids: list[int]) -> str | None:
+    """How the rendered prompt leaves a think block: "open" (templates that open it for the model),
+    "closed" (an empty one, as Qwen3's template writes with enable_thinking false), or None."""
     tail = state.engine.decode(prompt_ids[-16:])
-    return tail.rfind(REASONING_OPEN) > tail.rfind(REASONING_CLOSE)
+    opened, closed = tail.rfind(REASONING_OPEN), tail.rfind(REASONING_CLOSE)
+    return None if opened == closed else "open" if opened > closed else "closed"
 
 
-def _constrained(state: ServerState, prepared: Prepared, structure: str | None) -> Prepared:
+def _think_block(state: ServerState, req: ChatCompletionRequest, prompt_block: str | None) -> ThinkBlock | None:
+    """The think block a constrained chat may write before its grammar applies, as vLLM's reasoning parser
+    allows; None when the request does not think (enable_thinking false, or the prompt closed the block)
+    or the tokenizer has no single <think> and </think> tokens to tell where the block ends."""
+    kwargs = state.config.default_chat_template_kwargs | (req.chat_template_kwargs or {})
+    if prompt_block == "closed" or kwargs.get("enable_thinking") is False:
+        return None
+    tags = [state.engine.encode(tag) for tag in (REASONING_OPEN, REASONING_CLOSE)]
+    if any(len(ids) != 1 for ids in tags):
+        return None
+    return ThinkBlock(tags[0][0], tags[1][0], opened=prompt_block == "open")
+
+
+def _constrained(state: ServerState, prepared: Prepared, structure: str | None,
+                 think: ThinkBlock | None = None) -> Prepared:
     if structure is not None:
         if state.engine.tokenizer is None:
             raise bad_request("Structured outputs need the model's tokenizer.", "response_format")
-        prepared.params = dataclasses.replace(prepared.params, grammar=structure)
+        prepared.params = dataclasses.replace(prepared.params, grammar=structure, think=think)
     return prepared
 
 

@@ -199,7 +199,7 @@ class Engine:
         """A fresh grammar state for one generation under `params.grammar` (None without one)."""
         if params.grammar is None:
             return None
-        return grammar.Constraint(self.grammar_tokenizer, params.grammar, self.vocab_size)
+        return grammar.Constraint(self.grammar_tokenizer, params.grammar, self.vocab_size, params.think)
 
     @property
     def fast_note(self) -> str | None:

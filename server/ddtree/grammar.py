@@ -4,7 +4,9 @@ A constrained request decodes from the target's distribution restricted, at ever
 keep the output a valid prefix of the grammar (what vLLM does for `response_format`). DDTree stays
 lossless under it the same way it does under penalties: each tree node is masked for the state its own
 path below the root would leave the grammar in, so a node is accepted exactly when constrained AR would
-have picked its token. The drafter is not constrained; invalid proposals are simply never accepted.
+have picked its token. The drafter is not constrained; invalid proposals are simply never accepted. A
+reply that thinks first is free until its think block closes, and the grammar applies after it (vLLM with
+a reasoning parser); again per node, each path crossing the close at its own depth.
 
 llguidance (a small Rust library with no dependencies) computes the masks from the tokenizer's vocabulary
 on the host: 0.9 ms for a 65-node tree over the demo's 8192-token vocabulary on a 2-core CPU.
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from ddtree.errors import DDTreeError
+from ddtree.sampling import ThinkBlock
 
 try:
     import llguidance
@@ -31,6 +34,8 @@ JSON_OBJECT: dict[str, Any] = {"type": "object"}  # `response_format: json_objec
 # JSON laid out as json.dumps writes it: free whitespace lets a sampled model pad an object forever (seen
 # with the demo pair at temperature 1). A schema's own "x-guidance" settings take precedence.
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Where a constrained reply with a think block stands: before its first token, inside the block, under the grammar.
+START, THINK, GRAMMAR = "start", "think", "grammar"
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
@@ -78,26 +83,50 @@ def _checked(grammar: str) -> str:
 
 
 class Constraint:
-    """One request's grammar state over emitted tokens, and the masks a round's tree nodes need."""
+    """One request's grammar state over emitted tokens, and the masks a round's tree nodes need.
 
-    def __init__(self, tokenizer: Any, grammar: str, vocab_size: int) -> None:
+    With a `think` block the grammar waits for it: while a path is inside the block every token is allowed,
+    and the grammar reads only the tokens after its close. A reply the prompt did not open a block for may
+    open one with its first token only (the reasoning parser, too, only takes a block at the reply's start);
+    any other first token starts the grammar.
+    """
+
+    def __init__(self, tokenizer: Any, grammar: str, vocab_size: int, think: ThinkBlock | None = None) -> None:
         """`tokenizer` is `grammar_tokenizer`'s view of the model's tokenizer."""
         self.vocab_size = vocab_size
+        self.think = think
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise DDTreeError(f"the grammar cannot be used: {self.matcher.get_error()}")
         self._bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        self._phase = GRAMMAR if think is None else THINK if think.opened else START  # of the emitted tokens
+
+    def _after(self, tokens: Sequence[int]) -> tuple[str, list[int]]:
+        """(the phase after the emitted tokens plus `tokens`, those of `tokens` the grammar reads): only the
+        tail after the think block, so a path's thinking is never fed to the matcher."""
+        phase, tokens = self._phase, list(tokens)
+        if phase == START and tokens:
+            phase, tokens = (THINK, tokens[1:]) if tokens[0] == self.think.open else (GRAMMAR, tokens)
+        if phase == THINK and self.think.close in tokens:
+            phase, tokens = GRAMMAR, tokens[tokens.index(self.think.close) + 1:]
+        return phase, tokens if phase == GRAMMAR else []
 
     def allowed(self, pending: Sequence[Sequence[int]]) -> torch.Tensor:
         """Per row, the next tokens the grammar allows after the emitted tokens plus the row's own tokens
         not emitted yet (a tree node's path below the root): bool [N, vocab]. A row whose path already
-        breaks the grammar can never be accepted (its parent's row forbids it); it allows everything."""
+        breaks the grammar can never be accepted (its parent's row forbids it); it allows everything, as
+        does a row inside the think block."""
         rows = torch.ones((len(pending), self.vocab_size), dtype=torch.bool)
-        for i, tokens in enumerate(pending):
-            consumed = self.matcher.try_consume_tokens(list(tokens)) if tokens else 0
+        for i, path in enumerate(pending):
+            phase, tokens = self._after(path)
+            if phase == THINK:
+                continue
+            consumed = self.matcher.try_consume_tokens(tokens) if tokens else 0
             if consumed == len(tokens):
                 self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
                 rows[i] = _bits(self._bitmask)[0, :self.vocab_size]
+                if phase == START:
+                    rows[i, self.think.open] = True
             if consumed:
                 self.matcher.rollback(consumed)
         return rows
@@ -105,15 +134,14 @@ class Constraint:
     def consume(self, tokens: Sequence[int]) -> None:
         """Tokens just emitted, each allowed by the mask it was picked under (past the grammar's end only an
         end-of-sequence token can follow, which `ignore_eos` keeps in the output)."""
-        if not tokens:
-            return
-        if self.matcher.try_consume_tokens(list(tokens)) != len(tokens) and not self.matcher.is_stopped():
+        self._phase, tokens = self._after(tokens)
+        if tokens and self.matcher.try_consume_tokens(tokens) != len(tokens) and not self.matcher.is_stopped():
             raise DDTreeError(f"emitted tokens broke the grammar: {self.matcher.get_error()}")
 
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (the output is whole)."""
-        return self.matcher.is_stopped()
+        return self._phase == GRAMMAR and self.matcher.is_stopped()
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

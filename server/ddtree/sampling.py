@@ -13,6 +13,17 @@ import torch
 
 
 @dataclass(frozen=True)
+class ThinkBlock:
+    """Under a grammar, the think block a reply may write first, unconstrained: the grammar applies from the
+    token after `close` (vLLM's structured outputs with a reasoning parser). `opened`: the prompt opened the
+    block, so the reply starts inside it; else the reply may open it with `open` as its first token."""
+
+    open: int
+    close: int
+    opened: bool = False
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of decoding. temperature 0 means greedy (argmax)."""
 
@@ -30,6 +41,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's / vLLM's: tokens of the prompt or output, positive logits / r, negative * r
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: str | None = None  # structured output (ddtree.grammar): only tokens that keep it valid
+    think: ThinkBlock | None = None  # under the grammar: a think block before it applies
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's log-probability and top-k
 
     def __post_init__(self) -> None:

@@ -576,3 +576,153 @@ def test_a_prompt_that_opens_the_think_block_and_the_parser_switch():
     engine.scripts.append([prefill(0), round_([1, 3, 4], finish="stop")])
     with client_for(engine) as client:
         assert "reasoning_content" not in chat(client).json()["choices"][0]["message"]
+
+
+# -- reasoning before a grammar ------------------------------------------------------------------------------------
+
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"], "additionalProperties": False}
+FLAG_FORMAT = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
+
+
+def valid_flag(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+
+
+class ThinkJsonEngine(ToolEngine):
+    """Pieces of a reply that thinks, then answers in JSON; <think> and </think> are single tokens."""
+
+    PIECES = ("<think>", "\nThe user wants a flag.\n", "</think>", "\n\n", '{"ok": true, ', '"n": 2}', CALL,
+              "<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n",
+              "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    vocab_size = len(PIECES)
+
+    def __init__(self, prompt: int = 7, tags: bool = True) -> None:
+        super().__init__(THINK_TEMPLATE + HERMES_TEMPLATE)
+        self.prompt, self.tags = [prompt], tags  # 7: no block in the prompt; 8: opened; 9: closed
+
+    def encode(self, text: str) -> list[int]:
+        return [self.PIECES.index(text)] if self.tags and text in self.PIECES else [0, 1]
+
+    def chat_ids(self, messages, **kwargs) -> list[int]:
+        self.renders.append((messages, kwargs))
+        return self.prompt
+
+
+def chat_both_ways(client: TestClient, **body) -> tuple[dict, dict, str]:
+    """(the message, the streamed deltas put together, the streamed finish reason) of one request each way."""
+    whole = chat(client, **body).json()["choices"][0]
+    chunks = [json.loads(line[6:]) for line in chat(client, **body, stream=True).text.splitlines()
+              if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    streamed = {key: value or None for key, value in reassemble(deltas).items()}
+    return whole["message"], streamed, (whole["finish_reason"], chunks[-1]["choices"][0]["finish_reason"])
+
+
+def test_a_constrained_reply_thinks_first_and_answers_in_the_schema():
+    """Inside a block the prompt opened, or one the reply opens with its first token; a reply that starts
+    with the answer instead has no reasoning (the grammar applied from its first token)."""
+    from ddtree.sampling import ThinkBlock
+
+    answer = '{"ok": true, "n": 2}'
+    for prompt, reply, reasoning in ((7, [0, 1, 2, 3, 4, 5], "The user wants a flag."),
+                                     (8, [1, 2, 3, 4, 5], "The user wants a flag."), (7, [4, 5], None)):
+        engine = ThinkJsonEngine(prompt)
+        *pieces, last = [reply[i:i + 2] for i in range(1, len(reply), 2)]
+        engine.scripts += [[prefill(reply[0]), *map(round_, pieces), round_(last, finish="stop")]] * 2
+        with client_for(engine) as client:
+            message, streamed, reasons = chat_both_ways(client, response_format=FLAG_FORMAT)
+        assert [p.think for p in engine.params] == [ThinkBlock(0, 2, opened=prompt == 8)] * 2
+        assert engine.params[0].grammar and reasons == ("stop", "stop") and valid_flag(message["content"])
+        assert message == {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+        assert streamed == {"reasoning_content": reasoning, "content": answer, "tool_calls": None}
+
+
+def test_a_think_block_cut_by_max_tokens_is_reasoning_with_no_content():
+    engine = ThinkJsonEngine()
+    engine.scripts += [[prefill(0), round_([1], finish="length")]] * 2
+    with client_for(engine) as client:
+        message, streamed, reasons = chat_both_ways(client, response_format=FLAG_FORMAT, max_tokens=2)
+    assert message == {"role": "assistant", "content": "", "reasoning_content": "The user wants a flag."}
+    assert reasons == ("length", "length")
+    assert streamed == {"reasoning_content": "The user wants a flag.", "content": None, "tool_calls": None}
+
+
+def test_a_forced_tool_call_comes_after_the_think_block():
+    engine = ThinkJsonEngine()
+    engine.scripts.append([prefill(0), round_([1, 2, 3]), round_([6], finish="stop")])
+    with client_for(engine) as client:
+        choice = chat(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]
+    assert engine.params[0].grammar and engine.params[0].think.close == 2
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] == "The user wants a flag."
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(("case", "config", "body"), [
+    ("the template closed the block", {"prompt": 9}, {}),
+    ("enable_thinking false", {}, {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("enable_thinking false by default", {"default_chat_template_kwargs": {"enable_thinking": False}}, {}),
+    ("no reasoning parser", {"reasoning_parser": "none"}, {}),
+    ("no single-token tags", {"tags": False}, {}),
+])
+def test_without_thinking_the_grammar_applies_from_the_first_token_as_before(case, config, body):
+    engine = ThinkJsonEngine(**{k: v for k, v in config.items() if k in ("prompt", "tags")})
+    engine.scripts.append([prefill(4), round_([5], finish="stop")])
+    server = {k: v for k, v in config.items() if k not in ("prompt", "tags")}
+    with client_for(engine, **server) as client:
+        message = chat(client, response_format=FLAG_FORMAT, **body).json()["choices"][0]["message"]
+    assert engine.params[0].grammar and engine.params[0].think is None, case
+    assert message == {"role": "assistant", "content": '{"ok": true, "n": 2}'}, case
+
+
+# A Qwen3-style template: it opens the think block for the model, or writes an empty one without thinking.
+QWEN3_STYLE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+               "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+               "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_client(tmp_path_factory):
+    """A tiny random target and draft under the demo's tokenizer with <think> and </think> added as tokens."""
+    from ddtree.engine import ASSETS
+    from tiny import make_draft, make_target
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("thinking")
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "target")
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_STYLE
+    vocab = len(tokenizer) + 2  # the model's own EOS and mask rows past the tokenizer's
+    make_target(root / "target", vocab=vocab)
+    tokenizer.save_pretrained(root / "target")
+    make_draft(root / "draft", vocab=vocab)
+    with client_for(Engine.from_pretrained(root / "target", root / "draft", device="cpu")) as client:
+        yield client
+
+
+def test_a_real_constrained_reply_thinks_then_writes_json_that_validates(thinking_client):
+    close = thinking_client.app.state.ddtree.engine.encode("</think>")[0]
+    decode = thinking_client.app.state.ddtree.engine.decode
+    thought = 0
+    for seed in range(3):  # the random model, biased towards </think>, closes the block early or late
+        body = dict(response_format=FLAG_FORMAT, temperature=1, seed=seed, max_tokens=60, logit_bias={str(close): 5})
+        r = chat(thinking_client, **body, return_token_ids=True).json()["choices"][0]
+        message, ids = r["message"], r["token_ids"]
+        if r["finish_reason"] == "stop":
+            assert ids.count(close) == 1 and valid_flag(message["content"]), r
+            assert message["content"] == decode(ids[ids.index(close) + 1:])
+            assert message["reasoning_content"] == (decode(ids[:ids.index(close)]).strip() or None)
+            thought += message["reasoning_content"] is not None
+        again, streamed, reasons = chat_both_ways(thinking_client, **body)
+        assert again == message and reasons == (r["finish_reason"],) * 2
+        assert streamed == {"reasoning_content": message["reasoning_content"], "content": message["content"] or None,
+                            "tool_calls": None}
+    assert thought
+    cut = chat(thinking_client, response_format=FLAG_FORMAT, temperature=0, max_tokens=8).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["reasoning_content"] and not cut["message"]["content"]
+    off = chat(thinking_client, response_format=FLAG_FORMAT, temperature=0, max_tokens=60,
+               chat_template_kwargs={"enable_thinking": False}).json()["choices"][0]
+    assert off["finish_reason"] == "stop" and valid_flag(off["message"]["content"])
+    assert "reasoning_content" not in off["message"]
