@@ -9,7 +9,10 @@ reply that thinks first is free until its think block closes, and the grammar ap
 a reasoning parser); again per node, each path crossing the close at its own depth.
 
 llguidance (a small Rust library with no dependencies) computes the masks from the tokenizer's vocabulary
-on the host: 0.9 ms for a 65-node tree over the demo's 8192-token vocabulary on a 2-core CPU.
+on the host: 0.9 ms for a 65-node tree over the demo's 8192-token vocabulary on a 2-core CPU. They stay in
+llguidance's packed layout (one bit per token) until they reach the logits' device: a 65-node tree's masks
+over a 152k vocabulary are 1.2 MB packed and 10 MB as bools; unpacking them row by row on the host took
+2.1 ms on a 2-core CPU (numpy's unpackbits: 0.4 ms; on a GPU the verify graph unpacks them).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddtree.errors import DDTreeError
@@ -98,7 +102,6 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise DDTreeError(f"the grammar cannot be used: {self.matcher.get_error()}")
-        self._bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
         self._phase = GRAMMAR if think is None else THINK if think.opened else START  # of the emitted tokens
 
     def _after(self, tokens: Sequence[int]) -> tuple[str, list[int]]:
@@ -113,23 +116,22 @@ class Constraint:
 
     def allowed(self, pending: Sequence[Sequence[int]]) -> torch.Tensor:
         """Per row, the next tokens the grammar allows after the emitted tokens plus the row's own tokens
-        not emitted yet (a tree node's path below the root): bool [N, vocab]. A row whose path already
-        breaks the grammar can never be accepted (its parent's row forbids it); it allows everything, as
-        does a row inside the think block."""
-        rows = torch.ones((len(pending), self.vocab_size), dtype=torch.bool)
+        not emitted yet (a tree node's path below the root), packed: int32 [N, words] (see `unpack`). A row
+        whose path already breaks the grammar can never be accepted (its parent's row forbids it); it allows
+        everything, as does a row inside the think block."""
+        bits = torch.full((len(pending), words(self.vocab_size)), -1, dtype=torch.int32)
         for i, path in enumerate(pending):
             phase, tokens = self._after(path)
             if phase == THINK:
                 continue
             consumed = self.matcher.try_consume_tokens(tokens) if tokens else 0
             if consumed == len(tokens):
-                self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
-                rows[i] = _bits(self._bitmask)[0, :self.vocab_size]
-                if phase == START:
-                    rows[i, self.think.open] = True
+                self.matcher.unsafe_compute_mask_ptr(bits[i].data_ptr(), bits.shape[1] * 4)
+                if phase == START:  # the reply may open its think block instead
+                    bits[i].view(torch.uint8)[self.think.open // 8] |= 1 << self.think.open % 8
             if consumed:
                 self.matcher.rollback(consumed)
-        return rows
+        return bits
 
     def consume(self, tokens: Sequence[int]) -> None:
         """Tokens just emitted, each allowed by the mask it was picked under (past the grammar's end only an
@@ -144,16 +146,30 @@ class Constraint:
         return self._phase == GRAMMAR and self.matcher.is_stopped()
 
 
+def words(vocab_size: int) -> int:
+    """int32 words of one packed mask row."""
+    return (vocab_size + 31) // 32
+
+
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Raw logits [N, V] with the tokens `allowed` forbids at -inf (before any other processing, as vLLM);
-    unchanged without a mask."""
-    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    """Raw logits [N, V] with the tokens the packed masks `allowed` [N, words] forbid at -inf (before any
+    other processing, as vLLM); unchanged without masks."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~unpack(allowed.to(logits.device, non_blocking=True), logits.shape[-1]), float("-inf"))
 
 
-def _bits(bitmask: torch.Tensor) -> torch.Tensor:
-    """llguidance's packed int32 bitmask [N, W] -> bool [N, 32 W] (bit j of word w is token 32 w + j)."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed masks int32 [N, words] (bit j of word w is token 32 w + j) -> bool [N, vocab_size],
+    on their own device: bit operations on a GPU (they run inside the fast path's verify graph), numpy's
+    unpackbits on the host."""
+    little = bits.contiguous().view(torch.uint8)  # little-endian: byte b of word w holds tokens 32 w + 8 b ..
+    if little.device.type == "cpu":
+        unpacked = torch.from_numpy(np.unpackbits(little.numpy(), axis=-1, bitorder="little")).view(torch.bool)
+    else:
+        shifts = torch.arange(8, dtype=torch.uint8, device=little.device)
+        unpacked = ((little.unsqueeze(-1) >> shifts) & 1).flatten(1).view(torch.bool)
+    return unpacked[:, :vocab_size]
 
 
 def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> Any:

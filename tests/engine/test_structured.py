@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from ddtree.engine import Engine
-from ddtree.grammar import Constraint, choice_grammar, json_schema_grammar
+from ddtree.grammar import Constraint, choice_grammar, json_schema_grammar, unpack
 from ddtree.sampling import SamplingParams, ThinkBlock
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "name": {"type": "string", "maxLength": 12}},
@@ -47,6 +47,11 @@ def test_sampled_constrained_outputs_are_always_valid(demo):
         assert out.finish_reason == "stop" and matches_schema(demo.decode(out.token_ids)), seed
 
 
+def masks(constraint: Constraint, paths: list[list[int]]) -> torch.Tensor:
+    """The constraint's masks for `paths`, unpacked: bool [N, vocab]."""
+    return unpack(constraint.allowed(paths), constraint.vocab_size)
+
+
 def test_each_tree_node_is_masked_for_its_own_path(demo):
     """The masks of a batch of paths equal a fresh matcher's after feeding each path alone."""
     tok = demo.grammar_tokenizer
@@ -56,17 +61,17 @@ def test_each_tree_node_is_masked_for_its_own_path(demo):
     prefix.consume(emitted)
     paths = [[], demo.tokenizer.encode("true"), demo.tokenizer.encode("tr"), demo.tokenizer.encode("false,"),
              demo.tokenizer.encode("nope")]
-    got = prefix.allowed(paths)
+    got = masks(prefix, paths)
     for path, row in zip(paths, got, strict=True):
         alone = Constraint(tok, grammar, demo.vocab_size)
         alone.consume(emitted)
         if alone.matcher.try_consume_tokens(path) == len(path):
-            want = alone.allowed([[]])[0]
+            want = masks(alone, [[]])[0]
         else:  # an invalid path: never accepted, so it allows everything rather than nothing
             want = torch.ones(demo.vocab_size, dtype=torch.bool)
         assert torch.equal(row, want), demo.decode(path)
     assert 0 < got[0].sum() < demo.vocab_size  # the grammar does restrict the next token
-    again = prefix.allowed([[]])  # asking about paths leaves the emitted state as it was
+    again = masks(prefix, [[]])  # asking about paths leaves the emitted state as it was
     assert torch.equal(again[0], got[0])
 
 
@@ -117,7 +122,7 @@ def reference_row(demo: Engine, grammar: str, think: ThinkBlock, reply: list[int
     ones = torch.ones(demo.vocab_size, dtype=torch.bool)
     fresh = Constraint(demo.grammar_tokenizer, grammar, demo.vocab_size)
     if not think.opened and not reply:
-        row = fresh.allowed([[]])[0]
+        row = masks(fresh, [[]])[0]
         row[think.open] = True
         return row
     if think.opened or reply[0] == think.open:
@@ -127,7 +132,7 @@ def reference_row(demo: Engine, grammar: str, think: ThinkBlock, reply: list[int
         reply = body[body.index(think.close) + 1:]
     if fresh.matcher.try_consume_tokens(reply) != len(reply):
         return ones
-    return fresh.allowed([[]])[0]
+    return masks(fresh, [[]])[0]
 
 
 @pytest.mark.parametrize("opened", [True, False])
@@ -141,14 +146,14 @@ def test_each_node_inside_the_think_block_allows_everything_and_the_grammar_appl
     for emitted in ([], [INDENT], [INDENT, *words], [INDENT, *words, BLANK, *enc('{"ok"')]):
         constraint = Constraint(demo.grammar_tokenizer, grammar, demo.vocab_size, think)
         constraint.consume(emitted)
-        got = constraint.allowed(paths)
+        got = masks(constraint, paths)
         for path, row in zip(paths, got, strict=True):
             assert torch.equal(row, reference_row(demo, grammar, think, emitted + path)), (emitted, path)
     fresh = Constraint(demo.grammar_tokenizer, grammar, demo.vocab_size, think)
-    first = fresh.allowed([[]])[0]
+    first = masks(fresh, [[]])[0]
     assert first.all() if opened else first[INDENT] and first.sum() < demo.vocab_size  # else: grammar or opening
-    assert fresh.allowed([[INDENT] if not opened else words])[0].all()
-    json_row = fresh.allowed([[INDENT, *words, BLANK] if not opened else [*words, BLANK]])[0]
+    assert masks(fresh, [[INDENT] if not opened else words])[0].all()
+    json_row = masks(fresh, [[INDENT, *words, BLANK] if not opened else [*words, BLANK]])[0]
     assert 0 < json_row.sum() < demo.vocab_size and not json_row[BLANK] and not fresh.finished
 
 
@@ -170,8 +175,9 @@ class Checked(Constraint):
 
     def allowed(self, pending: list[list[int]]) -> torch.Tensor:
         rows = super().allowed(pending)
+        unpacked = unpack(rows, self.vocab_size)
         close, inside = self.think.close, self.think.close not in self.emitted[not self.think.opened:]
-        for path, row in zip(pending, rows, strict=True):
+        for path, row in zip(pending, unpacked, strict=True):
             assert torch.equal(row, reference_row(self.demo, self.grammar, self.think, [*self.emitted, *path]))
             if inside and close in path:
                 self.crossed.add(list(path).index(close))
@@ -235,3 +241,12 @@ def test_the_fast_path_thinks_before_the_grammar_as_the_reference_does(demo):
             assert gen.on_fast_path
             list(gen)
             assert gen.token_ids == want, (opened, method)
+
+
+def test_packed_masks_unpack_bit_by_bit():
+    """Masks travel packed as llguidance writes them: bit j of int32 word w allows token 32 w + j."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 5), generator=gen, dtype=torch.int32)
+    want = torch.tensor([[(int(bits[r, t // 32]) >> (t % 32)) & 1 for t in range(150)] for r in range(3)],
+                        dtype=torch.bool)
+    assert torch.equal(unpack(bits, 150), want)

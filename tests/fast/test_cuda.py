@@ -237,3 +237,10 @@ def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():
             assert set(json.loads(fast.decode(gen.token_ids))) == {"ok", "name"}
             if not sampled:
                 assert gen.token_ids == want, method
+
+
+def test_packed_grammar_masks_unpack_on_the_device_as_on_the_host():
+    from ddtree.grammar import unpack
+
+    bits = torch.randint(-2**31, 2**31 - 1, (65, 4748), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    assert torch.equal(unpack(bits.cuda(), 151936).cpu(), unpack(bits, 151936))

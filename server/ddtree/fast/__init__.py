@@ -239,8 +239,9 @@ class FastPath:
             vocab = self.target.lm_head.weight.shape[0]
             if sampled:
                 noise = torch.rand((self.nodes(method, budget), vocab), device=self.device)
-            if constrained:
-                allowed = torch.ones((self.nodes(method, budget), vocab), dtype=torch.bool, device=self.device)
+            if constrained:  # packed, as grammar.Constraint.allowed writes them
+                allowed = torch.full((self.nodes(method, budget), grammar.words(vocab)), -1, dtype=torch.int32,
+                                     device=self.device)
             steps: list[tuple[str, Callable]] = []
             if method == "ar":
                 steps.append(("tree", lambda _: self.lone_root()))
@@ -307,7 +308,7 @@ class FastPath:
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
                 filters: Filters | None = None, allowed: torch.Tensor | None = None) -> int:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
-        `noise` [1, V] and `filters`, and restricted to `allowed` [1, V], when given)."""
+        `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given)."""
         n = prompt.numel()
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
@@ -356,7 +357,8 @@ class FastPath:
         tokens, so the accepted nodes form one root path). The emitted tokens are the picks along that
         path, so a sampled round emits exactly what sampling the target token by token would. Returns
         (result = [accepted length, emitted tokens..., padding], path nodes [D+1], accepted length, bonus
-        token, taps). `allowed` [n, V] restricts each node's pick (a grammar: before any other processing).
+        token, taps). The packed masks `allowed` [n, words] restrict each node's pick (a grammar: before any
+        other processing).
         """
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
