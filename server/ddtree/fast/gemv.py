@@ -11,8 +11,8 @@ input on the fly from the previous step's outputs:
     rows = x                                (PLAIN)
 
 The input is rounded where the reference rounds it (the normalised row to the model dtype before the
-scale, SiLU's output before the product), so the row fed to the dot is bit for bit the reference's; only
-the order of the float32 accumulation differs from cuBLAS.
+scale, SiLU's output before the product), so the row fed to the dot is the reference's (up to the order of
+the float32 sum of squares); the dot's float32 accumulation runs in another order than cuBLAS'.
 """
 
 from __future__ import annotations
