@@ -115,13 +115,20 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
         ids, bias = zip(*params.logit_bias, strict=True)
         out[:, list(ids)] += torch.tensor(bias, device=out.device)
     if params.penalized:
-        counts, seen = history
-        r = params.repetition_penalty
-        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        out = apply_penalties(out, *history, params.repetition_penalty, params.frequency_penalty,
+                              params.presence_penalty)
     if params.greedy:
         return out
     return filter_logits(out / params.temperature, params.top_k, params.top_p, params.min_p)
+
+
+def apply_penalties(out: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, repetition: float | torch.Tensor,
+                    frequency: float | torch.Tensor, presence: float | torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties on float32 logits [N, V]: the repetition penalty over the tokens `seen` (prompt and
+    output), then frequency and presence over the output's token `counts`. (The fast path passes the values
+    as device scalars, so one captured graph serves every setting.)"""
+    out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
+    return out - frequency * counts - presence * (counts > 0).float()
 
 
 def filter_logits(out: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

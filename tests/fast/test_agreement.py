@@ -141,15 +141,34 @@ def test_a_default_budget_beyond_the_fast_path_is_said_at_startup(fast_ckpt, cap
     assert "ddtree generate: budget 300 is above the fast path's largest tree" in capsys.readouterr().err
 
 
-def test_penalties_and_logit_bias_take_the_reference_path(pairs):
+@pytest.mark.parametrize("extra", [dict(repetition_penalty=1.4), dict(frequency_penalty=0.8, presence_penalty=0.6),
+                                   dict(logit_bias=((5, 2.0), (7, -100.0))),
+                                   dict(repetition_penalty=0.7, frequency_penalty=-0.5, logit_bias=((11, 1.5),))])
+def test_penalties_and_logit_bias_give_the_reference_tokens_round_for_round(pairs, extra):
+    """Each tree node is penalized for the emitted tokens plus its own path (on the device): the same tokens
+    and the same acceptance as the reference path, whose History does it on the host."""
     reference, fast = pairs["qwen3"]
-    for extra in (dict(repetition_penalty=1.4), dict(logit_bias=((5, 2.0),)),
-                  dict(temperature=1.0, top_p=0.9, presence_penalty=0.5)):
-        params = SamplingParams(max_new_tokens=16, ignore_eos=True, seed=3, **extra)
-        gen = fast.stream([1, 2, 3], params, method="ddtree", budget=8)
-        assert not gen.on_fast_path
-        list(gen)
-        assert gen.token_ids == reference.generate([1, 2, 3], params, method="ddtree", budget=8).token_ids
+    prompt = [40, 41, 42, 43, 40, 41, 42, 43]  # repeats, so the repetition penalty has work from the start
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True, **extra)
+    assert fast.generate(prompt, params, method="ar").token_ids != fast.generate(prompt, GREEDY, method="ar").token_ids
+    for method, budget in RUNS[:5]:
+        gen = fast.stream(prompt, params, method=method, budget=budget)
+        assert gen.on_fast_path
+        rounds = list(gen)
+        ref = reference.stream(prompt, params, method=method, budget=budget)
+        ref_rounds = list(ref)
+        assert gen.token_ids == ref.token_ids, (method, budget)
+        assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+
+
+def test_sampled_penalized_requests_stay_on_the_fast_path_and_a_seed_fixes_them(pairs):
+    _, fast = pairs["qwen3"]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, presence_penalty=0.5, seed=3,
+                            ignore_eos=True)
+    gen = fast.stream([1, 2, 3], params, method="ddtree", budget=8)
+    assert gen.on_fast_path
+    list(gen)
+    assert gen.token_ids == fast.generate([1, 2, 3], params, method="ddtree", budget=8).token_ids
 
 
 def test_filtered_sampling_runs_on_the_fast_path_for_a_bounded_number_of_settings(pairs, monkeypatch):

@@ -24,7 +24,8 @@ def small_vocab_fast(tmp_path_factory) -> Engine:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7),
-                                dict(temperature=1.2, top_p=0.8), dict(temperature=1.0, top_k=4)])
+                                dict(temperature=1.2, top_p=0.8), dict(temperature=1.0, top_k=4),
+                                dict(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7)])
 def test_fast_path_sampling_follows_the_target_distribution(small_vocab_fast, kw):
     engine = small_vocab_fast
     joint = exact_joint(engine.target.model, PROMPT, VOCAB, STEPS, **kw)

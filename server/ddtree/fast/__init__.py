@@ -14,7 +14,7 @@ Each step is captured once per (method, budget) as a CUDA graph; the host replay
 back one small tensor (the accepted length and the emitted tokens). On the CPU the same steps run eagerly,
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
-Scope: greedy or sampled requests (temperature, top-k, top-p, min-p) without penalties, logit bias or
+Scope: greedy or sampled requests (temperature, top-k, top-p, min-p, penalties, logit bias, a grammar) without
 logprobs, on dense pure-attention Qwen3 / Llama-family targets (no sliding windows, no MoE, no hybrid
 recurrent layers). Everything else stays on the reference path.
 """
@@ -39,7 +39,7 @@ from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
-from ddtree.sampling import SamplingParams, filter_logits
+from ddtree.sampling import SamplingParams, apply_penalties, filter_logits
 from ddtree.target import HybridTarget, Target
 
 if TYPE_CHECKING:
@@ -108,6 +108,14 @@ class FastPath:
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # last committed token, not cached yet
         self.inv_temperature = torch.ones((), device=self.device)  # 1 / T of the sampled generation running
+        # A request's logit bias and penalties, as device buffers its plans read (one plan for every setting):
+        # the bias per token, (repetition, frequency, presence), how often each token was emitted, and
+        # which tokens the prompt holds. Each tree node adds its own path's tokens on the device.
+        vocab = target.lm_head.weight.shape[0]
+        self.bias = torch.zeros(vocab, device=self.device)
+        self.penalties = torch.tensor([1.0, 0.0, 0.0], device=self.device)
+        self.emitted_counts = torch.zeros(vocab, device=self.device)
+        self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
         self.taps: tuple[int, ...] = draft.config.target_layer_ids if draft is not None else ()
         if draft is not None:
             dc = draft.config
@@ -135,15 +143,14 @@ class FastPath:
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
-        settings), with or without a grammar; no penalties, logit bias, logprobs or prompt logprobs; a budget
-        in 1..MAX_BUDGET; and the whole request fits the static caches (penalties need each node's own
-        history: the reference path does that)."""
+        settings), with or without a grammar, penalties and logit bias; no logprobs or prompt logprobs; a
+        budget in 1..MAX_BUDGET; and the whole request fits the static caches."""
         p = gen.params
         filters = sampling_filters(p)
         known = {key[3] for key in self._plans} - {None}
         if filters is not None and filters not in known and len(known) >= MAX_FILTER_SETTINGS:
             return False
-        if p.penalized or p.logit_bias or p.logprobs is not None or p.prompt_logprobs is not None or self._busy:
+        if p.logprobs is not None or p.prompt_logprobs is not None or self._busy:
             return False
         if gen.method != "ar" and self.draft is None:
             return False
@@ -162,7 +169,10 @@ class FastPath:
         try:
             sampled, filters = not gen.params.greedy, sampling_filters(gen.params)
             constraint = gen.engine.constraint(gen.params)
-            plan = self.plan(gen.method, gen.budget, sampled, filters, constraint is not None)  # before the prefill
+            adjusted = gen.params.penalized or bool(gen.params.logit_bias)
+            plan = self.plan(gen.method, gen.budget, sampled, filters, constraint is not None, adjusted)
+            if adjusted:  # after the captures (their warm-ups count tokens too), before the prefill
+                self._load_adjustments(gen.params, gen.prompt_ids)
             refill = prefill_noise = None
             if sampled:
                 self.inv_temperature.fill_(1.0 / gen.params.temperature)
@@ -179,7 +189,7 @@ class FastPath:
             t0 = time.perf_counter()
             root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
                                 noise=prefill_noise, filters=filters,
-                                allowed=constraint.allowed([[]]) if constraint else None)
+                                allowed=constraint.allowed([[]]) if constraint else None, adjusted=adjusted)
             gen.stats.prefill_seconds = gen._now() - t0
             out = gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             gen._after_emit(out, None, constraint)
@@ -224,16 +234,18 @@ class FastPath:
         plan.allowed.copy_(constraint.allowed([path(node) for node in range(len(parents))]), non_blocking=True)
 
     def plan(self, method: str, budget: int, sampled: bool = False, filters: Filters | None = None,
-             constrained: bool = False) -> Plan:
+             constrained: bool = False, adjusted: bool = False) -> Plan:
         """The round's steps for (method, budget), greedy or sampled, captured as CUDA graphs on first use.
 
         A sampled plan owns a uniform-noise buffer, one row per verified node, refilled before every verify:
         the graph turns it into Gumbel noise, so the picks are exact samples of softmax(logits / T), after
         the reference path's own `filter_logits` when the request filters (top-k, top-p, min-p: one plan per
         setting, the temperature stays a device scalar). A constrained plan owns a mask of the tokens each
-        node may pick, refilled from the request's grammar before every verify.
+        node may pick, refilled from the request's grammar before every verify. An adjusted plan adds the
+        logit bias and applies the penalties (`adjust`) to every node before it picks, and counts what it
+        emits.
         """
-        key = (method, budget if method == "ddtree" else 0, sampled, filters, constrained)
+        key = (method, budget if method == "ddtree" else 0, sampled, filters, constrained, adjusted)
         if key not in self._plans:
             noise = allowed = None
             vocab = self.target.lm_head.weight.shape[0]
@@ -250,7 +262,7 @@ class FastPath:
                 steps.append(("tree", (lambda x: top_prefixes(x, budget)) if method == "ddtree" else chain))
             depth = 0 if method == "ar" else self.block - 1
             steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters,
-                                                             allowed=allowed)))
+                                                             allowed=allowed, adjusted=adjusted)))
             steps.append(("commit", lambda out: self.commit(*out[1:], with_draft=method != "ar")))
             cuda = self.device.type == "cuda"
             self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise, allowed)
@@ -306,7 +318,7 @@ class FastPath:
         return logits, taps
 
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
-                filters: Filters | None = None, allowed: torch.Tensor | None = None) -> int:
+                filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False) -> int:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
         `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given)."""
         n = prompt.numel()
@@ -314,7 +326,10 @@ class FastPath:
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         logits, taps = self.forward(prompt, positions, causal, last_only=True)
-        root = self.pick(grammar.mask_logits(logits[-1:], allowed), noise, filters)[0]
+        logits = grammar.mask_logits(logits[-1:], allowed)
+        root = self.pick(self.adjust(logits) if adjusted else logits, noise, filters)[0]
+        if adjusted:
+            self.emitted_counts[root] += 1
         if with_draft:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
@@ -348,7 +363,7 @@ class FastPath:
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
                max_depth: int, noise: torch.Tensor | None = None, filters: Filters | None = None,
-               allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+               allowed: torch.Tensor | None = None, adjusted: bool = False) -> tuple[torch.Tensor, ...]:
         """One target forward over root + tree (`visible`: each node and its ancestors), then the walk, on
         the device.
 
@@ -363,7 +378,8 @@ class FastPath:
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps = self.forward(ids, self.start + depths, visible)
-        picks = self.pick(grammar.mask_logits(logits, allowed), noise, filters)
+        logits = grammar.mask_logits(logits, allowed)
+        picks = self.pick(self.adjust(logits, ids, visible) if adjusted else logits, noise, filters)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
         accepted = ~(visible & ~matches[None, :]).any(dim=1)
@@ -373,8 +389,38 @@ class FastPath:
         path = path[:max_depth + 1]
         emitted = picks[path]
         bonus = emitted.gather(0, (length - 1).view(1))[0]
+        if adjusted:  # what this round emits, for the penalties of the next
+            valid = torch.arange(max_depth + 1, device=self.device) < length
+            self.emitted_counts.index_add_(0, emitted, valid.float())
         result = torch.cat([length.view(1), emitted])
         return result, path, length, bonus, taps
+
+    def adjust(self, logits: torch.Tensor, ids: torch.Tensor | None = None,
+               visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw logits [n, V] with the request's logit bias and penalties, as the reference path's
+        `process_logits` applies them: each row sees the emitted tokens plus its own path below the root
+        (the tokens of `ids` that `visible` [n, n] marks, the root itself excluded). Float32."""
+        out = logits.float() + self.bias
+        counts = self.emitted_counts.expand(out.shape[0], -1)
+        if visible is not None and out.shape[0] > 1:
+            n = out.shape[0]
+            below_root = visible & (torch.arange(n, device=self.device) > 0)[None, :]
+            rows = torch.arange(n * n, device=self.device) // n  # (row i, column j) pairs, row-major
+            counts = counts.clone().index_put_((rows, ids.repeat(n)), below_root.flatten().float(), accumulate=True)
+        repetition, frequency, presence = self.penalties
+        return apply_penalties(out, counts, self.prompt_seen | (counts > 0), repetition, frequency, presence)
+
+    def _load_adjustments(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        """A generation's logit bias and penalties into the buffers its plans read; nothing emitted yet."""
+        self.bias.zero_()
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            self.bias[list(ids)] = torch.tensor(values, device=self.device)
+        self.penalties.copy_(torch.tensor([params.repetition_penalty, params.frequency_penalty,
+                                           params.presence_penalty]))
+        self.emitted_counts.zero_()
+        self.prompt_seen.zero_()
+        self.prompt_seen[torch.tensor(prompt_ids, device=self.device)] = True
 
     def pick(self, logits: torch.Tensor, noise: torch.Tensor | None, filters: Filters | None = None) -> torch.Tensor:
         """Per row: the argmax, or with uniform noise [N, V] a sample of softmax(logits / T), filtered by
