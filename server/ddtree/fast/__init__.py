@@ -406,7 +406,8 @@ class FastPath:
             n = out.shape[0]
             below_root = visible & (torch.arange(n, device=self.device) > 0)[None, :]
             rows = torch.arange(n * n, device=self.device) // n  # (row i, column j) pairs, row-major
-            counts = counts.clone().index_put_((rows, ids.repeat(n)), below_root.flatten().float(), accumulate=True)
+            counts = counts.clone()
+            counts.view(-1).index_add_(0, rows * counts.shape[1] + ids.repeat(n), below_root.flatten().float())
         repetition, frequency, presence = self.penalties
         return apply_penalties(out, counts, self.prompt_seen | (counts > 0), repetition, frequency, presence)
 
