@@ -17,6 +17,11 @@ def test_fast_server_matches_the_reference_server(server, logs):
             fast_reply = fast.client().completions.create(model=fast.model(), **kw)  # greedy by the server default
             assert fast_reply.choices[0].token_ids == reference.choices[0].token_ids
             assert fast_reply.choices[0].text == reference.choices[0].text
+        penalized = {"prompt": PROMPTS[1], "max_tokens": 32, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                     "logit_bias": {"13": 5}, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.3}}
+        reference = server.client().completions.create(model=server.model(), temperature=0, **penalized)
+        assert fast.client().completions.create(model=fast.model(), **penalized).choices[0].text == (
+            reference.choices[0].text)
         sampled = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0.9, "seed": 7,
                    "extra_body": {"ignore_eos": True}}
         replies = [fast.client().completions.create(model=fast.model(), **sampled) for _ in range(2)]
