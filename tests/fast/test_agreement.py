@@ -65,9 +65,6 @@ def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
 
 def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast_ckpt):
     _, fast = pairs["qwen3"]
-    with_logprobs = SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True)
-    assert not fast.stream([1, 2, 3], with_logprobs).on_fast_path
-    assert fast.generate([1, 2, 3], with_logprobs).logprobs
     scored = SamplingParams(max_new_tokens=4, prompt_logprobs=1, ignore_eos=True)
     gen = fast.stream([1, 2, 3], scored)
     assert not gen.on_fast_path and len(next(gen).prompt_logprobs) == 3
@@ -185,3 +182,38 @@ def test_filtered_sampling_runs_on_the_fast_path_for_a_bounded_number_of_setting
         list(gen)
     again = SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.9, ignore_eos=True)
     assert fast.stream([4, 5], again, method="ddtree", budget=8).on_fast_path  # a known setting, any temperature
+
+
+@pytest.mark.parametrize("extra", [dict(logprobs=3), dict(logprobs=0, presence_penalty=0.5, logit_bias=((5, 1.0),))])
+def test_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, extra):
+    reference, fast = pairs["qwen3"]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, **extra)
+    for method, budget in RUNS[:4]:
+        gen = fast.stream([1, 2, 3, 4], params, method=method, budget=budget)
+        got = [entry for r in gen for entry in r.logprobs]
+        want = [entry for r in reference.stream([1, 2, 3, 4], params, method=method, budget=budget)
+                for entry in r.logprobs]
+        assert gen.on_fast_path and len(got) == len(want) == 24
+        for g, w in zip(got, want, strict=True):
+            assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-5
+            assert [t for t, _ in g.top] == [t for t, _ in w.top]
+            assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(g.top, w.top, strict=True))
+
+
+def test_sampled_logprobs_are_the_processed_distributions_of_the_drawn_tokens(pairs):
+    """Sampled draws differ between the paths, so each reported log-probability is checked against the
+    target run directly over the prompt and the drawn tokens, through the reference's own processing."""
+    from ddtree.sampling import process_logits
+
+    _, fast = pairs["qwen3"]
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=6, seed=4, logprobs=2, ignore_eos=True)
+    gen = fast.stream([1, 2, 3, 4], params, method="ddtree", budget=8)
+    entries = [entry for r in gen for entry in r.logprobs]
+    assert gen.on_fast_path and [e.token_id for e in entries] == gen.token_ids
+    ids = [1, 2, 3, 4, *gen.token_ids]
+    with torch.no_grad():
+        logits = fast.target.model(torch.tensor([ids])).logits[0, 3:-1]
+    logp = torch.log_softmax(process_logits(logits, params), dim=-1)
+    for row, entry in zip(logp, entries, strict=True):
+        assert abs(row[entry.token_id].item() - entry.logprob) < 1e-4
+        assert [t for t, _ in entry.top] == row.topk(2).indices.tolist()

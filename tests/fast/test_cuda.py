@@ -210,19 +210,21 @@ def test_filtered_sampling_is_captured_in_graphs_and_stays_in_the_filtered_suppo
     assert kept[torch.arange(len(drawn)), drawn].all()
 
 
-def test_penalized_rounds_replay_as_graphs_and_give_the_reference_tokens(fast_ckpt):
+def test_penalized_rounds_with_logprobs_replay_as_graphs_and_give_the_reference_tokens(fast_ckpt):
     fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32", fast=True,
                                   fast_capacity=256)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
-                            logit_bias=((5, 1.5),))
+                            logit_bias=((5, 1.5),), logprobs=2)
     prompt = [40, 41, 42, 43, 40, 41, 42, 43]
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", 16)):
         gen = fast.stream(prompt, params, method=method, budget=budget)
-        list(gen)
-        plan = fast.fast.plan(method, budget or 1, adjusted=True)
+        got = [entry.logprob for r in gen for entry in r.logprobs]
+        plan = fast.fast.plan(method, budget or 1, adjusted=True, logprobs=True)
         assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
-        assert gen.token_ids == reference.generate(prompt, params, method=method, budget=budget).token_ids
+        want = reference.generate(prompt, params, method=method, budget=budget)
+        assert gen.token_ids == want.token_ids
+        assert got == pytest.approx([entry.logprob for entry in want.logprobs], abs=1e-4)
 
 
 def fast_filters(params: SamplingParams):

@@ -14,9 +14,9 @@ Each step is captured once per (method, budget) as a CUDA graph; the host replay
 back one small tensor (the accepted length and the emitted tokens). On the CPU the same steps run eagerly,
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
-Scope: greedy or sampled requests (temperature, top-k, top-p, min-p, penalties, logit bias, a grammar) without
-logprobs, on dense pure-attention Qwen3 / Llama-family targets (no sliding windows, no MoE, no hybrid
-recurrent layers). Everything else stays on the reference path.
+Scope: greedy or sampled requests (temperature, top-k, top-p, min-p, penalties, logit bias, a grammar,
+logprobs) without prompt logprobs, on dense pure-attention Qwen3 / Llama-family targets (no sliding windows,
+no MoE, no hybrid recurrent layers). Everything else stays on the reference path.
 """
 
 from __future__ import annotations
@@ -143,14 +143,14 @@ class FastPath:
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
-        settings), with or without a grammar, penalties and logit bias; no logprobs or prompt logprobs; a
+        settings), with or without a grammar, penalties, logit bias and logprobs; no prompt logprobs; a
         budget in 1..MAX_BUDGET; and the whole request fits the static caches."""
         p = gen.params
         filters = sampling_filters(p)
         known = {key[3] for key in self._plans} - {None}
         if filters is not None and filters not in known and len(known) >= MAX_FILTER_SETTINGS:
             return False
-        if p.logprobs is not None or p.prompt_logprobs is not None or self._busy:
+        if p.prompt_logprobs is not None or self._busy:
             return False
         if gen.method != "ar" and self.draft is None:
             return False
@@ -170,7 +170,8 @@ class FastPath:
             sampled, filters = not gen.params.greedy, sampling_filters(gen.params)
             constraint = gen.engine.constraint(gen.params)
             adjusted = gen.params.penalized or bool(gen.params.logit_bias)
-            plan = self.plan(gen.method, gen.budget, sampled, filters, constraint is not None, adjusted)
+            logprobs = gen.params.logprobs is not None
+            plan = self.plan(gen.method, gen.budget, sampled, filters, constraint is not None, adjusted, logprobs)
             if adjusted:  # after the captures (their warm-ups count tokens too), before the prefill
                 self._load_adjustments(gen.params, gen.prompt_ids)
             refill = prefill_noise = None
@@ -187,18 +188,20 @@ class FastPath:
             drafted = self.nodes(gen.method, gen.budget) - 1
             most = 1 if gen.method == "ar" else self.block  # tokens one round can emit
             t0 = time.perf_counter()
-            root = self.prefill(torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar",
-                                noise=prefill_noise, filters=filters,
-                                allowed=constraint.allowed([[]]) if constraint else None, adjusted=adjusted)
+            root, root_row = self.prefill(torch.tensor(gen.prompt_ids, device=self.device),
+                                          with_draft=gen.method != "ar", noise=prefill_noise, filters=filters,
+                                          allowed=constraint.allowed([[]]) if constraint else None,
+                                          adjusted=adjusted, logprobs=logprobs)
             gen.stats.prefill_seconds = gen._now() - t0
-            out = gen._emit([root], None, [], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
+            out = gen._emit([root], root_row, [0], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             gen._after_emit(out, None, constraint)
             yield out
             decode_start = time.perf_counter()
             # The next round goes in before this one is read, so the device never waits for the host's
             # bookkeeping; not when this round may reach max_tokens (a stop token wastes the round queued
-            # behind it), nor under a grammar, whose masks need this round's tokens.
-            queue_ahead = self.queue_ahead and constraint is None
+            # behind it), nor under a grammar, whose masks need this round's tokens, nor with logprobs, read
+            # from the verify's output rows that the next round would overwrite.
+            queue_ahead = self.queue_ahead and constraint is None and not logprobs
             pending = plan.launch(before_verify, after=_stamp(plan.cuda)) if gen.finish_reason is None else None
             while pending is not None:
                 ahead = None
@@ -206,7 +209,8 @@ class FastPath:
                     ahead = plan.launch(before_verify, after=pending.stamps[-1])
                 result, phases = pending.collect()
                 n = result[0]
-                out = gen._emit(result[1:1 + n], None, [], drafted, n - 1, phases, False)
+                rows = plan.outputs["verify"][5] if logprobs else None  # the path nodes' processed logits
+                out = gen._emit(result[1:1 + n], rows, list(range(n)), drafted, n - 1, phases, False)
                 gen._after_emit(out, None, constraint)
                 gen.stats.record_round(n, phases)
                 gen.stats.decode_seconds = time.perf_counter() - decode_start
@@ -234,7 +238,7 @@ class FastPath:
         plan.allowed.copy_(constraint.allowed([path(node) for node in range(len(parents))]), non_blocking=True)
 
     def plan(self, method: str, budget: int, sampled: bool = False, filters: Filters | None = None,
-             constrained: bool = False, adjusted: bool = False) -> Plan:
+             constrained: bool = False, adjusted: bool = False, logprobs: bool = False) -> Plan:
         """The round's steps for (method, budget), greedy or sampled, captured as CUDA graphs on first use.
 
         A sampled plan owns a uniform-noise buffer, one row per verified node, refilled before every verify:
@@ -243,9 +247,9 @@ class FastPath:
         setting, the temperature stays a device scalar). A constrained plan owns a mask of the tokens each
         node may pick, refilled from the request's grammar before every verify. An adjusted plan adds the
         logit bias and applies the penalties (`adjust`) to every node before it picks, and counts what it
-        emits.
+        emits. A logprobs plan also returns the processed logits of the accepted path's nodes.
         """
-        key = (method, budget if method == "ddtree" else 0, sampled, filters, constrained, adjusted)
+        key = (method, budget if method == "ddtree" else 0, sampled, filters, constrained, adjusted, logprobs)
         if key not in self._plans:
             noise = allowed = None
             vocab = self.target.lm_head.weight.shape[0]
@@ -262,8 +266,8 @@ class FastPath:
                 steps.append(("tree", (lambda x: top_prefixes(x, budget)) if method == "ddtree" else chain))
             depth = 0 if method == "ar" else self.block - 1
             steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters,
-                                                             allowed=allowed, adjusted=adjusted)))
-            steps.append(("commit", lambda out: self.commit(*out[1:], with_draft=method != "ar")))
+                                                             allowed=allowed, adjusted=adjusted, logprobs=logprobs)))
+            steps.append(("commit", lambda out: self.commit(*out[1:5], with_draft=method != "ar")))
             cuda = self.device.type == "cuda"
             self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise, allowed)
         return self._plans[key]
@@ -318,23 +322,26 @@ class FastPath:
         return logits, taps
 
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
-                filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False) -> int:
+                filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False,
+                logprobs: bool = False) -> tuple[int, torch.Tensor | None]:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
-        `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given)."""
+        `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given) and,
+        with `logprobs`, the processed logits it was picked from [1, V]."""
         n = prompt.numel()
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         logits, taps = self.forward(prompt, positions, causal, last_only=True)
         logits = grammar.mask_logits(logits[-1:], allowed)
-        root = self.pick(self.adjust(logits) if adjusted else logits, noise, filters)[0]
+        logits = self.adjust(logits) if adjusted else logits
+        root = self.pick(logits, noise, filters)[0]
         if adjusted:
             self.emitted_counts[root] += 1
         if with_draft:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
         self.root.copy_(root)
-        return int(root)
+        return int(root), self.processed(logits, noise is not None, filters) if logprobs else None
 
     def lone_root(self) -> tuple[torch.Tensor, ...]:
         """The AR "tree": the root alone."""
@@ -363,7 +370,8 @@ class FastPath:
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
                max_depth: int, noise: torch.Tensor | None = None, filters: Filters | None = None,
-               allowed: torch.Tensor | None = None, adjusted: bool = False) -> tuple[torch.Tensor, ...]:
+               allowed: torch.Tensor | None = None, adjusted: bool = False,
+               logprobs: bool = False) -> tuple[torch.Tensor | None, ...]:
         """One target forward over root + tree (`visible`: each node and its ancestors), then the walk, on
         the device.
 
@@ -379,7 +387,8 @@ class FastPath:
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps = self.forward(ids, self.start + depths, visible)
         logits = grammar.mask_logits(logits, allowed)
-        picks = self.pick(self.adjust(logits, ids, visible) if adjusted else logits, noise, filters)
+        logits = self.adjust(logits, ids, visible) if adjusted else logits
+        picks = self.pick(logits, noise, filters)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
         accepted = ~(visible & ~matches[None, :]).any(dim=1)
@@ -393,7 +402,8 @@ class FastPath:
             valid = torch.arange(max_depth + 1, device=self.device) < length
             self.emitted_counts.index_add_(0, emitted, valid.float())
         result = torch.cat([length.view(1), emitted])
-        return result, path, length, bonus, taps
+        rows = self.processed(logits.index_select(0, path), noise is not None, filters) if logprobs else None
+        return result, path, length, bonus, taps, rows
 
     def adjust(self, logits: torch.Tensor, ids: torch.Tensor | None = None,
                visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -423,6 +433,16 @@ class FastPath:
         self.prompt_seen.zero_()
         self.prompt_seen[torch.tensor(prompt_ids, device=self.device)] = True
 
+    def processed(self, logits: torch.Tensor, sampled: bool, filters: Filters | None) -> torch.Tensor:
+        """Rows as the reference's `process_logits` leaves them (float32; temperature-scaled and filtered
+        when sampled), for logprobs; `logits` already carry the grammar mask, bias and penalties."""
+        out = logits.float()
+        if sampled:
+            out = out * self.inv_temperature
+            if filters is not None:
+                out = filter_logits(out, *filters)
+        return out
+
     def pick(self, logits: torch.Tensor, noise: torch.Tensor | None, filters: Filters | None = None) -> torch.Tensor:
         """Per row: the argmax, or with uniform noise [N, V] a sample of softmax(logits / T), filtered by
         (top-k, top-p, min-p) as the reference path filters (Gumbel-max: filtered tokens stay at -inf).
@@ -431,11 +451,7 @@ class FastPath:
         """
         if noise is None:
             return logits.argmax(dim=-1)
-        scaled = logits.float() * self.inv_temperature
-        if filters is not None:
-            top_k, top_p, min_p = filters
-            scaled = filter_logits(scaled, top_k, top_p, min_p)
-        return (scaled - torch.log(-torch.log(noise))).argmax(dim=-1)
+        return (self.processed(logits, True, filters) - torch.log(-torch.log(noise))).argmax(dim=-1)
 
     def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
                with_draft: bool) -> None:
