@@ -3,6 +3,7 @@ seeded sampled requests are reproducible."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import start_server
 
 PROMPTS = ["def merge(", "class Parser:", "import os\n\ndef main("]
@@ -22,6 +23,11 @@ def test_fast_server_matches_the_reference_server(server, logs):
         reference = server.client().completions.create(model=server.model(), temperature=0, **penalized)
         assert fast.client().completions.create(model=fast.model(), **penalized).choices[0].text == (
             reference.choices[0].text)
+        scored = {"prompt": PROMPTS[2], "max_tokens": 16, "logprobs": 2, "extra_body": {"ignore_eos": True}}
+        want = server.client().completions.create(model=server.model(), temperature=0, **scored).choices[0].logprobs
+        got = fast.client().completions.create(model=fast.model(), **scored).choices[0].logprobs
+        assert got.tokens == want.tokens and got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-5)
+        assert [list(top) for top in got.top_logprobs] == [list(top) for top in want.top_logprobs]
         sampled = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0.9, "seed": 7,
                    "extra_body": {"ignore_eos": True}}
         replies = [fast.client().completions.create(model=fast.model(), **sampled) for _ in range(2)]
