@@ -322,6 +322,11 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampled runs: prompt i uses seed + i")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="ask for each token's log-probability and its K best alternatives, as a client would")
     p.add_argument("--json", help="also write the full results here")
     p.set_defaults(handler=_bench)
 

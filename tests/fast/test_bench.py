@@ -45,6 +45,19 @@ def test_a_sampled_bench_runs_the_filters_on_the_fast_path_and_compares_speed_no
     assert "sampled at temperature 0.8" in capsys.readouterr().out
 
 
+def test_a_penalized_bench_with_logprobs_stays_on_the_fast_path_and_agrees_with_ar(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar", "ddtree", "--budgets", "8",
+               "--prompts", "1", "--prompt-tokens", "12", "--max-new-tokens", "10", "--presence-penalty", "0.5",
+               "--repetition-penalty", "1.2", "--logprobs", "2", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["sampling"] == "greedy, presence penalty 0.5, repetition penalty 1.2, logprobs 2"
+    fast = [r for r in report["results"] if r["path"] == "fast"]
+    assert [r["on_fast_path"] for r in fast] == [True, True] and all(r["graphs"] for r in fast)
+    assert all(r["lossless"] for r in report["results"])  # greedy: every method still gives ar's tokens
+
+
 def test_bench_rejects_bad_sampling_settings_without_a_traceback(capsys):
     assert main(["bench", "--shape", "tiny", "--device", "cpu", "--temperature", "1", "--top-p", "0"]) == 2
     err = capsys.readouterr().err

@@ -242,7 +242,9 @@ def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, para
     round_ms = 1e3 * totals["seconds"] / rounds
     graphs = None
     if on_fast and engine.fast:
-        plan = engine.fast.plan(method, budget, sampled=not params.greedy, filters=sampling_filters(params))
+        plan = engine.fast.plan(method, budget, sampled=not params.greedy, filters=sampling_filters(params),
+                                adjusted=params.penalized or bool(params.logit_bias),
+                                logprobs=params.logprobs is not None)
         graphs = plan.eager_reason or "graphs"
     return dict(method=method, budget=budget if method == "ddtree" else None, on_fast_path=on_fast, graphs=graphs,
                 tau=totals["committed"] / rounds, tpot_ms=1e3 * totals["seconds"] / max(totals["decoded"], 1),
@@ -262,7 +264,9 @@ def bench(args: argparse.Namespace) -> int:
         raise DDTreeError("budgets must be >= 1")
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=True)
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=True,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
     except ValueError as exc:
         raise DDTreeError(str(exc)) from None
     capacity = args.prompt_tokens + args.max_new_tokens + max(args.budgets) + 64
@@ -320,15 +324,20 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def describe(params: SamplingParams) -> str:
-    """The decoding the runs used, in words: "greedy" or "sampled at temperature 0.8, top-p 0.95, seed 0"."""
+    """The decoding the runs used, in words: "greedy" or "sampled at temperature 0.8, top-p 0.95, seed 0",
+    then any penalties and logprobs ("greedy, presence penalty 0.5, logprobs 5")."""
+    extras = [f"presence penalty {params.presence_penalty:g}"] if params.presence_penalty else []
+    extras += [f"frequency penalty {params.frequency_penalty:g}"] if params.frequency_penalty else []
+    extras += [f"repetition penalty {params.repetition_penalty:g}"] if params.repetition_penalty != 1 else []
+    extras += [f"logprobs {params.logprobs}"] if params.logprobs is not None else []
     if params.greedy:
-        return "greedy"
+        return ", ".join(["greedy", *extras])
     parts = [f"temperature {params.temperature:g}"]
     parts += [f"top-k {params.top_k}"] if params.top_k > 0 else []
     parts += [f"top-p {params.top_p:g}"] if params.top_p < 1 else []
     parts += [f"min-p {params.min_p:g}"] if params.min_p > 0 else []
     parts += [f"seed {params.seed}"] if params.seed is not None else []
-    return "sampled at " + ", ".join(parts)
+    return "sampled at " + ", ".join(parts + extras)
 
 
 def paths_to_run(asked: list[str], engine: Engine) -> list[str]:
