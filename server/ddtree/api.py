@@ -377,14 +377,18 @@ def _chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRe
         messages.append(template_message(message | {k: v for k, v in extra.items() if v is not None}))
     if state.engine.tokenizer is None:
         raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
-    kwargs = state.config.default_chat_template_kwargs | (req.chat_template_kwargs or {})
-    kwargs |= {"tools": req.tools} if tools else {}
+    kwargs = _template_kwargs(state, req) | ({"tools": req.tools} if tools else {})
     try:
         ids = state.engine.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
                                     continue_final_message=req.continue_final_message, **kwargs)
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
         raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
     return ids, tools
+
+
+def _template_kwargs(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The chat template arguments a chat renders with: the server's defaults, the request's own keys winning."""
+    return state.config.default_chat_template_kwargs | (req.chat_template_kwargs or {})
 
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepared:
@@ -431,8 +435,7 @@ def _think_block(state: ServerState, req: ChatCompletionRequest, prompt_block: s
     """The think block a constrained chat may write before its grammar applies, as vLLM's reasoning parser
     allows; None when the request does not think (enable_thinking false, or the prompt closed the block)
     or the tokenizer has no single <think> and </think> tokens to tell where the block ends."""
-    kwargs = state.config.default_chat_template_kwargs | (req.chat_template_kwargs or {})
-    if prompt_block == "closed" or kwargs.get("enable_thinking") is False:
+    if prompt_block == "closed" or _template_kwargs(state, req).get("enable_thinking") is False:
         return None
     tags = [state.engine.encode(tag) for tag in (REASONING_OPEN, REASONING_CLOSE)]
     if any(len(ids) != 1 for ids in tags):

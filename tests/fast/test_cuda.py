@@ -199,7 +199,7 @@ def test_filtered_sampling_is_captured_in_graphs_and_stays_in_the_filtered_suppo
     prompt = [1, 2, 3, 4]
     gen = fast.stream(prompt, params, method="ddtree", budget=16)
     list(gen)
-    plan = fast.fast.plan("ddtree", 16, sampled=True, filters=fast_filters(params))
+    plan = fast.fast.plan_for("ddtree", 16, params)
     assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
     ids = prompt + gen.token_ids
     with torch.no_grad():
@@ -220,17 +220,11 @@ def test_penalized_rounds_with_logprobs_replay_as_graphs_and_give_the_reference_
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", 16)):
         gen = fast.stream(prompt, params, method=method, budget=budget)
         got = [entry.logprob for r in gen for entry in r.logprobs]
-        plan = fast.fast.plan(method, budget or 1, adjusted=True, logprobs=True)
+        plan = fast.fast.plan_for(method, budget or 1, params)
         assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
         want = reference.generate(prompt, params, method=method, budget=budget)
         assert gen.token_ids == want.token_ids
         assert got == pytest.approx([entry.logprob for entry in want.logprobs], abs=1e-4)
-
-
-def fast_filters(params: SamplingParams):
-    from ddtree.fast import sampling_filters
-
-    return sampling_filters(params)
 
 
 def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():

@@ -111,7 +111,7 @@ class FastPath:
         # A request's logit bias and penalties, as device buffers its plans read (one plan for every setting):
         # the bias per token, (repetition, frequency, presence), how often each token was emitted, and
         # which tokens the prompt holds. Each tree node adds its own path's tokens on the device.
-        vocab = target.lm_head.weight.shape[0]
+        self.vocab = vocab = target.lm_head.weight.shape[0]
         self.bias = torch.zeros(vocab, device=self.device)
         self.penalties = torch.tensor([1.0, 0.0, 0.0], device=self.device)
         self.emitted_counts = torch.zeros(vocab, device=self.device)
@@ -124,7 +124,8 @@ class FastPath:
             # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, self.capacity, dc.head_dim),
                                         dtype=self.dtype, device=self.device)
-        self._plans: dict[tuple[str, int, bool, Filters | None, bool], Plan] = {}
+        # (method, budget, sampled, filters, constrained, adjusted, logprobs) -> its plan; see plan()
+        self._plans: dict[tuple[str, int, bool, Filters | None, bool, bool, bool], Plan] = {}
         self._busy = False
         # Queue each round before reading the previous one: on CUDA that overlaps the host's bookkeeping with
         # the device's work; on the CPU a round runs when it is launched, so it would only delay the output.
@@ -169,9 +170,8 @@ class FastPath:
         try:
             sampled, filters = not gen.params.greedy, sampling_filters(gen.params)
             constraint = gen.engine.constraint(gen.params)
-            adjusted = gen.params.penalized or bool(gen.params.logit_bias)
-            logprobs = gen.params.logprobs is not None
-            plan = self.plan(gen.method, gen.budget, sampled, filters, constraint is not None, adjusted, logprobs)
+            adjusted, logprobs = _adjusted(gen.params), gen.params.logprobs is not None
+            plan = self.plan_for(gen.method, gen.budget, gen.params)
             if adjusted:  # after the captures (their warm-ups count tokens too), before the prefill
                 self._load_adjustments(gen.params, gen.prompt_ids)
             refill = prefill_noise = None
@@ -237,6 +237,11 @@ class FastPath:
 
         plan.allowed.copy_(constraint.allowed([path(node) for node in range(len(parents))]), non_blocking=True)
 
+    def plan_for(self, method: str, budget: int, params: SamplingParams) -> Plan:
+        """The plan a request with `params` runs on (rounds() uses it; the bench looks its graphs up)."""
+        return self.plan(method, budget, not params.greedy, sampling_filters(params), params.grammar is not None,
+                         _adjusted(params), params.logprobs is not None)
+
     def plan(self, method: str, budget: int, sampled: bool = False, filters: Filters | None = None,
              constrained: bool = False, adjusted: bool = False, logprobs: bool = False) -> Plan:
         """The round's steps for (method, budget), greedy or sampled, captured as CUDA graphs on first use.
@@ -252,11 +257,10 @@ class FastPath:
         key = (method, budget if method == "ddtree" else 0, sampled, filters, constrained, adjusted, logprobs)
         if key not in self._plans:
             noise = allowed = None
-            vocab = self.target.lm_head.weight.shape[0]
             if sampled:
-                noise = torch.rand((self.nodes(method, budget), vocab), device=self.device)
+                noise = torch.rand((self.nodes(method, budget), self.vocab), device=self.device)
             if constrained:  # packed, as grammar.Constraint.allowed writes them
-                allowed = torch.full((self.nodes(method, budget), grammar.words(vocab)), -1, dtype=torch.int32,
+                allowed = torch.full((self.nodes(method, budget), grammar.words(self.vocab)), -1, dtype=torch.int32,
                                      device=self.device)
             steps: list[tuple[str, Callable]] = []
             if method == "ar":
@@ -332,8 +336,7 @@ class FastPath:
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         logits, taps = self.forward(prompt, positions, causal, last_only=True)
-        logits = grammar.mask_logits(logits[-1:], allowed)
-        logits = self.adjust(logits) if adjusted else logits
+        logits = self.before_pick(logits[-1:], allowed, adjusted)
         root = self.pick(logits, noise, filters)[0]
         if adjusted:
             self.emitted_counts[root] += 1
@@ -386,8 +389,7 @@ class FastPath:
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps = self.forward(ids, self.start + depths, visible)
-        logits = grammar.mask_logits(logits, allowed)
-        logits = self.adjust(logits, ids, visible) if adjusted else logits
+        logits = self.before_pick(logits, allowed, adjusted, ids, visible)
         picks = self.pick(logits, noise, filters)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
@@ -404,6 +406,13 @@ class FastPath:
         result = torch.cat([length.view(1), emitted])
         rows = self.processed(logits.index_select(0, path), noise is not None, filters) if logprobs else None
         return result, path, length, bonus, taps, rows
+
+    def before_pick(self, logits: torch.Tensor, allowed: torch.Tensor | None, adjusted: bool,
+                    ids: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw logits with the grammar's masks (`allowed`), then the bias and penalties when `adjusted`: the
+        reference path's order."""
+        logits = grammar.mask_logits(logits, allowed)
+        return self.adjust(logits, ids, visible) if adjusted else logits
 
     def adjust(self, logits: torch.Tensor, ids: torch.Tensor | None = None,
                visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -479,6 +488,11 @@ class FastPath:
         kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
                                     dc.num_kv_heads, dc.head_dim)
         self.draft_kv.index_copy_(3, positions, kv)
+
+
+def _adjusted(params: SamplingParams) -> bool:
+    """Whether a request's logits get a bias or penalties before its picks (an adjusted plan)."""
+    return params.penalized or bool(params.logit_bias)
 
 
 def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,

@@ -92,10 +92,10 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
                       config: dict[str, int] | None = None) -> torch.Tensor:
     kv_heads, rows, d = q.shape
     n, capacity = mask.n, cache.shape[2]
-    if config is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        config = launch_config(rows, capacity, kv_heads, sms)
     cfg = config
+    if cfg is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        cfg = launch_config(rows, capacity, kv_heads, sms)
     splits = cfg["splits"]
     acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
     stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)

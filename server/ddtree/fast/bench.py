@@ -33,7 +33,6 @@ import torch
 from ddtree.draft import DFlashDraft
 from ddtree.engine import DTYPES, Engine
 from ddtree.errors import DDTreeError
-from ddtree.fast import sampling_filters
 from ddtree.sampling import SamplingParams
 from ddtree.target import HybridTarget, Target
 
@@ -242,10 +241,7 @@ def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, para
     round_ms = 1e3 * totals["seconds"] / rounds
     graphs = None
     if on_fast and engine.fast:
-        plan = engine.fast.plan(method, budget, sampled=not params.greedy, filters=sampling_filters(params),
-                                adjusted=params.penalized or bool(params.logit_bias),
-                                logprobs=params.logprobs is not None)
-        graphs = plan.eager_reason or "graphs"
+        graphs = engine.fast.plan_for(method, budget, params).eager_reason or "graphs"
     return dict(method=method, budget=budget if method == "ddtree" else None, on_fast_path=on_fast, graphs=graphs,
                 tau=totals["committed"] / rounds, tpot_ms=1e3 * totals["seconds"] / max(totals["decoded"], 1),
                 tokens_per_second=totals["decoded"] / totals["seconds"] if totals["seconds"] else 0.0,
