@@ -3,14 +3,18 @@
 1. Tree attention: the Triton split-K kernel under several launch configurations vs SDPA.
 
 For the row counts the fast path meets on a Qwen3-8B-shaped target (8 K/V heads, 4 query heads each, d 128):
-one AR row, a 16-row draft block, and 65- and 129-node tree verifies, at a 560-token context in a
-768-row cache. Each variant runs over 36 distinct layer caches (more than L2 holds) as one CUDA graph;
-the time is per layer call, median of replays.
+one AR row, a 16-row draft block, and 65- and 129-node tree verifies (4, 64, 260 and 516 grouped query rows),
+at a 560-token context in a 768-row cache. Each variant is checked against SDPA, then runs over 36 distinct
+layer caches (more than L2 holds) as one CUDA graph; the time is per layer call, median of replays.
+--sweep tries, for the AR row, 1 to 32 splits; for the draft block and the trees, at most 54 configs in two
+stages: tile height x warps x splits (1/2/3/4/6/8) at block_n 64 and 2 pipeline stages, then block_n
+32/64/128 x num_stages 1/2/3 around the 3 fastest of those. splits 1 is the kernel without the merge pass.
+The last table is the fastest config per row count.
 2. Tree build: `top_prefixes` at each budget over the demo's 8192-token and Qwen3's 151936-token vocabulary,
    and its parts: the vocabulary top-k + log-partition (Triton vs torch) and the tree kernel at 4/8/16 warps.
 
-    PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep] [--part tree|attention]
-        # --sweep: every attention launch config; --part: only one of the two parts
+    PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep] [--part tree|attention] [--rows 4 64 260 516]
+        # --sweep: attention launch configs; --part: only one of the two parts; --rows: only these row counts
 """
 
 from __future__ import annotations
@@ -20,8 +24,15 @@ import argparse
 import torch
 from ddtree.fast.attention import TreeMask, _triton_attention, launch_config, tree_attention, tree_mask
 from ddtree.fast.bench import graph_ms
+from triton.runtime.errors import OutOfResources
 
 LAYERS, KV, GROUPS, D, CAPACITY, START = 36, 8, 4, 128, 768, 560
+TREE_SHAPES = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))  # (block_m, num_warps)
+TREE_SPLITS = (1, 2, 3, 4, 6, 8)
+PIPELINES = tuple((block_n, stages) for block_n in (32, 64, 128) for stages in (1, 2, 3))
+REFINED = 3  # stage-1 configs whose block_n and num_stages the sweep varies
+AR_ROWS = 16  # up to this many rows (one AR token's heads), the sweep varies only the splits
+SDPA = "sdpa (cuDNN), whole capacity"
 
 
 def per_call_us(fn) -> float:
@@ -40,37 +51,85 @@ def layer_calls(q: torch.Tensor, caches: list[torch.Tensor], mask: TreeMask, cfg
     return run
 
 
-def attention(sweep: bool) -> None:
+def config(block_m: int, num_warps: int, splits: int, block_n: int = 64, num_stages: int = 2) -> dict[str, int]:
+    return dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages)
+
+
+def shape_grid(rows: int) -> list[dict[str, int]]:
+    """Sweep stage 1. One AR row only fills the GPU through splits; more rows also vary the tile height,
+    up to twice the rows (taller tiles only compute padding)."""
+    if rows <= AR_ROWS:
+        return [config(16, 4, splits) for splits in (1, 2, 4, 8, 16, 32)]
+    return [config(bm, warps, splits) for bm, warps in TREE_SHAPES if bm <= 2 * rows for splits in TREE_SPLITS]
+
+
+def pipeline_grid(fastest: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Sweep stage 2: key block and pipeline depth matter through shared memory and latency hiding, which
+    depend on the tile, so they are varied around the fastest tiles rather than crossed with every one."""
+    return [{**cfg, "block_n": block_n, "num_stages": stages} for cfg in fastest for block_n, stages in PIPELINES]
+
+
+def check_and_time(q: torch.Tensor, caches: list[torch.Tensor], fast: TreeMask, want: torch.Tensor,
+                   cfg: dict[str, int]) -> float | str:
+    """µs per layer call with `cfg`, or why it is not timed: an output that is not SDPA's, or a launch the GPU
+    lacks shared memory or registers for (a swept tile need not fit)."""
+    try:
+        got = _triton_attention(q, caches[0], fast, cfg).float()
+    except OutOfResources as exc:
+        return f"skipped: {exc}"
+    if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+        return f"WRONG ({(got - want).abs().max():.3g})"
+    return per_call_us(layer_calls(q, caches, fast, cfg))
+
+
+def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: int,
+              sweep: bool) -> tuple[dict[str, int], dict[str, float | str]]:
+    """The default config for `rows` grouped query rows (a causal block of rows // GROUPS tokens), and every
+    variant tried: name -> µs per layer call, or why it was not timed."""
+    dev, n = start.device, rows // GROUPS
+    q = torch.randn(KV, rows, D, device=dev, dtype=torch.bfloat16)
+    visible = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    fast = tree_mask(start, visible, CAPACITY, GROUPS, D, torch.bfloat16)
+    slow = tree_mask(start.cpu(), visible.cpu(), CAPACITY, GROUPS, D, torch.bfloat16)
+    sdpa = TreeMask(start, n, None, additive=slow.additive.to(dev))
+    want = tree_attention(q, caches[0], sdpa).float()
+    default = launch_config(rows, CAPACITY, KV, sms)
+    results: dict[str, float | str] = {SDPA: per_call_us(layer_calls(q, caches, sdpa, None))}
+
+    def measure(configs: list[dict[str, int]]) -> None:
+        for cfg in configs:
+            if str(cfg) not in results:
+                results[str(cfg)] = check_and_time(q, caches, fast, want, cfg)
+
+    grid = shape_grid(rows) if sweep else []
+    measure([default, *grid])
+    if sweep and rows > AR_ROWS:
+        fastest = sorted((c for c in grid if isinstance(results[str(c)], float)), key=lambda c: results[str(c)])
+        measure(pipeline_grid(fastest[:REFINED]))
+    return default, results
+
+
+def attention(sweep: bool, row_counts: list[int]) -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     caches = [torch.randn(2, KV, CAPACITY, D, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
     start = torch.tensor(START, device=dev)
+    fastest = []
     print("| rows | variant | us per layer |\n|---|---|---|")
-    for n in (1, 16, 65, 129):
-        q = torch.randn(KV, GROUPS * n, D, device=dev, dtype=torch.bfloat16)
-        visible = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        fast = tree_mask(start, visible, CAPACITY, GROUPS, D, torch.bfloat16)
-        slow = tree_mask(start.cpu(), visible.cpu(), CAPACITY, GROUPS, D, torch.bfloat16)
-        sdpa = TreeMask(start, n, None, additive=slow.additive.to(dev))
-        want = tree_attention(q, caches[0], sdpa).float()
-        base = launch_config(GROUPS * n, CAPACITY, KV, sms)
-        variants = {"sdpa (cuDNN), whole capacity": None, "default " + str(base): base}
-        for bm, warps in ((16, 4), (32, 4), (64, 4), (64, 8)) if sweep else ():
-            if bm > max(16, 2 * GROUPS * n):
-                continue
-            for splits in (1, 2, 4, 8, 16, 32):
-                cfg = dict(block_m=bm, block_n=64, splits=splits, num_warps=warps, num_stages=2)
-                variants[str(cfg)] = cfg
-        results = []
-        for name, cfg in variants.items():
-            if cfg is not None:
-                got = _triton_attention(q, caches[0], fast, cfg).float()
-                if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
-                    print(f"| {GROUPS * n} | {name} | WRONG ({(got - want).abs().max():.3g}) |")
-                    continue
-            results.append((per_call_us(layer_calls(q, caches, sdpa if cfg is None else fast, cfg)), name))
-        for us, name in sorted(results)[:6] + [r for r in results if not r[1].startswith("{")]:
-            print(f"| {GROUPS * n} | {name} | {us:.1f} |")
+    for rows in row_counts:
+        default, results = row_count(rows, caches, start, sms, sweep)
+        timed = sorted((us, name) for name, us in results.items() if isinstance(us, float))
+        for us, name in timed:
+            print(f"| {rows} | {'default ' if name == str(default) else ''}{name} | {us:.1f} |")
+        for name, why in results.items():
+            if isinstance(why, str):
+                print(f"| {rows} | {name} | {why} |")
+        kernel = next(((us, name) for us, name in timed if name != SDPA), (float("nan"), "none ran"))
+        fastest.append((rows, kernel, results[SDPA], results[str(default)]))
+    print("\n| rows | fastest config | us per layer | default us | sdpa us |\n|---|---|---|---|---|")
+    for rows, (us, name), sdpa_us, default_us in fastest:
+        shown = f"{default_us:.1f}" if isinstance(default_us, float) else default_us
+        print(f"| {rows} | {name} | {us:.1f} | {shown} | {sdpa_us:.1f} |")
 
 
 def tree_ops() -> None:
@@ -108,8 +167,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--part", choices=["tree", "attention"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 64, 260, 516],
+                        help="grouped query rows (GROUPS x new tokens) for the attention part")
     args = parser.parse_args()
     if args.part != "attention":
         tree_ops()
     if args.part != "tree":
-        attention(args.sweep)
+        attention(args.sweep, args.rows)

@@ -7,9 +7,11 @@ more positions behind the query (query t sits at position start + t). Queries co
 
 On CUDA a Triton split-K kernel (flash decoding) reads only the rows [0, start + n) (not the cache's
 whole capacity) and spreads them over enough programs to fill the GPU, even for a single query row; a
-second kernel merges the splits straight into the [n, H * d] layout the output projection reads. `start`
-stays on the device, so a CUDA graph replays the same launch as the cache grows. Elsewhere the same
-function is PyTorch's SDPA with an additive mask over the whole capacity (the CPU reference).
+second kernel merges the splits straight into the [n, H * d] layout the output projection reads. With one
+split there is nothing to merge: the split kernel normalises and writes that layout itself (one launch, and
+no float32 partials through global memory). `start` stays on the device, so a CUDA graph replays the same
+launch as the cache grows. Elsewhere the same function is PyTorch's SDPA with an additive mask over the
+whole capacity (the CPU reference).
 """
 
 from __future__ import annotations
@@ -97,16 +99,22 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         cfg = launch_config(rows, capacity, kv_heads, sms)
     splits = cfg["splits"]
-    acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
-    stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
+    out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)
+    direct = splits == 1
+    if direct:  # the split kernel writes `out` itself; Acc and Stats are never touched
+        acc = stats = out
+    else:
+        acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
+        stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
     k, v = cache[0], cache[1]
     _split_kernel[(kv_heads, triton.cdiv(rows, cfg["block_m"]), splits)](
-        q, k, v, mask.visible, mask.start, acc, stats,
+        q, k, v, mask.visible, mask.start, acc, stats, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        rows, n, 1.0 / math.sqrt(d), splits,
+        rows, n, rows // n, 1.0 / math.sqrt(d), splits,
         WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)
+        IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if direct:
+        return out
     block_r = min(16, triton.next_power_of_2(rows))
     row_blocks = triton.cdiv(rows, block_r)
     block_d = d if kv_heads * row_blocks >= 64 else min(d, 32)  # few rows: spread the head dim over programs
@@ -126,10 +134,11 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, stride_qh, stride_qr, stride_kh, stride_kt, stride_vh,
-                      stride_vt, rows, n, scale, SPLITS, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats."""
+    def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, Out, stride_qh, stride_qr, stride_kh, stride_kt, stride_vh,
+                      stride_vt, rows, n, groups, scale, SPLITS, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
+        """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats
+        for _merge_kernel, or, when DIRECT (one split, the whole key range), the finished output in its layout."""
         head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(Start).to(tl.int32)
         total = start + n
@@ -166,10 +175,15 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         heads = tl.num_programs(0)
-        out = (split * heads + head) * rows + r
-        tl.store(Acc + out[:, None] * HEAD_DIM + dims[None, :], acc, mask=(r < rows)[:, None])
-        tl.store(Stats + out, m_i, mask=r < rows)
-        tl.store(Stats + SPLITS * heads * rows + out, l_i, mask=r < rows)
+        if DIRECT:  # every real row sees itself, so l_i > 0; padded rows (r >= rows) are not stored
+            dst = t * (heads * groups * HEAD_DIM) + (head * groups + r // n) * HEAD_DIM
+            tl.store(Out + dst[:, None] + dims[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
+                     mask=(r < rows)[:, None])
+        else:
+            out = (split * heads + head) * rows + r
+            tl.store(Acc + out[:, None] * HEAD_DIM + dims[None, :], acc, mask=(r < rows)[:, None])
+            tl.store(Stats + out, m_i, mask=r < rows)
+            tl.store(Stats + SPLITS * heads * rows + out, l_i, mask=r < rows)
 
     @triton.jit
     def _merge_kernel(Acc, Stats, Out, rows, n, groups, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
