@@ -20,8 +20,9 @@ from ddtree import grammar
 from ddtree.draft import DFlashDraft, DraftCache, load_draft
 from ddtree.errors import DDTreeError
 from ddtree.fast import MAX_BUDGET, FastPath, unsupported
+from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import History, SamplingParams, make_generator, pick_tokens, process_logits
-from ddtree.target import Target, load_target
+from ddtree.target import HybridTarget, Target, load_target
 from ddtree.tree import DraftTree, build_tree, chain_tree, walk
 
 METHODS = ("ddtree", "dflash", "ar")
@@ -159,7 +160,8 @@ class Engine:
             target.set_taps(draft.config.target_layer_ids)
         # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.
         self.fast_unsupported = unsupported(target) if fast else "off"
-        self.fast = FastPath(target, draft, fast_capacity) if self.fast_unsupported is None else None
+        fast_path = HybridFastPath if isinstance(target, HybridTarget) else FastPath
+        self.fast = fast_path(target, draft, fast_capacity) if self.fast_unsupported is None else None
 
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = None, *,

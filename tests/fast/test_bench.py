@@ -69,19 +69,18 @@ def test_bench_rejects_an_unknown_shape(capsys):
     assert "unknown shape" in capsys.readouterr().err
 
 
-def test_bench_runs_a_hybrid_shape_on_the_eager_path_only(tmp_path, capsys):
+def test_bench_runs_a_hybrid_shape_on_the_fast_path_and_agrees_with_the_eager_path(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "--shape", "tiny-hybrid", "--device", "cpu", "--methods", "ar", "dflash", "ddtree",
                "--budgets", "8", "--prompts", "1", "--prompt-tokens", "12", "--max-new-tokens", "10",
                "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert report["fast_path"].startswith("declined: hybrid")
-    assert [(r["path"], r["method"]) for r in report["results"]] == [("eager", m) for m in ("ar", "dflash", "ddtree")]
-    assert all(r["lossless"] for r in report["results"])
-    assert "fast_vs_eager_ar_prefix_match" not in report
-    captured = capsys.readouterr()
-    assert "fast path declined (hybrid" in captured.err and "| fast |" not in captured.out
+    assert report["fast_path"] == "available"
+    assert [(r["path"], r["method"]) for r in report["results"]] == [
+        (p, m) for p in ("fast", "eager") for m in ("ar", "dflash", "ddtree")]
+    assert all(r["lossless"] and r["on_fast_path"] == (r["path"] == "fast") for r in report["results"])
+    assert report["fast_vs_eager_ar_prefix_match"] == 1.0
 
 
 def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
@@ -96,10 +95,11 @@ def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
     assert weight_bytes(fast, 100) == 4 * params + 100 * kv_per_token + 2 * 3 * (recurrent + conv)
 
 
-def test_bench_fast_path_only_on_a_hybrid_shape_is_an_error(capsys):
-    assert main(["bench", "--shape", "tiny-hybrid", "--device", "cpu", "--paths", "fast"]) == 2
+def test_bench_fast_path_only_on_a_target_without_one_is_an_error(fast_ckpt, capsys):
+    assert main(["bench", "--target", str(fast_ckpt / "swa"), "--draft", str(fast_ckpt / "draft"),
+                 "--device", "cpu", "--paths", "fast"]) == 2
     err = capsys.readouterr().err
-    assert "no fast path for this target (hybrid" in err and "--paths eager" in err and "Traceback" not in err
+    assert "no fast path for this target (sliding-window" in err and "--paths eager" in err and "Traceback" not in err
 
 
 def test_generate_fast_gives_the_reference_tokens(fast_ckpt, capsys, monkeypatch):

@@ -255,3 +255,28 @@ def test_packed_grammar_masks_unpack_on_the_device_as_on_the_host():
 
     bits = torch.randint(-2**31, 2**31 - 1, (65, 4748), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
     assert torch.equal(unpack(bits.cuda(), 151936).cpu(), unpack(bits, 151936))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dtype):
+    """A Qwen3.5 hybrid: the closed-form Gated DeltaNet tree and its commit captured in the round's graphs.
+    float32 must give the reference's tokens exactly; bf16 its tokens up to rounding (a long common prefix)."""
+    from ddtree.fast.bench import prefix_match
+    from tiny import make_draft, make_hybrid_target
+
+    make_draft(tmp_path / "draft", taps=[1, 2])
+    make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
+    fast = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cuda", dtype=dtype, fast=True,
+                                  fast_capacity=512)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    for prompt in ([1, 2, 3, 4, 5], list(range(10, 80)) * 5):  # the second one: two prompt chunks
+        ar = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            list(gen)
+            plan = fast.fast.plan(method, budget or 1)
+            assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+            if dtype == "float32":
+                assert gen.token_ids == ar, (method, budget)
+            else:
+                assert prefix_match([gen.token_ids], [ar]) >= 0.2, (method, budget)  # 8 of 40 tokens

@@ -15,8 +15,9 @@ back one small tensor (the accepted length and the emitted tokens). On the CPU t
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
 Scope: greedy or sampled requests (temperature, top-k, top-p, min-p, penalties, logit bias, a grammar,
-logprobs) without prompt logprobs, on dense pure-attention Qwen3 / Llama-family targets (no sliding windows,
-no MoE, no hybrid recurrent layers). Everything else stays on the reference path.
+logprobs) without prompt logprobs, on dense Qwen3 / Llama-family targets and dense Qwen3.5 / Qwen3.6 hybrids
+(Gated DeltaNet layers: fast/hybrid.py); no sliding windows, no MoE. Everything else stays on the reference
+path.
 """
 
 from __future__ import annotations
@@ -64,16 +65,16 @@ def sampling_filters(params: SamplingParams) -> Filters | None:
 def unsupported(target: Target) -> str | None:
     """Why the fast path cannot run this target (None when it can)."""
     cfg = target.config
-    if isinstance(target, HybridTarget):
-        return "hybrid (recurrent) targets use the reference path"
-    if cfg.model_type not in ARCHITECTURES:
-        return f"model type {cfg.model_type} is not one of {', '.join(ARCHITECTURES)}"
-    if set(target.layer_types) != {"full_attention"}:
+    hybrid = isinstance(target, HybridTarget)
+    if not hybrid and cfg.model_type not in ARCHITECTURES:
+        return f"model type {cfg.model_type} is not one of {', '.join(ARCHITECTURES)}, nor a hybrid"
+    if set(target.layer_types) - {"full_attention", "linear_attention"}:
         return "sliding-window layers use the reference path"
     if not all(hasattr(layer.mlp, "gate_proj") for layer in target.layers):
         return "only dense MLPs are supported"
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if any(abs(layer.self_attn.scaling - head_dim**-0.5) > 1e-9 for layer in target.layers):
+    attention = [layer.self_attn for layer in target.layers if hasattr(layer, "self_attn")]
+    if any(abs(module.scaling - head_dim**-0.5) > 1e-9 for module in attention):
         return "attention scaling other than 1/sqrt(head_dim)"
     return None
 
@@ -94,17 +95,7 @@ class FastPath:
         head_dims = {self.head_dim} | ({draft.config.head_dim} if draft is not None else set())
         if self.device.type == "cuda" and triton_works(self.device) and all(d & (d - 1) == 0 for d in head_dims):
             self.ops.attention_heads = heads_kernel  # one Triton kernel instead of the compiled three
-        self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
-        # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
-        # (ddtree/fast/gemv.py); DDTREE_GEMV=0 keeps cuBLAS and the separate kernels, for A/B runs.
-        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self.row_gemv = (self.device.type == "cuda" and os.environ.get("DDTREE_GEMV", "1") != "0"
-                         and triton_works(self.device) and target.lm_head.bias is None
-                         and all(gemv_supported(w) for w in [target.lm_head.weight, *(p.weight for p in projections)])
-                         and all(p.bias is None for p in projections))
-        # K and V of every layer in one tensor [L, 2, kv, T, d]: compaction is one gather + one scatter.
-        self.kv = torch.zeros((len(self.layers), 2, self.kv_heads, self.capacity, self.head_dim), dtype=self.dtype,
-                              device=self.device)
+        self._build_target()
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # last committed token, not cached yet
         self.inv_temperature = torch.ones((), device=self.device)  # 1 / T of the sampled generation running
@@ -130,6 +121,24 @@ class FastPath:
         # Queue each round before reading the previous one: on CUDA that overlaps the host's bookkeeping with
         # the device's work; on the CPU a round runs when it is launched, so it would only delay the output.
         self.queue_ahead = self.device.type == "cuda"
+
+    def _build_target(self) -> None:
+        """The target's fused layers and its static K/V cache (a hybrid target builds its own)."""
+        self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
+        # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
+        # (ddtree/fast/gemv.py); DDTREE_GEMV=0 keeps cuBLAS and the separate kernels, for A/B runs.
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        lm_head = self.target.lm_head
+        self.row_gemv = (self.device.type == "cuda" and os.environ.get("DDTREE_GEMV", "1") != "0"
+                         and triton_works(self.device) and lm_head.bias is None
+                         and all(gemv_supported(w) for w in [lm_head.weight, *(p.weight for p in projections)])
+                         and all(p.bias is None for p in projections))
+        self.kv = self._kv_cache(len(self.layers))
+
+    def _kv_cache(self, layers: int) -> torch.Tensor:
+        """K and V of every attention layer in one tensor [L, 2, kv, T, d]: compaction is one gather + one scatter."""
+        return torch.zeros((layers, 2, self.kv_heads, self.capacity, self.head_dim), dtype=self.dtype,
+                           device=self.device)
 
     # -- which requests ---------------------------------------------------------------------------------
 
@@ -271,7 +280,7 @@ class FastPath:
             depth = 0 if method == "ar" else self.block - 1
             steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters,
                                                              allowed=allowed, adjusted=adjusted, logprobs=logprobs)))
-            steps.append(("commit", lambda out: self.commit(*out[1:5], with_draft=method != "ar")))
+            steps.append(("commit", lambda out: self.commit(*out[1:5], with_draft=method != "ar", recurrent=out[6])))
             cuda = self.device.type == "cuda"
             self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise, allowed)
         return self._plans[key]
@@ -296,11 +305,12 @@ class FastPath:
     # -- the steps --------------------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, object]:
         """Target rows ids [N] at positions [N], written to cache slots start.. start+N-1.
 
         visible [N, N] says which of the new rows each row sees (the tree's ancestors, or causal); every
-        row also sees the committed rows 0 .. start-1. Returns (logits [N or 1, V], taps [N, k*H]).
+        row also sees the committed rows 0 .. start-1. Returns (logits [N or 1, V], taps [N, k*H], what the
+        commit of recurrent layers needs: None here, as attention layers keep everything in the K/V cache).
         A layer's residual add is deferred into the next layer's norm, so a tapped layer's output is the
         residual that the next norm (or the final norm) returns.
         """
@@ -323,7 +333,7 @@ class FastPath:
             logits = self.target.lm_head(h[-1:] if last_only else h)
         tapped[len(self.layers) - 1] = x
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
-        return logits, taps
+        return logits, taps, None
 
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
                 filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False,
@@ -335,7 +345,7 @@ class FastPath:
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        logits, taps = self.forward(prompt, positions, causal, last_only=True)
+        logits, taps = self.prompt_forward(prompt, positions, causal)
         logits = self.before_pick(logits[-1:], allowed, adjusted)
         root = self.pick(logits, noise, filters)[0]
         if adjusted:
@@ -345,6 +355,12 @@ class FastPath:
         self.start.fill_(n)
         self.root.copy_(root)
         return int(root), self.processed(logits, noise is not None, filters) if logprobs else None
+
+    def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor,
+                       causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt's forward from an empty cache: (last row's logits [1, V], taps of every row)."""
+        logits, taps, _ = self.forward(prompt, positions, causal, last_only=True)
+        return logits, taps
 
     def lone_root(self) -> tuple[torch.Tensor, ...]:
         """The AR "tree": the root alone."""
@@ -383,12 +399,13 @@ class FastPath:
         tokens, so the accepted nodes form one root path). The emitted tokens are the picks along that
         path, so a sampled round emits exactly what sampling the target token by token would. Returns
         (result = [accepted length, emitted tokens..., padding], path nodes [D+1], accepted length, bonus
-        token, taps). The packed masks `allowed` [n, words] restrict each node's pick (a grammar: before any
+        token, taps, the path nodes' processed logits (with `logprobs`), what the commit of recurrent layers
+        needs). The packed masks `allowed` [n, words] restrict each node's pick (a grammar: before any
         other processing).
         """
         n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
-        logits, taps = self.forward(ids, self.start + depths, visible)
+        logits, taps, recurrent = self.forward(ids, self.start + depths, visible)
         logits = self.before_pick(logits, allowed, adjusted, ids, visible)
         picks = self.pick(logits, noise, filters)
         steps = torch.arange(n, device=self.device)
@@ -405,7 +422,7 @@ class FastPath:
             self.emitted_counts.index_add_(0, emitted, valid.float())
         result = torch.cat([length.view(1), emitted])
         rows = self.processed(logits.index_select(0, path), noise is not None, filters) if logprobs else None
-        return result, path, length, bonus, taps, rows
+        return result, path, length, bonus, taps, rows, recurrent
 
     def before_pick(self, logits: torch.Tensor, allowed: torch.Tensor | None, adjusted: bool,
                     ids: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -463,8 +480,9 @@ class FastPath:
         return (self.processed(logits, True, filters) - torch.log(-torch.log(noise))).argmax(dim=-1)
 
     def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
-               with_draft: bool) -> None:
-        """Keep the path's rows (copied down to start..), extend the draft context, advance start and root.
+               with_draft: bool, recurrent: object = None) -> None:
+        """Keep the path's rows (copied down to start..), extend the draft context, advance start and root
+        (`recurrent`: what a hybrid target's verify left for its recurrent layers; see fast/hybrid.py).
 
         Rows past the accepted length are copied too (fixed shapes) but lie beyond `start` afterwards, where
         every mask hides them until they are overwritten.

@@ -72,22 +72,23 @@ def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torc
 
 
 def launch_config(rows: int, capacity: int, kv_heads: int, sms: int) -> dict[str, int]:
-    """Tile height and key-range splits for `rows` grouped query rows per K/V head.
+    """Tile height and width, key-range splits and pipeline depth for `rows` grouped query rows per K/V head.
 
-    From benchmarks/kernel_tune.py on an H200 (8 K/V heads, d 128, 560-token context): one AR row wants
-    many splits to fill the GPU; a draft block or a tree of up to ~64 nodes, short tiles and 4 splits; a
-    129-node tree, short tiles and no split (its query rows already make enough programs).
+    From benchmarks/kernel_tune.py --sweep on an H200 (8 K/V heads, d 128, 560-token context): one AR row
+    wants many splits to fill the GPU; a draft block or a small tree (up to 128 rows), short and narrow
+    tiles over 6 splits; a 65-node tree, wide tiles over 3 splits; larger trees, wide tiles and one split
+    (no merge: their query rows already make enough programs).
     """
     if rows <= 16:
-        block_m, splits = 16, triton.cdiv(2 * sms, kv_heads)
+        block_m, block_n, splits, stages = 16, 64, triton.cdiv(2 * sms, kv_heads), 2
     elif rows <= 128:
-        block_m, splits = 16, 4
+        block_m, block_n, splits, stages = 16, 32, 6, 3
     elif rows <= 384:
-        block_m, splits = 32, 4
+        block_m, block_n, splits, stages = 32, 128, 3, 1
     else:
-        block_m, splits = 16, 1
-    return dict(block_m=block_m, block_n=64, splits=max(1, min(splits, triton.cdiv(capacity, 64), 64)), num_warps=4,
-                num_stages=2)
+        block_m, block_n, splits, stages = 16, 128, 1, 2
+    return dict(block_m=block_m, block_n=block_n, splits=max(1, min(splits, triton.cdiv(capacity, 64), 64)),
+                num_warps=4, num_stages=stages)
 
 
 def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,

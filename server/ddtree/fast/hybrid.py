@@ -1,0 +1,158 @@
+"""Hybrid targets on the fast path: Qwen3.5 / Qwen3.6 dense stacks of Gated DeltaNet and gated attention.
+
+The reference path verifies a tree through a recurrent layer depth by depth, with a state per node
+(ddtree/hybrid.py): up to 16 sequential steps per layer, and a host loop that no graph can replay. Here
+each Gated DeltaNet layer takes the whole tree at once in the closed form of fast/delta.py: every node's
+output from the committed state, without per-node states. The causal conv reads each node's window along
+its own path (`conv_sources`). What the commit needs (the conv inputs, the normed keys, u, G) stays in a
+`Recurrent` record that the verify hands to the commit, which installs the state after the last accepted
+node for every recurrent layer in one batched product. Prompts run in chunks of PROMPT_CHUNK tokens
+through the same layer code (a chunk is a causal chain), so a round and a prompt share one implementation.
+
+The attention layers keep a static K/V cache as in the dense fast path, with the hybrid's gate (q_proj
+emits [q ; gate] per head, the output is scaled by sigmoid(gate)) and partial RoPE. Norms, projections and
+the MLP are the model's own modules: their rounding is the reference's. Every step keeps fixed shapes, so
+the same CUDA graphs as the dense path capture the rounds (fla is not needed).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.fast import FastPath
+from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
+from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
+from ddtree.hybrid import project, split_heads
+
+PROMPT_CHUNK = 256  # prompt tokens per forward: the closed form's [heads, n, n] products stay small
+
+
+@dataclass(frozen=True)
+class Recurrent:
+    """What one target forward leaves for the commit of its recurrent layers (leading dim: those layers)."""
+
+    inputs: torch.Tensor  # [L, W-1 + n, C]: the committed conv columns, then the nodes' conv inputs
+    keys: torch.Tensor  # [L, n, H, d_k]: normed keys
+    u: torch.Tensor  # [L, n, H, d_v]
+    decay: torch.Tensor  # [L, n, H]: G, the log decay from the committed state to each node
+    visible: torch.Tensor  # [n, n]
+    sources: torch.Tensor  # [n, W]: conv window rows in `inputs`
+
+
+class HybridFastPath(FastPath):
+    """FastPath for a hybrid target: recurrent layers in closed form, attention layers over a static cache."""
+
+    def _build_target(self) -> None:
+        self.row_gemv = False
+        self.decoder = list(self.model.layers)
+        self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
+                                                          if hasattr(layer, "linear_attn"))}
+        self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
+                                                          if i not in self.recurrent_index)}
+        self.kv = self._kv_cache(len(self.attention_index))
+        first = self.decoder[next(iter(self.recurrent_index))].linear_attn
+        self.conv_width = first.conv_kernel_size
+        self.conv_state = torch.zeros((len(self.recurrent_index), self.conv_width - 1, first.conv_dim),
+                                      dtype=self.dtype, device=self.device)
+        self.recurrent_state = torch.zeros((len(self.recurrent_index), first.num_v_heads, first.head_k_dim,
+                                            first.head_v_dim), dtype=torch.float32, device=self.device)
+        attention = self.decoder[next(iter(self.attention_index))].self_attn
+        self.rope = importlib.import_module(type(attention).__module__).apply_rotary_pos_emb
+
+    # -- the forward ------------------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Recurrent]:
+        n = ids.numel()
+        mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
+        slots = self.start + torch.arange(n, device=self.device)
+        x = self.model.embed_tokens(ids)
+        rows = positions.view(1, 1, n).expand(3, 1, n)  # M-RoPE's three rows, all the text position
+        cos, sin = (t[0] for t in self.model.rotary_emb(x[None], rows))
+        past = self.conv_width - 1
+        layers, channels = self.conv_state.shape[0], self.conv_state.shape[2]
+        heads, d_k, d_v = self.recurrent_state.shape[1:]
+        rec = Recurrent(torch.empty((layers, past + n, channels), dtype=self.dtype, device=self.device),
+                        torch.empty((layers, n, heads, d_k), device=self.device),
+                        torch.empty((layers, n, heads, d_v), device=self.device),
+                        torch.empty((layers, n, heads), device=self.device), visible,
+                        conv_sources(visible, positions - self.start, self.conv_width))
+        tapped = []
+        for i, layer in enumerate(self.decoder):
+            h = layer.input_layernorm(x)
+            if i in self.recurrent_index:
+                mixed = self._recurrent(layer.linear_attn, self.recurrent_index[i], h, rec)
+            else:
+                mixed = self._attention(layer.self_attn, self.kv[self.attention_index[i]], h, mask, slots, cos, sin)
+            x = x + mixed
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            tapped.append(x)
+        logits = self.target.lm_head(self.model.norm(x[-1:] if last_only else x))
+        taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
+        return logits, taps, rec
+
+    def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
+        """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
+        n = h.shape[0]
+        qkv, z, b, a = project(module, h)
+        beta = b.sigmoid()
+        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        inputs = rec.inputs[index]
+        inputs[:self.conv_width - 1] = self.conv_state[index]
+        inputs[self.conv_width - 1:] = qkv
+        window = inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
+        conv = (window * module.conv1d.weight[:, 0]).sum(-1)
+        if module.conv1d.bias is not None:
+            conv = conv + module.conv1d.bias
+        q, k, v = split_heads(module, F.silu(conv))
+        out, rec.keys[index], rec.u[index], rec.decay[index] = tree_delta_rule(
+            q, k, v, g, beta, rec.visible, self.recurrent_state[index])
+        out = module.norm(out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(out.reshape(n, -1))
+
+    def _attention(self, module, cache: torch.Tensor, h: torch.Tensor, mask: TreeMask, slots: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A gated attention layer: q and its gate from one projection, q/k norms, partial RoPE, the rows'
+        K/V into the cache at `slots`, tree attention, the gate, the output projection."""
+        n, d = h.shape[0], self.head_dim
+        q, gate = torch.chunk(module.q_proj(h).view(n, -1, 2 * d), 2, dim=-1)
+        q = module.q_norm(q)
+        k = module.k_norm(module.k_proj(h).view(n, -1, d))
+        v = module.v_proj(h).view(n, -1, d)
+        q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
+        cache[:, :, slots] = torch.stack([k, v]).transpose(1, 2)
+        groups = q.shape[1] // self.kv_heads
+        grouped = q.reshape(n, self.kv_heads, groups, d).permute(1, 2, 0, 3).reshape(self.kv_heads, groups * n, d)
+        return module.o_proj(tree_attention(grouped, cache, mask) * torch.sigmoid(gate.reshape(n, -1)))
+
+    # -- prompt and commit ------------------------------------------------------------------------------
+
+    def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor,
+                       causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt in causal chunks, each committed before the next: (last row's logits, every row's taps)."""
+        self.conv_state.zero_()
+        self.recurrent_state.zero_()
+        taps, logits = [], None
+        for lo in range(0, prompt.numel(), PROMPT_CHUNK):
+            hi = min(lo + PROMPT_CHUNK, prompt.numel())
+            logits, chunk_taps, rec = self.forward(prompt[lo:hi], positions[lo:hi], causal[lo:hi, lo:hi],
+                                                   last_only=True)
+            self._commit_recurrent(rec, torch.tensor(hi - lo - 1, device=self.device))
+            self.start.fill_(hi)
+            taps.append(chunk_taps)
+        return logits, torch.cat(taps) if self.taps else None
+
+    def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
+               with_draft: bool, recurrent: object = None) -> None:
+        self._commit_recurrent(recurrent, path.gather(0, (length - 1).view(1))[0])
+        super().commit(path, length, bonus, taps, with_draft)
+
+    def _commit_recurrent(self, rec: Recurrent, last: torch.Tensor) -> None:
+        """Every recurrent layer's state and conv window become those after node `last` (a device index)."""
+        self.recurrent_state.copy_(path_state(rec.keys, rec.u, rec.decay, rec.visible, self.recurrent_state, last))
+        newest = rec.sources.index_select(0, last.view(1))[0, 1:]  # the window after `last`, minus its oldest
+        self.conv_state.copy_(rec.inputs.index_select(1, newest))

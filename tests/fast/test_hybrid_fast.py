@@ -1,0 +1,74 @@
+"""Hybrid targets (Gated DeltaNet + gated attention) on the fast path: the reference's tokens, rounds and logits."""
+
+import pytest
+import torch
+from ddtree.engine import Engine
+from ddtree.fast import hybrid as fast_hybrid
+from ddtree.fast.tree import ancestors
+from ddtree.sampling import SamplingParams
+from ddtree.tree import build_tree
+from tiny import make_draft, make_hybrid_target, path_tokens
+
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], [17], list(range(60, 90))]
+RUNS = [("ar", None), ("dflash", None), ("ddtree", 1), ("ddtree", 5), ("ddtree", 32), ("ddtree", 128)]
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """(reference engine, fast engine) over one tiny Qwen3.5 hybrid (3 Gated DeltaNet + 1 attention layer)."""
+    root = tmp_path_factory.mktemp("hybrid_fast")
+    make_draft(root / "draft", taps=[1, 2])
+    make_hybrid_target(root / "qwen3_5", "qwen3_5", seed=0)
+    make_hybrid_target(root / "qwen3_5_moe", "qwen3_5_moe", seed=1)
+    fast = Engine.from_pretrained(root / "qwen3_5", root / "draft", device="cpu", fast=True, fast_capacity=512)
+    return Engine(fast.target, fast.draft, fast.tokenizer), fast, root
+
+
+def test_a_dense_hybrid_takes_the_fast_path_and_a_moe_hybrid_says_why_not(hybrid_pair):
+    _, fast, root = hybrid_pair
+    assert type(fast.fast).__name__ == "HybridFastPath" and fast.fast_unsupported is None
+    moe = Engine.from_pretrained(root / "qwen3_5_moe", root / "draft", device="cpu", fast=True)
+    assert moe.fast is None and moe.fast_unsupported == "only dense MLPs are supported"
+
+
+def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):
+    reference, fast, _ = hybrid_pair
+    for prompt in PROMPTS:
+        ar = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in RUNS:
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            rounds = list(gen)
+            ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
+            ref_rounds = list(ref)
+            assert gen.on_fast_path and gen.token_ids == ref.token_ids == ar, (method, budget)
+            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+
+
+def test_prompts_longer_than_a_chunk_run_chunk_by_chunk_with_the_same_tokens(hybrid_pair, monkeypatch):
+    reference, fast, _ = hybrid_pair
+    monkeypatch.setattr(fast_hybrid, "PROMPT_CHUNK", 7)  # 30 tokens: four chunks, the last one short
+    prompt = list(range(60, 90))
+    for method, budget in (("ar", None), ("ddtree", 16)):
+        assert fast.generate(prompt, GREEDY, method=method, budget=budget).token_ids == \
+            reference.generate(prompt, GREEDY, method=method, budget=budget).token_ids
+
+
+def test_every_tree_node_gets_the_logits_of_its_path_run_alone(hybrid_pair):
+    reference, fast, _ = hybrid_pair
+    path = fast.fast
+    torch.manual_seed(0)
+    prefix = torch.randint(0, 90, (9,)).tolist()
+    tree = build_tree(torch.randn(7, 96) * 3, 24)
+    with torch.inference_mode():
+        path.prefill(torch.tensor(prefix), with_draft=False)
+        parents = torch.tensor([-1, *tree.parents[1:]]).clamp(min=0)
+        depths = torch.tensor([0, *tree.depths])
+        visible = ancestors(parents, int(depths.max()))
+        ids = torch.tensor([13, *tree.tokens])
+        logits, _, _ = path.forward(ids, path.start + depths, visible)
+    target = reference.target
+    for node in range(tree.size + 1):
+        alone = [*prefix, 13, *path_tokens(tree, node)]
+        want, _ = target.forward(torch.tensor(alone), torch.arange(len(alone)), target.new_cache())
+        torch.testing.assert_close(logits[node], want[-1], atol=2e-4, rtol=2e-4)
