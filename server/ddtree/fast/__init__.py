@@ -72,6 +72,8 @@ def unsupported(target: Target) -> str | None:
         return "sliding-window layers use the reference path"
     if not all(hasattr(layer.mlp, "gate_proj") for layer in target.layers):
         return "only dense MLPs are supported"
+    if any(layer.linear_attn.conv1d.bias is not None for layer in target.layers if hasattr(layer, "linear_attn")):
+        return "Gated DeltaNet convolutions with a bias"
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = [layer.self_attn for layer in target.layers if hasattr(layer, "self_attn")]
     if any(abs(module.scaling - head_dim**-0.5) > 1e-9 for module in attention):

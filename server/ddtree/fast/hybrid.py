@@ -10,9 +10,11 @@ node for every recurrent layer in one batched product. Prompts run in chunks of 
 through the same layer code (a chunk is a causal chain), so a round and a prompt share one implementation.
 
 The attention layers keep a static K/V cache as in the dense fast path, with the hybrid's gate (q_proj
-emits [q ; gate] per head, the output is scaled by sigmoid(gate)) and partial RoPE. Norms, projections and
-the MLP are the model's own modules: their rounding is the reference's. Every step keeps fixed shapes, so
-the same CUDA graphs as the dense path capture the rounds (fla is not needed).
+emits [q ; gate] per head, the output is scaled by sigmoid(gate)) and partial RoPE. Projections that read
+the same rows share one weight (a Gated DeltaNet layer's qkv, z, b and a; gate and up), as views of one
+tensor (fused.fuse); the norms and the gates between them are compiled into one kernel each on CUDA,
+computing what the model's modules compute. Every step keeps fixed shapes, so the same CUDA graphs as the
+dense path capture the rounds (fla is not needed).
 """
 
 from __future__ import annotations
@@ -26,9 +28,34 @@ import torch.nn.functional as F
 from ddtree.fast import FastPath
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
+from ddtree.fast.fused import _compiled, fuse
 from ddtree.hybrid import project, split_heads
 
 PROMPT_CHUNK = 256  # prompt tokens per forward: the closed form's [heads, n, n] products stay small
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm: normalise in float32, scale by (1 + weight) in float32, then round."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's gated RMSNorm of the delta rule's output: normalise, round, scale, times SiLU(gate)."""
+    h = x.float()
+    h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (h * F.silu(gate.float())).to(x.dtype)
+
+
+def conv_and_gates(window: torch.Tensor, conv_weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                   a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal conv over each node's window [n, C, W] with SiLU, beta and the log decay g."""
+    conv = F.silu((window * conv_weight).sum(-1))
+    return conv, b.sigmoid(), -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
+NORMS = {"Qwen3_5RMSNorm": offset_rms_norm, "Qwen3_5RMSNormGated": gated_rms_norm}  # modules whose math is here
 
 
 @dataclass(frozen=True)
@@ -49,6 +76,16 @@ class HybridFastPath(FastPath):
     def _build_target(self) -> None:
         self.row_gemv = False
         self.decoder = list(self.model.layers)
+        for layer in self.decoder:  # gate and up, and a recurrent layer's qkv, z, b, a, as one weight each
+            fuse(layer.mlp, "ddtree_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+            module = getattr(layer, "linear_attn", None)
+            if module is not None and hasattr(module, "in_proj_qkv"):
+                fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b,
+                                                module.in_proj_a])
+        compiled = self.ops.compiled
+        self.norm_ops = {name: _compiled(fn) if compiled else fn for name, fn in NORMS.items()}
+        self.conv_and_gates = _compiled(conv_and_gates) if compiled else conv_and_gates
+        self.delta_rule = _compiled(tree_delta_rule) if compiled else tree_delta_rule
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
                                                           if hasattr(layer, "linear_attn"))}
         self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
@@ -83,35 +120,43 @@ class HybridFastPath(FastPath):
                         conv_sources(visible, positions - self.start, self.conv_width))
         tapped = []
         for i, layer in enumerate(self.decoder):
-            h = layer.input_layernorm(x)
+            h = self._norm(layer.input_layernorm, x)
             if i in self.recurrent_index:
                 mixed = self._recurrent(layer.linear_attn, self.recurrent_index[i], h, rec)
             else:
                 mixed = self._attention(layer.self_attn, self.kv[self.attention_index[i]], h, mask, slots, cos, sin)
             x = x + mixed
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            mlp = layer.mlp
+            x = x + mlp.down_proj(self.ops.silu_mul(mlp.ddtree_gate_up(self._norm(layer.post_attention_layernorm, x))))
             tapped.append(x)
-        logits = self.target.lm_head(self.model.norm(x[-1:] if last_only else x))
+        logits = self.target.lm_head(self._norm(self.model.norm, x[-1:] if last_only else x))
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps, rec
+
+    def _norm(self, module, x: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
+        """A norm module's output: its compiled twin when this file knows its math, else the module itself."""
+        fn = self.norm_ops.get(type(module).__name__)
+        return fn(x, *gate, module.weight, module.variance_epsilon if hasattr(module, "variance_epsilon")
+                  else module.eps) if fn is not None else module(x, *gate)
 
     def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
         """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
         n = h.shape[0]
-        qkv, z, b, a = project(module, h)
-        beta = b.sigmoid()
-        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        if hasattr(module, "ddtree_in_proj"):
+            qkv, z, b, a = module.ddtree_in_proj(h).split(
+                [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
+            z = z.reshape(n, -1, module.head_v_dim)
+        else:
+            qkv, z, b, a = project(module, h)
         inputs = rec.inputs[index]
         inputs[:self.conv_width - 1] = self.conv_state[index]
         inputs[self.conv_width - 1:] = qkv
         window = inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
-        conv = (window * module.conv1d.weight[:, 0]).sum(-1)
-        if module.conv1d.bias is not None:
-            conv = conv + module.conv1d.bias
-        q, k, v = split_heads(module, F.silu(conv))
-        out, rec.keys[index], rec.u[index], rec.decay[index] = tree_delta_rule(
+        conv, beta, g = self.conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log, module.dt_bias)
+        q, k, v = split_heads(module, conv)
+        out, rec.keys[index], rec.u[index], rec.decay[index] = self.delta_rule(
             q, k, v, g, beta, rec.visible, self.recurrent_state[index])
-        out = module.norm(out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        out = self._norm(module.norm, out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(n, -1))
 
     def _attention(self, module, cache: torch.Tensor, h: torch.Tensor, mask: TreeMask, slots: torch.Tensor,
