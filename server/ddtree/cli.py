@@ -153,7 +153,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_generation_config_arg(p, "requests that leave out temperature, top_p, top_k, min_p or repetition_penalty")
     p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy and sampled requests on the fast path (static caches, fused kernels, CUDA graphs; "
-                        "Qwen3/Llama targets). Default: on when the model runs on CUDA")
+                        "dense Qwen3/Llama targets and Qwen3.5/3.6 hybrids). Default: on when the model runs on CUDA")
     p.add_argument("--default-chat-template-kwargs", metavar="JSON", default=None,
                    help="chat template arguments every chat gets unless it sets the same key, e.g. "
                         "'{\"enable_thinking\": false}' (Qwen3: DFlash drafters were trained without thinking)")
