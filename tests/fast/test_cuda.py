@@ -58,14 +58,12 @@ def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, mo
         assert gen.token_ids == ref.token_ids, method
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "groups", "window"),
-                         [(1, 4, None), (17, 4, None), (65, 2, None), (16, 4, 24), (300, 1, None)])
-def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window):
+def attention_case(n: int, groups: int, d: int, capacity: int, start: int, window: int | None):
+    """Random grouped queries and cache (CPU, float32) over a random tree of n nodes, and SDPA's output for them."""
     from ddtree.fast.attention import tree_attention, tree_mask
 
     gen = torch.Generator().manual_seed(n)
-    kv_heads, d, capacity, start = 2, 64, 512, 150
+    kv_heads = 2
     q = torch.randn(kv_heads, groups * n, d, generator=gen)
     cache = torch.randn(2, kv_heads, capacity, d, generator=gen)
     parents = [max(0, i - 1 - int(torch.randint(0, 3, (1,), generator=gen))) for i in range(n)]
@@ -73,12 +71,48 @@ def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window):
     for i in range(1, n):  # a random tree: each row sees itself and its parent's ancestors
         visible[i] |= visible[parents[i]]
     want = tree_attention(q, cache, tree_mask(torch.tensor(start), visible, capacity, groups, d, torch.float32, window))
+    return q, cache, visible, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "groups", "window"),
+                         [(1, 4, None), (17, 4, None), (65, 2, None), (16, 4, 24), (300, 1, None)])
+def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window):
+    from ddtree.fast.attention import tree_attention, tree_mask
+
+    d, capacity, start = 64, 512, 150
+    q, cache, visible, want = attention_case(n, groups, d, capacity, start, window)
     cuda = [t.cuda().to(dtype) for t in (q, cache)]
     mask = tree_mask(torch.tensor(start).cuda(), visible.cuda(), capacity, groups, d, dtype, window)
     assert mask.visible is not None  # the Triton kernel, not SDPA
     got = tree_attention(*cuda, mask).float().cpu()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
+
+
+TALL = dict(block_m=128, block_n=32, num_warps=8, num_stages=1)  # one tile holds all of a 65-node tree's rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "window"), [(1, None), (16, None), (65, None), (65, 24)])
+@pytest.mark.parametrize("tile", [None, TALL], ids=["default", "tall"])
+def test_one_split_writes_the_merged_output(dtype, n, window, tile):
+    """With one split the split kernel normalises and writes the output itself (no merge pass): it must agree
+    with the merged four-split kernel and with SDPA, padded tile rows included."""
+    from ddtree.fast.attention import _triton_attention, launch_config, tree_mask
+
+    kv_heads, groups, d, capacity, start = 2, 4, 128, 768, 560
+    q, cache, visible, want = attention_case(n, groups, d, capacity, start, window)
+    q, cache = (t.cuda().to(dtype) for t in (q, cache))
+    mask = tree_mask(torch.tensor(start).cuda(), visible.cuda(), capacity, groups, d, dtype, window)
+    assert mask.visible is not None  # the Triton kernel, not SDPA
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    cfg = {**launch_config(groups * n, capacity, kv_heads, sms), **(tile or {})}
+    direct = _triton_attention(q, cache, mask, {**cfg, "splits": 1}).float().cpu()
+    merged = _triton_attention(q, cache, mask, {**cfg, "splits": 4}).float().cpu()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(direct, merged, atol=tolerance, rtol=tolerance), (direct - merged).abs().max()
+    assert torch.allclose(direct, want, atol=tolerance, rtol=tolerance), (direct - want).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
