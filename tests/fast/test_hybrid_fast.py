@@ -62,7 +62,7 @@ def test_every_tree_node_gets_the_logits_of_its_path_run_alone(hybrid_pair):
     tree = build_tree(torch.randn(7, 96) * 3, 24)
     with torch.inference_mode():
         path.prefill(torch.tensor(prefix), with_draft=False)
-        parents = torch.tensor([-1, *tree.parents[1:]]).clamp(min=0)
+        parents = torch.tensor(tree.parents).clamp(min=0)  # the root as its own parent, as the tree kernel has it
         depths = torch.tensor([0, *tree.depths])
         visible = ancestors(parents, int(depths.max()))
         ids = torch.tensor([13, *tree.tokens])

@@ -91,7 +91,11 @@ class Ops:
     def __init__(self, compile: bool) -> None:
         self.compiled = compile and os.environ.get("DDTREE_COMPILE", "1") != "0"
         for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul):
-            setattr(self, fn.__name__, _compiled(fn) if self.compiled else fn)
+            setattr(self, fn.__name__, self.wrap(fn))
+
+    def wrap(self, fn: Callable) -> Callable:
+        """`fn` compiled (with the eager fallback) when this Ops compiles, else `fn` itself."""
+        return _compiled(fn) if self.compiled else fn
 
 
 def _compiled(fn: Callable) -> Callable:

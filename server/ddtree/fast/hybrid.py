@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ddtree.fast import FastPath
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
-from ddtree.fast.fused import _compiled, fuse
+from ddtree.fast.fused import fuse
 from ddtree.hybrid import project, split_heads
 
 PROMPT_CHUNK = 256  # prompt tokens per forward: the closed form's [heads, n, n] products stay small
@@ -82,10 +82,9 @@ class HybridFastPath(FastPath):
             if module is not None and hasattr(module, "in_proj_qkv"):
                 fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b,
                                                 module.in_proj_a])
-        compiled = self.ops.compiled
-        self.norm_ops = {name: _compiled(fn) if compiled else fn for name, fn in NORMS.items()}
-        self.conv_and_gates = _compiled(conv_and_gates) if compiled else conv_and_gates
-        self.delta_rule = _compiled(tree_delta_rule) if compiled else tree_delta_rule
+        self.norm_ops = {name: self.ops.wrap(fn) for name, fn in NORMS.items()}
+        self.conv_and_gates = self.ops.wrap(conv_and_gates)
+        self.delta_rule = self.ops.wrap(tree_delta_rule)
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
                                                           if hasattr(layer, "linear_attn"))}
         self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
@@ -136,13 +135,15 @@ class HybridFastPath(FastPath):
     def _norm(self, module, x: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
         """A norm module's output: its compiled twin when this file knows its math, else the module itself."""
         fn = self.norm_ops.get(type(module).__name__)
-        return fn(x, *gate, module.weight, module.variance_epsilon if hasattr(module, "variance_epsilon")
-                  else module.eps) if fn is not None else module(x, *gate)
+        if fn is None:
+            return module(x, *gate)
+        eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # gated / plain
+        return fn(x, *gate, module.weight, eps)
 
     def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
         """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
         n = h.shape[0]
-        if hasattr(module, "ddtree_in_proj"):
+        if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
             qkv, z, b, a = module.ddtree_in_proj(h).split(
                 [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
             z = z.reshape(n, -1, module.head_v_dim)
