@@ -36,7 +36,7 @@ from ddtree.metrics import ServerMetrics
 from ddtree.reasoning import CLOSE as REASONING_CLOSE
 from ddtree.reasoning import OPEN as REASONING_OPEN
 from ddtree.replies import ReplyFormat, ReplyStream, finish_reason, template_mentions
-from ddtree.sampling import SamplingParams, ThinkBlock
+from ddtree.sampling import MAX_TOP_LOGPROBS, SamplingParams, ThinkBlock
 from ddtree.scheduler import Draining, Output, QueueFull, Scheduler
 from ddtree.scheduler import Request as EngineRequest
 from ddtree.tools import START as TOOL_CALL_START
@@ -44,7 +44,7 @@ from ddtree.tools import forced_call_grammar, template_message
 
 log = logging.getLogger("ddtree.server")
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 MAX_CHOICES = 128  # OpenAI's limit on n
 # What a request that omits these fields gets without --default-temperature or the model's generation config.
 NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}

@@ -21,7 +21,7 @@ from ddtree.draft import DFlashDraft, DraftCache, load_draft
 from ddtree.errors import DDTreeError
 from ddtree.fast import MAX_BUDGET, FastPath, unsupported
 from ddtree.fast.hybrid import HybridFastPath
-from ddtree.sampling import History, SamplingParams, make_generator, pick_tokens, process_logits
+from ddtree.sampling import History, SamplingParams, make_generator, pick_tokens, process_logits, token_logprobs
 from ddtree.target import HybridTarget, Target, load_target
 from ddtree.tree import DraftTree, build_tree, chain_tree, walk
 
@@ -320,7 +320,8 @@ class Generation:
             draft.extend_context(draft_cache, taps[None], torch.arange(len(prompt), device=device)[None])
         self.stats.prefill_seconds = self._now() - t0
         start = len(prompt)  # position of the root = number of tokens in the target cache
-        out = self._emit([root], processed, [0], 0, 0, {"prefill": self.stats.prefill_seconds}, True)
+        out = self._emit([root], self._logprob_rows(processed, [root]), 0, 0, {"prefill": self.stats.prefill_seconds},
+                         True)
         out.prompt_logprobs = prompt_logprobs
         self._after_emit(out, history, constraint)
         yield out
@@ -347,7 +348,8 @@ class Generation:
             path = walk(tree, picks)
             phases["verify"], t = self._lap(t)
             emitted = [picks[node] for node in path]
-            out = self._emit(emitted, processed, path, tree.size, len(path) - 1, phases, False)
+            out = self._emit(emitted, self._logprob_rows(processed[path], emitted), tree.size, len(path) - 1, phases,
+                             False)
             self._after_emit(out, history, constraint)
             if self.finish_reason is None:
                 target.compact(cache, start, path)
@@ -391,9 +393,10 @@ class Generation:
             return chain_tree(draft_logits.argmax(dim=-1).tolist())
         return build_tree(draft_logits, self.budget)
 
-    def _emit(self, tokens: list[int], processed: torch.Tensor, rows: list[int], nodes: int, accepted: int,
-              phases: dict[str, float], is_prefill: bool) -> RoundOutput:
-        """Cut the round's tokens at the first stop id or the token limit; record what is emitted."""
+    def _emit(self, tokens: list[int], logprob_rows: tuple[torch.Tensor, torch.Tensor] | None, nodes: int,
+              accepted: int, phases: dict[str, float], is_prefill: bool) -> RoundOutput:
+        """Cut the round's tokens at the first stop id or the token limit; record what is emitted.
+        `logprob_rows`: `token_logprobs` of the tokens, in order, when the request asks for logprobs."""
         kept: list[int] = []
         stop_id = None
         for token in tokens:
@@ -406,21 +409,26 @@ class Generation:
                 break
         logprobs = None
         if self.params.logprobs is not None:
-            logprobs = self._logprobs(processed, rows[:len(kept)], kept)
+            logprobs = self._logprobs(logprob_rows, kept)
         self.token_ids.extend(kept)
         self.stats.generated_tokens = len(self.token_ids)
         return RoundOutput(kept, logprobs, nodes, accepted, phases, self.finish_reason, stop_id, is_prefill)
 
-    def _logprobs(self, processed: torch.Tensor, rows: list[int], tokens: list[int]) -> list[TokenLogprob]:
-        """Target log-probs of each emitted token at its own node (after the request's processors)."""
-        if not rows:
+    def _logprob_rows(self, processed: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`token_logprobs` of the tokens emitted from processed rows [n, V], when the request asks for them."""
+        if self.params.logprobs is None:
+            return None
+        return token_logprobs(processed, torch.tensor(tokens, device=processed.device), self.params.logprobs)
+
+    def _logprobs(self, logprob_rows: tuple[torch.Tensor, torch.Tensor], tokens: list[int]) -> list[TokenLogprob]:
+        """Target log-probs of each emitted token at its own node (after the request's processors), and the
+        request's number of best alternatives (`logprob_rows` may hold more: the fast path keeps 20)."""
+        if not tokens:
             return []
-        logp = torch.log_softmax(processed[rows], dim=-1)
-        chosen = logp[torch.arange(len(rows)), torch.tensor(tokens, device=logp.device)].tolist()
+        values, ids = (t[:len(tokens)].tolist() for t in logprob_rows)
         k = self.params.logprobs or 0
-        top_lp, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-        return [TokenLogprob(tok, lp, list(zip(ids, lps, strict=True)))
-                for tok, lp, ids, lps in zip(tokens, chosen, top_ids.tolist(), top_lp.tolist(), strict=True)]
+        return [TokenLogprob(token, row[0], list(zip(top[:k], row[1:1 + k], strict=True)))
+                for token, row, top in zip(tokens, values, ids, strict=True)]
 
     def _prompt_logprobs(self, logits: torch.Tensor, k: int, chunk: int = 512) -> list[TokenLogprob | None]:
         """Each prompt token's log-probability under the target given the tokens before it (the raw model's,

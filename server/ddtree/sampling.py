@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's limit)
+
 
 @dataclass(frozen=True)
 class ThinkBlock:
@@ -167,6 +169,15 @@ def pick_tokens(
         # Draw on the generator's device so a seeded request is reproducible across devices.
         return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def token_logprobs(processed: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities under processed logits [n, V] of the token each row emitted (tokens [n]) and of the
+    row's k best: (values [n, 1 + k], float32: the token's, then the k best; ids [n, k]). Computed where the
+    logits are, so the fast path hands the host a few numbers per token instead of vocabulary-wide rows."""
+    logp = torch.log_softmax(processed.float(), dim=-1)
+    top_values, top_ids = logp.topk(k, dim=-1)
+    return torch.cat([logp.gather(1, tokens[:, None]), top_values], dim=1), top_ids
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

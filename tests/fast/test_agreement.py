@@ -185,8 +185,11 @@ def test_filtered_sampling_runs_on_the_fast_path_for_a_bounded_number_of_setting
 
 
 @pytest.mark.parametrize("extra", [dict(logprobs=3), dict(logprobs=0, presence_penalty=0.5, logit_bias=((5, 1.0),))])
-def test_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, extra):
+def test_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, extra, monkeypatch):
+    """Logprob rounds are queued ahead too (their rows come back with the round's result), and every entry,
+    alternatives included, equals the reference path's."""
     reference, fast = pairs["qwen3"]
+    monkeypatch.setattr(fast.fast, "queue_ahead", True)  # the CUDA default
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, **extra)
     for method, budget in RUNS[:4]:
         gen = fast.stream([1, 2, 3, 4], params, method=method, budget=budget)

@@ -146,6 +146,29 @@ def test_one_row_gemv_equals_its_unfused_steps(dtype, n, k, mode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n", "k"), [(2, 40, 64), (16, 4096, 4096), (17, 6144, 4096), (32, 4100, 12288),
+                                              (15, 151936, 256), (65, 1000, 256)])
+def test_skinny_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows, n, k):
+    """The few-row GEMM (split-K partials summed by the last program of each column tile) against float64;
+    two launches give the same bits (the arrival counters reset); `linear` takes it only up to MAX_ROWS."""
+    import torch.nn.functional as F
+    from ddtree.fast import gemm
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).cuda()
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype).cuda()
+    want = F.linear(x.double(), weight.double())
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    y = gemm.skinny_linear(x, weight)
+    assert y.dtype == dtype and torch.allclose(y.double(), want, atol=tolerance, rtol=tolerance)
+    assert torch.equal(gemm.skinny_linear(x, weight), y)
+    if k % 256 == 0:  # the split-K reduction, forced
+        split = dict(block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=3)
+        assert torch.allclose(gemm.skinny_linear(x, weight, split).double(), want, atol=tolerance, rtol=tolerance)
+    assert gemm.supported(x, weight) == (rows <= gemm.MAX_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "heads", "kv_heads", "d", "norm"),
                          [(1, 32, 8, 128, True), (65, 32, 8, 128, True), (16, 4, 2, 64, False), (3, 2, 2, 16, True)])
 def test_attention_heads_kernel_equals_the_reference_step(dtype, n, heads, kv_heads, d, norm):

@@ -35,12 +35,13 @@ from ddtree import grammar
 from ddtree.draft import DFlashDraft
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
+from ddtree.fast.gemm import linear
 from ddtree.fast.gemv import NORM, SILU, gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
-from ddtree.sampling import SamplingParams, apply_penalties, filter_logits
+from ddtree.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
 from ddtree.target import HybridTarget, Target
 
 if TYPE_CHECKING:
@@ -199,20 +200,19 @@ class FastPath:
             drafted = self.nodes(gen.method, gen.budget) - 1
             most = 1 if gen.method == "ar" else self.block  # tokens one round can emit
             t0 = time.perf_counter()
-            root, root_row = self.prefill(torch.tensor(gen.prompt_ids, device=self.device),
+            root, root_logprobs = self.prefill(torch.tensor(gen.prompt_ids, device=self.device),
                                           with_draft=gen.method != "ar", noise=prefill_noise, filters=filters,
                                           allowed=constraint.allowed([[]]) if constraint else None,
                                           adjusted=adjusted, logprobs=logprobs)
             gen.stats.prefill_seconds = gen._now() - t0
-            out = gen._emit([root], root_row, [0], 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
+            out = gen._emit([root], root_logprobs, 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
             gen._after_emit(out, None, constraint)
             yield out
             decode_start = time.perf_counter()
             # The next round goes in before this one is read, so the device never waits for the host's
             # bookkeeping; not when this round may reach max_tokens (a stop token wastes the round queued
-            # behind it), nor under a grammar, whose masks need this round's tokens, nor with logprobs, read
-            # from the verify's output rows that the next round would overwrite.
-            queue_ahead = self.queue_ahead and constraint is None and not logprobs
+            # behind it), nor under a grammar, whose masks need this round's tokens.
+            queue_ahead = self.queue_ahead and constraint is None
             pending = plan.launch(before_verify, after=_stamp(plan.cuda)) if gen.finish_reason is None else None
             while pending is not None:
                 ahead = None
@@ -220,8 +220,7 @@ class FastPath:
                     ahead = plan.launch(before_verify, after=pending.stamps[-1])
                 result, phases = pending.collect()
                 n = result[0]
-                rows = plan.outputs["verify"][5] if logprobs else None  # the path nodes' processed logits
-                out = gen._emit(result[1:1 + n], rows, list(range(n)), drafted, n - 1, phases, False)
+                out = gen._emit(result[1:1 + n], pending.logprob_rows, drafted, n - 1, phases, False)
                 gen._after_emit(out, None, constraint)
                 gen.stats.record_round(n, phases)
                 gen.stats.decode_seconds = time.perf_counter() - decode_start
@@ -263,7 +262,8 @@ class FastPath:
         setting, the temperature stays a device scalar). A constrained plan owns a mask of the tokens each
         node may pick, refilled from the request's grammar before every verify. An adjusted plan adds the
         logit bias and applies the penalties (`adjust`) to every node before it picks, and counts what it
-        emits. A logprobs plan also returns the processed logits of the accepted path's nodes.
+        emits. A logprobs plan also returns, for the accepted path's nodes, the log-probabilities of what they
+        emit and of their 20 best tokens (`token_logprobs`), copied to the host with the round's result.
         """
         key = (method, budget if method == "ddtree" else 0, sampled, filters, constrained, adjusted, logprobs)
         if key not in self._plans:
@@ -332,7 +332,7 @@ class FastPath:
             logits, x = gemv(x, self.target.lm_head.weight, NORM, delta, norm.weight, norm.variance_epsilon)
         else:
             h, x = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
-            logits = self.target.lm_head(h[-1:] if last_only else h)
+            logits = linear(h[-1:] if last_only else h, self.target.lm_head.weight, self.target.lm_head.bias)
         tapped[len(self.layers) - 1] = x
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps, None
@@ -342,7 +342,7 @@ class FastPath:
                 logprobs: bool = False) -> tuple[int, torch.Tensor | None]:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
         `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given) and,
-        with `logprobs`, the processed logits it was picked from [1, V]."""
+        with `logprobs`, its `token_logprobs` (the 20 best alternatives)."""
         n = prompt.numel()
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
@@ -356,7 +356,9 @@ class FastPath:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
         self.root.copy_(root)
-        return int(root), self.processed(logits, noise is not None, filters) if logprobs else None
+        if not logprobs:
+            return int(root), None
+        return int(root), self._token_logprobs(self.processed(logits, noise is not None, filters), root.view(1))
 
     def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor,
                        causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -387,7 +389,7 @@ class FastPath:
             _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[dc.layer_windows[i]], slots,
                                         cos, sin, eps)
         h, _ = ops.add_rms_norm(x[1:], delta[1:], draft.norm.weight, eps)
-        return self.target.lm_head(h)
+        return linear(h, self.target.lm_head.weight, self.target.lm_head.bias)
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
                max_depth: int, noise: torch.Tensor | None = None, filters: Filters | None = None,
@@ -401,7 +403,7 @@ class FastPath:
         tokens, so the accepted nodes form one root path). The emitted tokens are the picks along that
         path, so a sampled round emits exactly what sampling the target token by token would. Returns
         (result = [accepted length, emitted tokens..., padding], path nodes [D+1], accepted length, bonus
-        token, taps, the path nodes' processed logits (with `logprobs`), what the commit of recurrent layers
+        token, taps, the path nodes' `token_logprobs` (with `logprobs`), what the commit of recurrent layers
         needs). The packed masks `allowed` [n, words] restrict each node's pick (a grammar: before any
         other processing).
         """
@@ -423,7 +425,10 @@ class FastPath:
             valid = torch.arange(max_depth + 1, device=self.device) < length
             self.emitted_counts.index_add_(0, emitted, valid.float())
         result = torch.cat([length.view(1), emitted])
-        rows = self.processed(logits.index_select(0, path), noise is not None, filters) if logprobs else None
+        rows = None
+        if logprobs:
+            path_rows = self.processed(logits.index_select(0, path), noise is not None, filters)
+            rows = self._token_logprobs(path_rows, emitted)
         return result, path, length, bonus, taps, rows, recurrent
 
     def before_pick(self, logits: torch.Tensor, allowed: torch.Tensor | None, adjusted: bool,
@@ -470,6 +475,10 @@ class FastPath:
             if filters is not None:
                 out = filter_logits(out, *filters)
         return out
+
+    def _token_logprobs(self, processed: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_logprobs` with as many alternatives as any request may ask for (each takes its own share)."""
+        return token_logprobs(processed, tokens, min(MAX_TOP_LOGPROBS, self.vocab))
 
     def pick(self, logits: torch.Tensor, noise: torch.Tensor | None, filters: Filters | None = None) -> torch.Tensor:
         """Per row: the argmax, or with uniform noise [N, V] a sample of softmax(logits / T), filtered by
@@ -558,7 +567,7 @@ class Plan:
         self.steps, self.cuda, self.noise, self.allowed = steps, cuda, noise, allowed
         self.outputs: dict[str, object] = {}  # each step's latest output (static buffers once captured)
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.result: torch.Tensor | None = None
+        self.result: tuple[torch.Tensor, ...] = ()  # the verify's outputs the host reads: result, logprob rows
         self.eager_reason = None if capture is not None else "graphs off"
         if capture is not None:
             out = None
@@ -568,7 +577,7 @@ class Plan:
                     self.graphs.append(graph)
                     self.outputs[name] = out
                     if name == "verify":
-                        self.result = out[0]
+                        self.result = _read_back(out)
             except RuntimeError as exc:
                 self.graphs, self.eager_reason = [], f"capture failed: {str(exc).splitlines()[0]}"
                 print(f"ddtree fast path: {self.eager_reason}; running eagerly", file=sys.stderr)
@@ -582,7 +591,8 @@ class Plan:
         device's wait for the host.
         """
         stamps: list = []
-        out = result = None
+        out = None
+        result = self.result
         for i, (name, fn) in enumerate(self.steps):
             stamps.append(_stamp(self.cuda))
             if name == "verify" and before_verify is not None:
@@ -591,11 +601,10 @@ class Plan:
                 self.graphs[i].replay()
             else:
                 out = self.outputs[name] = fn(out)
-                result = out[0] if name == "verify" else result
+                result = _read_back(out) if name == "verify" else result
         stamps.append(_stamp(self.cuda))
-        result = self.result if self.graphs else result
-        if self.cuda:  # the next round's verify overwrites self.result: copy it out in stream order
-            result = result.to("cpu", non_blocking=True)
+        if self.cuda:  # the next round's verify overwrites these buffers: copy them out in stream order
+            result = tuple(t.to("cpu", non_blocking=True) for t in result)
         stamps.append(_stamp(self.cuda))
         return Launched(self.steps, stamps, after, result)
 
@@ -605,11 +614,12 @@ class Plan:
 
 
 class Launched:
-    """A queued round: its step stamps and its result on the way to the host."""
+    """A queued round: its step stamps and its result (with its logprob rows, if any) on the way to the host."""
 
     def __init__(self, steps: list[tuple[str, Callable]], stamps: list, after: torch.cuda.Event | float | None,
-                 result: torch.Tensor) -> None:
-        self.steps, self.stamps, self.after, self.result = steps, stamps, after, result
+                 result: tuple[torch.Tensor, ...]) -> None:
+        self.steps, self.stamps, self.after = steps, stamps, after
+        self.result, self.logprob_rows = result[0], result[1:] or None
 
     def collect(self) -> tuple[list[int], dict[str, float]]:
         """Wait for the round; returns ([accepted length, emitted tokens...], seconds per step and `host`)."""
@@ -620,6 +630,11 @@ class Launched:
         waited = 0.0 if self.after is None else _elapsed(self.after, self.stamps[0])
         phases["host"] = waited + _elapsed(self.stamps[-2], self.stamps[-1])  # idle device + the result's copy
         return self.result.tolist(), phases
+
+
+def _read_back(verified: tuple) -> tuple[torch.Tensor, ...]:
+    """What the host reads of a verify's outputs: the result, then the logprob rows when the plan has them."""
+    return (verified[0], *(verified[5] or ()))
 
 
 def _stamp(cuda: bool) -> torch.cuda.Event | float:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.draft import rms_norm
+from ddtree.fast.gemm import linear
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -123,7 +124,7 @@ class Proj:
     bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def fuse(owner: nn.Module, name: str, linears: list[nn.Linear]) -> Proj:

@@ -29,6 +29,7 @@ from ddtree.fast import FastPath
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
 from ddtree.fast.fused import fuse
+from ddtree.fast.gemm import linear
 from ddtree.hybrid import project, split_heads
 
 PROMPT_CHUNK = 256  # prompt tokens per forward: the closed form's [heads, n, n] products stay small
@@ -128,7 +129,8 @@ class HybridFastPath(FastPath):
             mlp = layer.mlp
             x = x + mlp.down_proj(self.ops.silu_mul(mlp.ddtree_gate_up(self._norm(layer.post_attention_layernorm, x))))
             tapped.append(x)
-        logits = self.target.lm_head(self._norm(self.model.norm, x[-1:] if last_only else x))
+        head = self.target.lm_head
+        logits = linear(self._norm(self.model.norm, x[-1:] if last_only else x), head.weight, head.bias)
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps, rec
 

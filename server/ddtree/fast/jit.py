@@ -38,8 +38,10 @@ def triton_works(device: torch.device) -> bool:
 
 def _probe(device: torch.device) -> None:
     """Every kernel on tiny inputs: a 2-row tree over an empty cache (with and without a merge), a vocabulary
-    top-2, a budget-2 tree, a normed one-row GEMV, one row's attention heads."""
+    top-2, a budget-2 tree, a normed one-row GEMV, a two-row GEMM (with and without split K), one row's
+    attention heads."""
     from ddtree.fast.attention import TreeMask, _triton_attention
+    from ddtree.fast.gemm import skinny_linear
     from ddtree.fast.gemv import NORM, gemv
     from ddtree.fast.heads import attention_heads
     from ddtree.fast.tree import _build_on_gpu, _frontier, _vocab_top_on_gpu
@@ -53,6 +55,9 @@ def _probe(device: torch.device) -> None:
     _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
     row, ones = torch.zeros(1, 16, device=device), torch.ones(16, device=device)
     gemv(row, torch.zeros(16, 16, device=device), NORM, row, ones, 1e-6)
+    for split_k in (1, 2):  # the second sums its partials in the last program
+        skinny_linear(torch.zeros(2, 128, device=device), torch.zeros(64, 128, device=device),
+                      dict(block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2))
     attention_heads(row, row, row, ones, ones, 1e-6, row, row, 1, 16, torch.zeros(2, 1, 4, 16, device=device),
                     torch.zeros(1, dtype=torch.long, device=device))
     torch.cuda.synchronize(device)

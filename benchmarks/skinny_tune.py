@@ -1,0 +1,122 @@
+"""Few-row projections on a GPU: cuBLAS against the fast path's skinny GEMM (ddtree/fast/gemm.py).
+
+For each projection of the Qwen3-8B target at a verify's row counts (17: B = 16; 65: B = 64; 129:
+B = 128), and of its DFlash-b16 draft at a block's 16 rows, the table gives µs per call of cuBLAS, of the
+skinny kernel at its default launch config, and of the best few configs of a grid, with the bandwidth
+reached (weight bytes / time). Each timing is a CUDA graph of 36 calls cycling over distinct
+weight copies (more bytes than L2 holds), median of replays. Then the sums over one step's calls.
+
+    PYTHONPATH=server python benchmarks/skinny_tune.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import torch
+import torch.nn.functional as F
+import triton
+from ddtree.fast.bench import graph_ms
+from ddtree.fast.gemm import launch_config, skinny_linear
+
+CALLS = 36
+# name: (N, K, calls per step)
+TARGET = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36),
+          "down": (4096, 12288, 36), "lm_head": (151936, 4096, 1)}
+DRAFT = {"q": (4096, 4096, 5), "o": (4096, 4096, 5), "gate_up": (24576, 4096, 5), "down": (4096, 12288, 5),
+         "lm_head": (151936, 4096, 1), "fc": (4096, 20480, 1), "context_kv": (10240, 4096, 1)}
+
+
+def configs(k: int, quick: bool) -> list[dict]:
+    grid = itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8),
+                             (4,) if quick else (4, 8), (3, 4))
+    return [dict(block_n=n, block_k=bk, split_k=s, num_warps=w, num_stages=st) for n, bk, s, w, st in grid
+            if k % (s * bk) == 0 and k // s >= 2 * bk]
+
+
+def _warm(job: tuple[int, int, dict]) -> None:
+    """Compile one (rows, K, config) into Triton's disk cache, in a worker process."""
+    rows, k, cfg = job
+    x = torch.zeros(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.zeros(2 * cfg["block_n"], k, device="cuda", dtype=torch.bfloat16)
+    with contextlib.suppress(triton.runtime.errors.OutOfResources):
+        skinny_linear(x, w, cfg)
+
+
+def precompile(jobs: list[tuple[int, int, dict]]) -> None:
+    """Triton compiles one kernel at a time; compile the grid in parallel processes first (the timing loop then
+    loads each from the disk cache)."""
+    workers = min(16, os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        list(pool.map(_warm, jobs, chunksize=4))
+    print(f"(compiled {len(jobs)} kernels in {workers} processes)", flush=True)
+
+
+def per_call_us(fn, weights: list) -> float:
+    def calls() -> None:
+        for i in range(CALLS):
+            fn(weights[i % len(weights)])
+    return 1e3 * graph_ms(calls) / CALLS
+
+
+def tune(name: str, n: int, k: int, rows: int, quick: bool) -> tuple[float, float, float]:
+    """Print one projection's lines; returns µs per call of (cuBLAS, skinny default, skinny best)."""
+    dev = torch.device("cuda")
+    nbytes = n * k * 2
+    copies = max(2, min(CALLS, -(-2 * 2**30 // nbytes)))
+    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    cublas = per_call_us(lambda w: F.linear(x, w), weights)
+    want = F.linear(x, weights[0]).float()
+    default = per_call_us(lambda w: skinny_linear(x, w), weights)
+    tried = []
+    for cfg in configs(k, quick):
+        try:
+            got = skinny_linear(x, weights[0], cfg).float()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+            print(f"| {name} | {rows} | {cfg} | WRONG {(got - want).abs().max().item():.3g} | |")
+            continue
+        tried.append((per_call_us(lambda w, cfg=cfg: skinny_linear(x, w, cfg), weights), str(cfg)))
+    tried.sort()
+    print(f"| {name} | {rows} | cuBLAS | {cublas:.1f} | {nbytes / cublas / 1e6:.2f} |")
+    print(f"| {name} | {rows} | skinny default {launch_config(n, k)} | {default:.1f} | {nbytes / default / 1e6:.2f} |")
+    for us, cfg in tried[:3]:
+        print(f"| {name} | {rows} | skinny {cfg} | {us:.1f} | {nbytes / us / 1e6:.2f} |", flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return cublas, default, tried[0][0] if tried else default
+
+
+def sweep(shapes: dict, rows: int, quick: bool) -> None:
+    total = {"cublas": 0.0, "default": 0.0, "best": 0.0}
+    for name, (n, k, calls) in shapes.items():
+        for key, us in zip(total, tune(name, n, k, rows, quick), strict=True):
+            total[key] += calls * us
+    print(f"\n{rows} rows, one step's projections: cuBLAS {total['cublas'] / 1e3:.3f} ms, skinny default "
+          f"{total['default'] / 1e3:.3f} ms, skinny best {total['best'] / 1e3:.3f} ms\n", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (4 warps only)")
+    ap.add_argument("--target-rows", type=int, nargs="+", default=[65, 17, 129])
+    ap.add_argument("--draft-rows", type=int, nargs="+", default=[16])
+    args = ap.parse_args()
+    sets = [(TARGET, rows) for rows in args.target_rows] + [(DRAFT, rows) for rows in args.draft_rows]
+    jobs = {(rows, k, str(cfg)): cfg for shapes, rows in sets for n, k, _ in shapes.values()
+            for cfg in [*configs(k, args.quick), launch_config(n, k)]}
+    precompile([(rows, k, cfg) for (rows, k, _), cfg in jobs.items()])
+    print("| proj | rows | variant | us | TB/s |\n|---|---|---|---|---|")
+    for shapes, rows in sets:
+        sweep(shapes, rows, args.quick)
+
+
+if __name__ == "__main__":
+    main()

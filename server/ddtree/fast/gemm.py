@@ -1,0 +1,140 @@
+"""Few-row projections (a draft block, a small tree's verify, a commit) as a Triton GEMM that reads each
+weight once.
+
+At 16-32 rows a projection is bound by its weight's bytes, but cuBLAS leaves the 4096-wide weights of an 8B
+model at 2.5-3.6 TB/s (benchmarks/RESULTS.md). Here every program owns BLOCK_N output columns for *all* the
+rows, so the weight streams through once, and the tensor-core product puts the weight on the MMA's wide
+side (y^T = W x^T), so rows only pad up to 16 or 32. Narrow weights also split K over SPLIT_K programs, so
+that the GPU fills; the last program of a column tile to finish sums the float32 partials in a fixed order
+(deterministic, no atomics on the values) and leaves its counter at zero for the next launch.
+
+More rows pad the product to 64 or 128 and make it compute-bound in Triton: there cuBLAS (which pads rows
+to a multiple of 8) wins, so `linear` hands those to it. DDTREE_SKINNY=0 turns the kernel off, for A/B runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.fast.jit import triton_works
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the caller keeps F.linear
+    triton = None
+
+MAX_ROWS = 32  # measured: 65 rows run 1.2x slower than cuBLAS (compute-bound after padding to 128)
+ENABLED = os.environ.get("DDTREE_SKINNY", "1") != "0"
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny kernel where it is the faster one (see above)."""
+    if bias is None and ENABLED and supported(x, weight) and triton_works(x.device):
+        return skinny_linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
+def launch_config(n: int, k: int) -> dict[str, int]:
+    """Column tile, K tile, K splits, warps and pipeline depth for an [n, k] weight at up to MAX_ROWS rows.
+
+    From benchmarks/skinny_tune.py on an H200 (Qwen3-8B and its DFlash draft's widths): 64-column tiles and
+    128-wide K steps throughout; K splits until ~160 programs run, and further while each still covers
+    3072 or more of K (the long down and fc weights).
+    """
+    block_n = 64
+    block_k = 128 if k % 128 == 0 else 64
+    tiles = triton.cdiv(n, block_n)
+    split_k = 1
+    while tiles * split_k * 2 <= 160 and _splits(k, 2 * split_k, block_k):
+        split_k *= 2
+    while tiles * split_k * 2 <= 256 and k // (2 * split_k) >= 3072 and _splits(k, 2 * split_k, block_k):
+        split_k *= 2
+    return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3 if tiles >= 256 else 4)
+
+
+def _splits(k: int, split_k: int, block_k: int) -> bool:
+    """Whether K divides into `split_k` slices of whole K tiles."""
+    return k % (split_k * block_k) == 0
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes these rows and this weight: 2..MAX_ROWS rows on CUDA, contiguous rows, K a
+    multiple of 64, the same dtype."""
+    if x.dim() != 2 or not x.is_cuda or triton is None:
+        return False
+    rows, k = x.shape
+    return (1 < rows <= MAX_ROWS and x.stride(1) == 1 and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.shape[1] == k and k % 64 == 0 and weight.dtype == x.dtype)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N], for M up to 256 (more rows than MAX_ROWS run, only slower)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    cfg = config or launch_config(n, k)
+    block_m = max(16, triton.next_power_of_2(rows))
+    tiles = triton.cdiv(n, cfg["block_n"])
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    split_k = cfg["split_k"]
+    partials = torch.empty((split_k, rows, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    _skinny_kernel[(tiles, split_k)](
+        x, weight, y, partials, _counters(x.device, tiles), rows, n, x.stride(0), weight.stride(0), K=k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-column-tile arrival counters, all zero between launches (the last arrival resets its own); one
+    buffer per device serves every launch, as launches on a stream run one after another."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        have = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return have
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_kernel(X, W, Y, Part, Count, M, N, stride_x, stride_w, K: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """Columns pid_n * BLOCK_N.. of y for all rows, over the K slice pid_k of SPLIT_K (float32 inputs take
+        the exact product, not TF32: the float32 tests hold the fast path to the reference's tokens)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        span: tl.constexpr = K // SPLIT_K
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = pid_k * span + tl.arange(0, BLOCK_K)
+        col_ok = rn < N
+        row_ok = rm < M
+        w_ptrs = W + rn[:, None] * stride_w + rk[None, :]
+        x_ptrs = X + rm[None, :] * stride_x + rk[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for _ in range(0, span, BLOCK_K):
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
+            acc = tl.dot(w, x, acc, input_precision=PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out_ptrs = Y + rm[None, :] * N + rn[:, None]
+        out_ok = col_ok[:, None] & row_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(Y.dtype.element_ty), mask=out_ok)
+        else:
+            part_ptrs = Part + rm[None, :] * N + rn[:, None]
+            tl.store(part_ptrs + pid_k * M * N, acc, mask=out_ok)
+            tl.debug_barrier()  # every thread's partial is written before this program says it is done
+            arrived = tl.atomic_add(Count + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # the last to finish sums the slices in order
+                total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                for s in range(SPLIT_K):
+                    total += tl.load(part_ptrs + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(Y.dtype.element_ty), mask=out_ok)
+                tl.atomic_xchg(Count + pid_n, 0)
