@@ -1,7 +1,8 @@
-"""The fast path's kernel choices A/B, in one process: whole AR steps and tree rounds of the 8B shape.
+"""The fast path's kernel choices A/B, in one process: whole AR steps and tree rounds of a random-weight shape.
 
 Variants, alternated (each recaptures its graphs), twice over, timing the AR step and rounds at B = 16
-and 64:
+and 64 (`--budgets`); on the hybrid shape only the few-row GEMM changes (its forward uses neither of the
+others):
 
     all kernels      one-row GEMVs (ddtree/fast/gemv.py), the few-row GEMM (ddtree/fast/gemm.py) and the
                      attention-heads kernel (ddtree/fast/heads.py)
@@ -10,10 +11,12 @@ and 64:
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
+    PYTHONPATH=server python benchmarks/ab_steps.py --shape qwen3.6-27b --variants "all kernels" "cuBLAS few-row"
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -21,26 +24,38 @@ from ddtree.fast import gemm
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
 from ddtree.fast.heads import attention_heads
+from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
+
+# label: (one-row GEMVs, few-row GEMM, heads step)
+VARIANTS = {"all kernels": (True, True, "kernel"), "cuBLAS few-row": (True, False, "kernel"),
+            "compiled heads": (True, False, "compiled"), "v4": (False, False, "compiled")}
 
 
 def main() -> None:
-    fast, _ = build_shape("qwen3-8b", torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "qwen3.6-27b"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
     path = fast.fast
-    compiled = Ops(compile=True).attention_heads
-    variants = {"all kernels": (True, True, attention_heads), "cuBLAS few-row": (True, False, attention_heads),
-                "compiled heads": (True, False, compiled), "v4": (False, False, compiled)}
+    heads = {"kernel": attention_heads, "compiled": Ops(compile=True).attention_heads}
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    print("| variant | AR step ms | B = 16 round ms | B = 64 round ms | B = 16 draft ms |\n|---|---|---|---|---|")
-    for _, (label, (row_gemv, skinny, heads)) in itertools.product(range(2), variants.items()):
-        path.row_gemv, gemm.ENABLED, path.ops.attention_heads = row_gemv, skinny, heads
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
+    print(f"| variant | AR step ms | {rounds} | B = {args.budgets[0]} draft ms |\n|{'---|' * (3 + len(args.budgets))}")
+    for _, label in itertools.product(range(2), args.variants):
+        row_gemv, skinny, heads_step = VARIANTS[label]
+        if not isinstance(path, HybridFastPath):  # a hybrid's forward uses neither the GEMVs nor the heads kernel
+            path.row_gemv, path.ops.attention_heads = row_gemv, heads[heads_step]
+        gemm.ENABLED = skinny
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)["round_ms"]
-        small = run(fast, prompts, "ddtree", 16, params)
-        tree = run(fast, prompts, "ddtree", 64, params)["round_ms"]
-        print(f"| {label} | {ar:.3f} | {small['round_ms']:.3f} | {tree:.3f} | {small['phase_ms']['draft']:.3f} |",
-              flush=True)
+        trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]
+        times = " | ".join(f"{tree['round_ms']:.3f}" for tree in trees)
+        print(f"| {label} | {ar:.3f} | {times} | {trees[0]['phase_ms']['draft']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

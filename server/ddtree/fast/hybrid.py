@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ddtree.fast import FastPath
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
@@ -127,10 +128,10 @@ class HybridFastPath(FastPath):
                 mixed = self._attention(layer.self_attn, self.kv[self.attention_index[i]], h, mask, slots, cos, sin)
             x = x + mixed
             mlp = layer.mlp
-            x = x + mlp.down_proj(self.ops.silu_mul(mlp.ddtree_gate_up(self._norm(layer.post_attention_layernorm, x))))
+            gate_up = mlp.ddtree_gate_up(self._norm(layer.post_attention_layernorm, x))
+            x = x + _project(mlp.down_proj, self.ops.silu_mul(gate_up))
             tapped.append(x)
-        head = self.target.lm_head
-        logits = linear(self._norm(self.model.norm, x[-1:] if last_only else x), head.weight, head.bias)
+        logits = _project(self.target.lm_head, self._norm(self.model.norm, x[-1:] if last_only else x))
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps, rec
 
@@ -160,22 +161,22 @@ class HybridFastPath(FastPath):
         out, rec.keys[index], rec.u[index], rec.decay[index] = self.delta_rule(
             q, k, v, g, beta, rec.visible, self.recurrent_state[index])
         out = self._norm(module.norm, out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-        return module.out_proj(out.reshape(n, -1))
+        return _project(module.out_proj, out.reshape(n, -1))
 
     def _attention(self, module, cache: torch.Tensor, h: torch.Tensor, mask: TreeMask, slots: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A gated attention layer: q and its gate from one projection, q/k norms, partial RoPE, the rows'
         K/V into the cache at `slots`, tree attention, the gate, the output projection."""
         n, d = h.shape[0], self.head_dim
-        q, gate = torch.chunk(module.q_proj(h).view(n, -1, 2 * d), 2, dim=-1)
+        q, gate = torch.chunk(_project(module.q_proj, h).view(n, -1, 2 * d), 2, dim=-1)
         q = module.q_norm(q)
-        k = module.k_norm(module.k_proj(h).view(n, -1, d))
-        v = module.v_proj(h).view(n, -1, d)
+        k = module.k_norm(_project(module.k_proj, h).view(n, -1, d))
+        v = _project(module.v_proj, h).view(n, -1, d)
         q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
         cache[:, :, slots] = torch.stack([k, v]).transpose(1, 2)
         groups = q.shape[1] // self.kv_heads
         grouped = q.reshape(n, self.kv_heads, groups, d).permute(1, 2, 0, 3).reshape(self.kv_heads, groups * n, d)
-        return module.o_proj(tree_attention(grouped, cache, mask) * torch.sigmoid(gate.reshape(n, -1)))
+        return _project(module.o_proj, tree_attention(grouped, cache, mask) * torch.sigmoid(gate.reshape(n, -1)))
 
     # -- prompt and commit ------------------------------------------------------------------------------
 
@@ -204,3 +205,8 @@ class HybridFastPath(FastPath):
         self.recurrent_state.copy_(path_state(rec.keys, rec.u, rec.decay, rec.visible, self.recurrent_state, last))
         newest = rec.sources.index_select(0, last.view(1))[0, 1:]  # the window after `last`, minus its oldest
         self.conv_state.copy_(rec.inputs.index_select(1, newest))
+
+
+def _project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A module's linear map through `linear` (the few-row GEMM where it pays), on the module's own weights."""
+    return linear(x, module.weight, module.bias)
