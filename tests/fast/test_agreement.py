@@ -63,11 +63,34 @@ def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
     assert (got.token_ids, got.finish_reason) == (full[:full.index(full[4])], "stop")
 
 
+def prompt_logprobs_agree(got: list, want: list, tolerance: float = 1e-5) -> None:
+    """Prompt logprob entries (the first None) equal up to float32 rounding: token, rank, alternatives."""
+    assert got[0] is None and want[0] is None and len(got) == len(want)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert (g.token_id, g.rank) == (w.token_id, w.rank) and abs(g.logprob - w.logprob) < tolerance
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert all(abs(a - b) < tolerance for (_, a), (_, b) in zip(g.top, w.top, strict=True))
+
+
+@pytest.mark.parametrize(("method", "budget"), [("ar", None), ("ddtree", 8)])
+def test_prompt_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, method, budget):
+    """A request for prompt logprobs (completions' echo with logprobs) prefills and decodes on the fast path."""
+    reference, fast = pairs["qwen3"]
+    params = SamplingParams(max_new_tokens=12, prompt_logprobs=3, logprobs=2, ignore_eos=True)
+    prompt = list(range(40, 70))
+    gen = fast.stream(prompt, params, method=method, budget=budget)
+    first = next(gen)
+    list(gen)
+    ref = reference.stream(prompt, params, method=method, budget=budget)
+    ref_first = next(ref)
+    list(ref)
+    assert gen.on_fast_path and gen.token_ids == ref.token_ids
+    prompt_logprobs_agree(first.prompt_logprobs, ref_first.prompt_logprobs)
+    assert len(first.prompt_logprobs) == len(prompt)
+
+
 def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast_ckpt):
     _, fast = pairs["qwen3"]
-    scored = SamplingParams(max_new_tokens=4, prompt_logprobs=1, ignore_eos=True)
-    gen = fast.stream([1, 2, 3], scored)
-    assert not gen.on_fast_path and len(next(gen).prompt_logprobs) == 3
     too_long = SamplingParams(max_new_tokens=fast.fast.capacity, ignore_eos=True)
     assert not fast.stream([1, 2, 3], too_long).on_fast_path
     assert not fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=0).on_fast_path

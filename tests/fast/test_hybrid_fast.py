@@ -7,6 +7,7 @@ from ddtree.fast import hybrid as fast_hybrid
 from ddtree.fast.tree import ancestors
 from ddtree.sampling import SamplingParams
 from ddtree.tree import build_tree
+from test_agreement import prompt_logprobs_agree
 from tiny import make_draft, make_hybrid_target, path_tokens
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -52,6 +53,12 @@ def test_prompts_longer_than_a_chunk_run_chunk_by_chunk_with_the_same_tokens(hyb
     for method, budget in (("ar", None), ("ddtree", 16)):
         assert fast.generate(prompt, GREEDY, method=method, budget=budget).token_ids == \
             reference.generate(prompt, GREEDY, method=method, budget=budget).token_ids
+    scored = SamplingParams(max_new_tokens=8, prompt_logprobs=2, ignore_eos=True)  # every chunk's rows
+    gen = fast.stream(prompt, scored, method="ddtree", budget=16)
+    got = next(gen).prompt_logprobs
+    want = next(reference.stream(prompt, scored, method="ddtree", budget=16)).prompt_logprobs
+    assert gen.on_fast_path
+    prompt_logprobs_agree(got, want, tolerance=1e-4)  # the closed form sums in another order
 
 
 def test_every_tree_node_gets_the_logits_of_its_path_run_alone(hybrid_pair):

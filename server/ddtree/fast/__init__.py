@@ -15,7 +15,7 @@ back one small tensor (the accepted length and the emitted tokens). On the CPU t
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
 Scope: greedy or sampled requests (temperature, top-k, top-p, min-p, penalties, logit bias, a grammar,
-logprobs) without prompt logprobs, on dense Qwen3 / Llama-family targets and dense Qwen3.5 / Qwen3.6 hybrids
+logprobs, prompt logprobs), on dense Qwen3 / Llama-family targets and dense Qwen3.5 / Qwen3.6 hybrids
 (Gated DeltaNet layers: fast/hybrid.py); no sliding windows, no MoE. Everything else stays on the reference
 path.
 """
@@ -156,14 +156,14 @@ class FastPath:
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
-        settings), with or without a grammar, penalties, logit bias and logprobs; no prompt logprobs; a
-        budget in 1..MAX_BUDGET; and the whole request fits the static caches."""
+        settings), with or without a grammar, penalties, logit bias, logprobs and prompt logprobs; a budget
+        in 1..MAX_BUDGET; and the whole request fits the static caches."""
         p = gen.params
         filters = sampling_filters(p)
         known = {key[3] for key in self._plans} - {None}
         if filters is not None and filters not in known and len(known) >= MAX_FILTER_SETTINGS:
             return False
-        if p.prompt_logprobs is not None or self._busy:
+        if self._busy:
             return False
         if gen.method != "ar" and self.draft is None:
             return False
@@ -200,12 +200,15 @@ class FastPath:
             drafted = self.nodes(gen.method, gen.budget) - 1
             most = 1 if gen.method == "ar" else self.block  # tokens one round can emit
             t0 = time.perf_counter()
-            root, root_logprobs = self.prefill(torch.tensor(gen.prompt_ids, device=self.device),
-                                          with_draft=gen.method != "ar", noise=prefill_noise, filters=filters,
-                                          allowed=constraint.allowed([[]]) if constraint else None,
-                                          adjusted=adjusted, logprobs=logprobs)
+            every_row = gen.params.prompt_logprobs is not None
+            root, root_logprobs, prompt_logits = self.prefill(
+                torch.tensor(gen.prompt_ids, device=self.device), with_draft=gen.method != "ar", noise=prefill_noise,
+                filters=filters, allowed=constraint.allowed([[]]) if constraint else None, adjusted=adjusted,
+                logprobs=logprobs, every_row=every_row)
+            prompt_logprobs = gen._prompt_logprobs(prompt_logits, gen.params.prompt_logprobs) if every_row else None
             gen.stats.prefill_seconds = gen._now() - t0
             out = gen._emit([root], root_logprobs, 0, 0, {"prefill": gen.stats.prefill_seconds}, True)
+            out.prompt_logprobs = prompt_logprobs
             gen._after_emit(out, None, constraint)
             yield out
             decode_start = time.perf_counter()
@@ -339,16 +342,18 @@ class FastPath:
 
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
                 filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False,
-                logprobs: bool = False) -> tuple[int, torch.Tensor | None]:
+                logprobs: bool = False, every_row: bool = False,
+                ) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
-        `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given) and,
-        with `logprobs`, its `token_logprobs` (the 20 best alternatives)."""
+        `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given),
+        with `logprobs` its `token_logprobs` (the 20 best alternatives), and with `every_row` the raw logits of
+        every prompt row [n, V] (for prompt logprobs)."""
         n = prompt.numel()
         self.start.zero_()
         positions = torch.arange(n, device=self.device)
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        logits, taps = self.prompt_forward(prompt, positions, causal)
-        logits = self.before_pick(logits[-1:], allowed, adjusted)
+        prompt_logits, taps = self.prompt_forward(prompt, positions, causal, every_row)
+        logits = self.before_pick(prompt_logits[-1:], allowed, adjusted)
         root = self.pick(logits, noise, filters)[0]
         if adjusted:
             self.emitted_counts[root] += 1
@@ -356,14 +361,16 @@ class FastPath:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
         self.root.copy_(root)
-        if not logprobs:
-            return int(root), None
-        return int(root), self._token_logprobs(self.processed(logits, noise is not None, filters), root.view(1))
+        root_logprobs = None
+        if logprobs:
+            root_logprobs = self._token_logprobs(self.processed(logits, noise is not None, filters), root.view(1))
+        return int(root), root_logprobs, prompt_logits if every_row else None
 
-    def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor,
-                       causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prompt's forward from an empty cache: (last row's logits [1, V], taps of every row)."""
-        logits, taps, _ = self.forward(prompt, positions, causal, last_only=True)
+    def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
+                       every_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt's forward from an empty cache: (the last row's logits [1, V], or with `every_row` every
+        row's [n, V]; taps of every row)."""
+        logits, taps, _ = self.forward(prompt, positions, causal, last_only=not every_row)
         return logits, taps
 
     def lone_root(self) -> tuple[torch.Tensor, ...]:

@@ -180,20 +180,22 @@ class HybridFastPath(FastPath):
 
     # -- prompt and commit ------------------------------------------------------------------------------
 
-    def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor,
-                       causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prompt in causal chunks, each committed before the next: (last row's logits, every row's taps)."""
+    def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
+                       every_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt in causal chunks, each committed before the next: (the last row's logits, or with
+        `every_row` every row's; every row's taps)."""
         self.conv_state.zero_()
         self.recurrent_state.zero_()
-        taps, logits = [], None
+        taps, logits = [], []
         for lo in range(0, prompt.numel(), PROMPT_CHUNK):
             hi = min(lo + PROMPT_CHUNK, prompt.numel())
-            logits, chunk_taps, rec = self.forward(prompt[lo:hi], positions[lo:hi], causal[lo:hi, lo:hi],
-                                                   last_only=True)
+            chunk_logits, chunk_taps, rec = self.forward(prompt[lo:hi], positions[lo:hi], causal[lo:hi, lo:hi],
+                                                         last_only=not every_row)
             self._commit_recurrent(rec, torch.tensor(hi - lo - 1, device=self.device))
             self.start.fill_(hi)
             taps.append(chunk_taps)
-        return logits, torch.cat(taps) if self.taps else None
+            logits.append(chunk_logits)
+        return torch.cat(logits) if every_row else logits[-1], torch.cat(taps) if self.taps else None
 
     def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
                with_draft: bool, recurrent: object = None) -> None:
