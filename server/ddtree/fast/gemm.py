@@ -29,7 +29,7 @@ except ImportError:  # CPU-only installs: the caller keeps F.linear
 
 MAX_ROWS = 32  # measured: 65 rows run 1.2x slower than cuBLAS (compute-bound after padding to 128)
 ENABLED = os.environ.get("DDTREE_SKINNY", "1") != "0"
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,11 +91,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Per-column-tile arrival counters, all zero between launches (the last arrival resets its own); one
-    buffer per device serves every launch, as launches on a stream run one after another."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < tiles:
-        have = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return have
+    buffer per device serves every launch, as launches on a stream run one after another. A wider weight
+    gets a larger buffer; the smaller ones stay allocated, since captured graphs still point at them."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
+        buffers.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 if triton is not None:
