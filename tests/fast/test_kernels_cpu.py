@@ -1,0 +1,112 @@
+"""The fast path's Triton kernels, run by Triton's interpreter on the CPU (float32, small shapes).
+
+On a machine without CUDA, tests/conftest.py turns on TRITON_INTERPRET before any kernel is defined, so
+CI checks every kernel's logic (tiling, masks, split-K sums, the tree program) against its PyTorch
+reference; `tests/fast/test_cuda.py` runs the same kernels compiled, at real sizes, on a GPU.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_cuda import attention_case, distinct_logits
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the interpreted kernels run on CPU-only machines (the GPU compiles them)")
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "split_k"), [(2, 40, 64, 1), (17, 96, 256, 1), (5, 100, 512, 4),
+                                                         (33, 70, 128, 2)])
+def test_skinny_gemm_equals_a_float64_product_and_resets_its_counters(rows, n, k, split_k):
+    from ddtree.fast import gemm
+
+    gen = torch.Generator().manual_seed(rows * n)
+    x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    config = dict(block_n=32, block_k=64, split_k=split_k, num_warps=4, num_stages=2)
+    y = gemm.skinny_linear(x, weight, config)
+    assert torch.allclose(y.double(), x.double() @ weight.double().T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(gemm.skinny_linear(x, weight, config), y)  # the last arrival sums in a fixed order
+    assert not gemm._COUNTERS[x.device][-1].any()  # ... and leaves every counter at zero
+
+
+@pytest.mark.parametrize("mode", ["plain", "norm", "norm_first", "silu"])
+def test_one_row_gemv_equals_its_unfused_steps(mode):
+    from ddtree.draft import rms_norm
+    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv
+
+    gen = torch.Generator().manual_seed(len(mode))
+    n, k = 40, 64
+    weight = torch.randn(n, k, generator=gen) / 8
+    width = 2 * k if mode == "silu" else k
+    x, delta = (torch.randn(1, width, generator=gen) for _ in range(2))
+    norm = torch.rand(width, generator=gen) + 0.5
+    if mode == "plain":
+        row, (y, _) = x, gemv(x, weight, PLAIN)
+    elif mode == "silu":
+        gate, up = x.chunk(2, dim=-1)
+        row, (y, _) = F.silu(gate) * up, gemv(x, weight, SILU)
+    else:
+        summed = x + delta if mode == "norm" else x
+        row = rms_norm(summed, norm, 1e-6)
+        y, residual = gemv(x, weight, NORM, delta if mode == "norm" else None, norm, 1e-6)
+        assert torch.equal(residual, summed)
+    assert torch.allclose(y.double(), F.linear(row.double(), weight.double()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "groups", "window"), [(1, 4, None), (7, 2, None), (7, 2, 5)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits):
+    from ddtree.fast.attention import TreeMask, _triton_attention
+
+    d, capacity, start = 16, 64, 20
+    q, cache, visible, want = attention_case(n, groups, d, capacity, start, window)
+    mask = TreeMask(torch.tensor(start), n, window, visible=visible.view(torch.int8))
+    got = _triton_attention(q, cache, mask, dict(block_m=16, block_n=16, splits=splits, num_warps=4, num_stages=1))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_attention_heads_kernel_equals_the_reference_step(norm):
+    from ddtree.fast.fused import attention_heads
+    from ddtree.fast.heads import attention_heads as heads_kernel
+
+    n, heads, kv_heads, d = 3, 4, 2, 16
+    gen = torch.Generator().manual_seed(n * d)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_norm, k_norm = (torch.rand(d, generator=gen) + 0.5 if norm else None for _ in range(2))
+    angles = torch.randn(n, d // 2, generator=gen)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    slots = torch.tensor([7, 2, 11])
+    want_cache = torch.randn(2, kv_heads, 16, d, generator=gen)
+    got_cache = want_cache.clone()
+    want = attention_heads(q, k, v, q_norm, k_norm, 1e-6, cos, sin, kv_heads, d, want_cache, slots)
+    got = heads_kernel(q, k, v, q_norm, k_norm, 1e-6, cos, sin, kv_heads, d, got_cache, slots)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got_cache, want_cache, atol=1e-5, rtol=1e-5) and torch.equal(got_cache[1], want_cache[1])
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(20, 2), (300, 16), (5000, 40)])
+def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k):
+    from ddtree.fast.tree import _vocab_top_on_gpu
+
+    logits = distinct_logits(4, vocab, seed=k)
+    logp, tokens = _vocab_top_on_gpu(logits, k)
+    top, want_tokens = logits.topk(k, dim=-1)
+    assert torch.equal(tokens, want_tokens)
+    assert torch.allclose(logp, top - logits.logsumexp(dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("budget", "vocab"), [(1, 50), (5, 50), (16, 50), (24, 300)])
+def test_the_one_program_tree_build_equals_the_pytorch_loop(budget, vocab):
+    from ddtree.fast.tree import _build_on_gpu, _frontier, top_prefixes, tree_size, vocab_top
+
+    logits = distinct_logits(5, vocab, seed=budget)
+    want = top_prefixes(logits, budget)  # on the CPU: the per-depth PyTorch loop
+    k = min(budget, vocab)
+    logp, tokens = vocab_top(logits, k)
+    got = _build_on_gpu(logp, tokens, _frontier(budget, k, logits.device), budget, tree_size(5, vocab, budget))
+    for g, w in zip(got, want, strict=True):  # tokens, parents, depths, ancestor matrix
+        assert torch.equal(g, w)
