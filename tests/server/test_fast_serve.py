@@ -28,6 +28,12 @@ def test_fast_server_matches_the_reference_server(server, logs):
         got = fast.client().completions.create(model=fast.model(), **scored).choices[0].logprobs
         assert got.tokens == want.tokens and got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-5)
         assert [list(top) for top in got.top_logprobs] == [list(top) for top in want.top_logprobs]
+        echoed = {**scored, "echo": True}  # the prompt scored too (prompt logprobs: also on the fast path)
+        want = server.client().completions.create(model=server.model(), temperature=0, **echoed).choices[0].logprobs
+        got = fast.client().completions.create(model=fast.model(), **echoed).choices[0].logprobs
+        assert got.tokens == want.tokens and got.token_logprobs[0] is None is want.token_logprobs[0]
+        assert got.token_logprobs[1:] == pytest.approx(want.token_logprobs[1:], abs=1e-5)
+        assert [list(top or {}) for top in got.top_logprobs] == [list(top or {}) for top in want.top_logprobs]
         sampled = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0.9, "seed": 7,
                    "extra_body": {"ignore_eos": True}}
         replies = [fast.client().completions.create(model=fast.model(), **sampled) for _ in range(2)]
