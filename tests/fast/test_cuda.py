@@ -115,34 +115,40 @@ def test_one_split_writes_the_merged_output(dtype, n, window, tile):
     assert torch.allclose(direct, want, atol=tolerance, rtol=tolerance), (direct - want).abs().max()
 
 
+def gemv_case(n: int, k: int, mode: str, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused GEMV's output for a random row in `mode` (plain, norm, norm_first, silu) and the float64
+    product of the row its unfused steps make; the summed residual is checked bit for bit on the way."""
+    import torch.nn.functional as F
+    from ddtree.draft import rms_norm
+    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv
+
+    gen = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).to(device)
+    width = 2 * k if mode == "silu" else k
+    x, delta = ((torch.randn(1, width, generator=gen) * 3).to(dtype).to(device) for _ in range(2))
+    norm = (torch.rand(width, generator=gen) + 0.5).to(dtype).to(device)
+    if mode == "plain":
+        row, (y, _) = x, gemv(x, weight, PLAIN)
+    elif mode == "silu":
+        gate, up = x.chunk(2, dim=-1)
+        row, (y, _) = F.silu(gate) * up, gemv(x, weight, SILU)
+    else:
+        summed = x + delta if mode == "norm" else x
+        row = rms_norm(summed, norm, 1e-6)
+        y, residual = gemv(x, weight, NORM, delta if mode == "norm" else None, norm, 1e-6)
+        assert torch.equal(residual, summed)
+    return y.double(), F.linear(row.double(), weight.double())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (6144, 4096), (4096, 12288)])
 @pytest.mark.parametrize("mode", ["plain", "norm", "norm_first", "silu"])
 def test_one_row_gemv_equals_its_unfused_steps(dtype, n, k, mode):
     """The fused GEMV against the steps it replaces: the same input row (rounded where the reference rounds
     it), a float32 dot, one rounding at the end; the summed residual bit for bit."""
-    import torch.nn.functional as F
-    from ddtree.draft import rms_norm
-    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv
-
-    gen = torch.Generator().manual_seed(n + k)
-    weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).cuda()
-    width = 2 * k if mode == "silu" else k
-    x, delta = ((torch.randn(1, width, generator=gen) * 3).to(dtype).cuda() for _ in range(2))
-    norm = (torch.rand(width, generator=gen) + 0.5).to(dtype).cuda()
-    if mode == "plain":
-        row, (y, residual) = x, gemv(x, weight, PLAIN)
-    elif mode == "silu":
-        gate, up = x.chunk(2, dim=-1)
-        row, (y, residual) = F.silu(gate) * up, gemv(x, weight, SILU)
-    else:
-        summed = x + delta if mode == "norm" else x
-        row = rms_norm(summed, norm, 1e-6)
-        y, residual = gemv(x, weight, NORM, delta if mode == "norm" else None, norm, 1e-6)
-        assert torch.equal(residual, summed)
-    want = F.linear(row.double(), weight.double())
+    y, want = gemv_case(n, k, mode, dtype, "cuda")
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (and rare input ties)
-    assert torch.allclose(y.double(), want, atol=tolerance, rtol=tolerance), (y.double() - want).abs().max()
+    assert torch.allclose(y, want, atol=tolerance, rtol=tolerance), (y - want).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

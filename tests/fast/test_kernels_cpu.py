@@ -9,8 +9,7 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
-from test_cuda import attention_case, distinct_logits
+from test_cuda import attention_case, distinct_logits, gemv_case
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -33,26 +32,8 @@ def test_skinny_gemm_equals_a_float64_product_and_resets_its_counters(rows, n, k
 
 @pytest.mark.parametrize("mode", ["plain", "norm", "norm_first", "silu"])
 def test_one_row_gemv_equals_its_unfused_steps(mode):
-    from ddtree.draft import rms_norm
-    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv
-
-    gen = torch.Generator().manual_seed(len(mode))
-    n, k = 40, 64
-    weight = torch.randn(n, k, generator=gen) / 8
-    width = 2 * k if mode == "silu" else k
-    x, delta = (torch.randn(1, width, generator=gen) for _ in range(2))
-    norm = torch.rand(width, generator=gen) + 0.5
-    if mode == "plain":
-        row, (y, _) = x, gemv(x, weight, PLAIN)
-    elif mode == "silu":
-        gate, up = x.chunk(2, dim=-1)
-        row, (y, _) = F.silu(gate) * up, gemv(x, weight, SILU)
-    else:
-        summed = x + delta if mode == "norm" else x
-        row = rms_norm(summed, norm, 1e-6)
-        y, residual = gemv(x, weight, NORM, delta if mode == "norm" else None, norm, 1e-6)
-        assert torch.equal(residual, summed)
-    assert torch.allclose(y.double(), F.linear(row.double(), weight.double()), atol=1e-5, rtol=1e-5)
+    y, want = gemv_case(40, 64, mode, torch.float32, "cpu")
+    assert torch.allclose(y, want, atol=1e-5, rtol=1e-5), (y - want).abs().max()
 
 
 @pytest.mark.parametrize(("n", "groups", "window"), [(1, 4, None), (7, 2, None), (7, 2, 5)])
