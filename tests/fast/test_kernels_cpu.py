@@ -2,14 +2,18 @@
 
 On a machine without CUDA, tests/conftest.py turns on TRITON_INTERPRET before any kernel is defined, so
 CI checks every kernel's logic (tiling, masks, split-K sums, the tree program) against its PyTorch
-reference; `tests/fast/test_cuda.py` runs the same kernels compiled, at real sizes, on a GPU.
+reference, and whole generations on the kernels against the reference path; `tests/fast/test_cuda.py`
+runs the same kernels compiled, at real sizes, and in CUDA graphs, on a GPU.
 """
 
 import os
 
 import pytest
 import torch
+from ddtree.engine import Engine
+from ddtree.sampling import SamplingParams
 from test_cuda import attention_case, distinct_logits, gemv_case
+from tiny import make_draft, make_hybrid_target
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -91,3 +95,47 @@ def test_the_one_program_tree_build_equals_the_pytorch_loop(budget, vocab):
     got = _build_on_gpu(logp, tokens, _frontier(budget, k, logits.device), budget, tree_size(5, vocab, budget))
     for g, w in zip(got, want, strict=True):  # tokens, parents, depths, ancestor matrix
         assert torch.equal(g, w)
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The fast path runs its Triton kernels (interpreted) on the CPU, where it would otherwise take PyTorch."""
+    from ddtree.fast import jit
+
+    monkeypatch.setattr(jit, "INTERPRETED_ON_CPU", True)
+
+
+@pytest.mark.slow
+def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ckpt, kernels_on_cpu, tmp_path):
+    """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the
+    vocabulary top-k and the tree program): the reference's tokens, acceptance and logprobs, for a dense
+    target and a hybrid one."""
+    from ddtree.fast import gemm
+    from ddtree.fast.heads import attention_heads as heads_kernel
+
+    make_draft(tmp_path / "draft", taps=[1, 2])
+    make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
+    runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)], "hybrid": [("ddtree", 24)]}
+    pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft")]
+    params = SamplingParams(max_new_tokens=6, logprobs=2, ignore_eos=True)
+    launches = []
+    real = gemm.skinny_linear
+    for target, draft in pairs:
+        fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
+        reference = Engine(fast.target, fast.draft, fast.tokenizer)
+        if target.name == "qwen3":  # (a hybrid's forward has neither)
+            assert fast.fast.row_gemv and fast.fast.ops.attention_heads is heads_kernel
+        for method, budget in runs[target.name]:
+            gemm.skinny_linear = lambda *a, **kw: launches.append(1) or real(*a, **kw)
+            try:
+                gen = fast.stream(list(range(30, 40)), params, method=method, budget=budget)
+                rounds = list(gen)
+            finally:
+                gemm.skinny_linear = real
+            ref = reference.stream(list(range(30, 40)), params, method=method, budget=budget)
+            ref_rounds = list(ref)
+            assert gen.on_fast_path and gen.token_ids == ref.token_ids, (target.name, method, budget)
+            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+            got = [lp.logprob for r in rounds for lp in r.logprobs]
+            assert got == pytest.approx([lp.logprob for r in ref_rounds for lp in r.logprobs], abs=1e-4)
+    assert launches  # the few-row GEMM ran (draft blocks, small trees)

@@ -96,7 +96,7 @@ class FastPath:
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(compile=self.device.type == "cuda")
         head_dims = {self.head_dim} | ({draft.config.head_dim} if draft is not None else set())
-        if self.device.type == "cuda" and triton_works(self.device) and all(d & (d - 1) == 0 for d in head_dims):
+        if triton_works(self.device) and all(d & (d - 1) == 0 for d in head_dims):
             self.ops.attention_heads = heads_kernel  # one Triton kernel instead of the compiled three
         self._build_target()
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
@@ -132,8 +132,8 @@ class FastPath:
         # (ddtree/fast/gemv.py); DDTREE_GEMV=0 keeps cuBLAS and the separate kernels, for A/B runs.
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         lm_head = self.target.lm_head
-        self.row_gemv = (self.device.type == "cuda" and os.environ.get("DDTREE_GEMV", "1") != "0"
-                         and triton_works(self.device) and lm_head.bias is None
+        self.row_gemv = (os.environ.get("DDTREE_GEMV", "1") != "0" and triton_works(self.device)
+                         and lm_head.bias is None
                          and all(gemv_supported(w) for w in [lm_head.weight, *(p.weight for p in projections)])
                          and all(p.bias is None for p in projections))
         self.kv = self._kv_cache(len(self.layers))

@@ -47,7 +47,7 @@ def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups:
               dtype: torch.dtype, window: int | None = None) -> TreeMask:
     """The rule above for `visible` [n, n] (bool), in the form the attention backend for this device takes."""
     n = visible.shape[0]
-    if visible.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and triton_works(visible.device):
+    if head_dim >= 16 and head_dim & (head_dim - 1) == 0 and triton_works(visible.device):
         return TreeMask(start, n, window, visible=visible.view(torch.int8))  # bool is one byte: no copy
     columns = torch.arange(capacity, device=visible.device)
     rel = columns - start
@@ -97,7 +97,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
     n, capacity = mask.n, cache.shape[2]
     cfg = config
     if cfg is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4  # 4: interpreted
         cfg = launch_config(rows, capacity, kv_heads, sms)
     splits = cfg["splits"]
     out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)

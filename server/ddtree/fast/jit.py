@@ -4,10 +4,15 @@ Triton compiles each kernel's launcher with the host's C compiler and Python hea
 image without them (or a Triton too old for `tl.topk`) must still serve. The first call runs every kernel
 on tiny inputs; if that fails, the fast path uses PyTorch SDPA and the PyTorch tree loop instead, and
 says why on stderr.
+
+On the CPU the fast path takes its PyTorch code, unless a test turns INTERPRETED_ON_CPU on while Triton's
+interpreter is on (TRITON_INTERPRET=1): then every kernel runs, interpreted, where the GPU would run it,
+so a CPU machine checks how the kernels fit together (tests/fast/test_kernels_cpu.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -18,10 +23,16 @@ except ImportError:  # CPU-only installs
     triton = None
 
 _WORKS: dict[torch.device, bool] = {}
+INTERPRETED_ON_CPU = False
 
 
 def triton_works(device: torch.device) -> bool:
-    if triton is None or device.type != "cuda":
+    """Whether the fast path runs its Triton kernels on `device` (else its PyTorch code)."""
+    if triton is None:
+        return False
+    if device.type == "cpu":
+        return INTERPRETED_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda":
         return False
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     if device not in _WORKS:

@@ -44,7 +44,7 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     logp, tok = vocab_top(draft_logits, k)
     pairs = _frontier(budget, k, device)
     n = tree_size(max_depth, vocab, budget)
-    if draft_logits.is_cuda and triton_works(device):
+    if triton_works(device):
         built = _attempt(("tree", max_depth, k, budget, device), _build_on_gpu, logp, tok, pairs, budget, n)
         if built is not None:
             return built
@@ -74,7 +74,7 @@ def vocab_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     max / sum of exponentials, and one program per row merges them (torch.topk and logsumexp take
     several kernels and ~75 µs for 15 rows; these take a few).
     """
-    if logits.is_cuda and triton_works(logits.device):
+    if triton_works(logits.device):
         top = _attempt(("vocabulary top-k", *logits.shape, k, logits.dtype, logits.device), _vocab_top_on_gpu,
                        logits, k)
         if top is not None:
