@@ -237,12 +237,32 @@ class ServerState:
         metrics = ServerMetrics(name, method=engine.method, budget=budget, block_size=engine.block_size,
                                 max_model_len=engine.max_context)
         self.sampling_defaults = self._sampling_defaults(engine)
+        self._warm_up(engine)
         self.engine, self.model_name, self.metrics = engine, name, metrics
         self.scheduler = Scheduler(engine, metrics, max_queue=self.config.max_queue)
         log.info("serving %s (method %s, budget %s, max context %d)", name, engine.method, engine.budget,
                  engine.max_context)
         if note := getattr(engine, "fast_note", None):
             log.warning("%s", note)
+
+    def _warm_up(self, engine: Any) -> None:
+        """Capture the fast path's graphs before /ready says yes: for greedy requests and for requests that
+        keep the default sampling settings (the two plans nearly every request runs on)."""
+        if getattr(engine, "fast", None) is None:
+            return
+        log.info("warming up the fast path (CUDA graphs, compiled kernels) ...")
+        started = time.perf_counter()
+        defaults = {**self.sampling_defaults, "top_k": max(0, self.sampling_defaults["top_k"])}
+        try:
+            settings = [SamplingParams(**defaults)]
+            if not settings[0].greedy:
+                settings.append(SamplingParams(**{**defaults, "temperature": 0.0}))
+            done = engine.warm_up(*settings)
+        except Exception as exc:  # an optimisation only: the first requests then capture what they need
+            log.warning("fast path warm-up failed (%s: %s); the first requests will capture their graphs",
+                        type(exc).__name__, exc)
+            return
+        log.info("fast path warmed up in %.1f s (%s)", time.perf_counter() - started, ", ".join(done) or "nothing")
 
     def _sampling_defaults(self, engine: Any) -> dict[str, float]:
         """What requests that omit a sampling field get: --default-temperature, then (auto) the checkpoint's

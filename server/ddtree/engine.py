@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -211,6 +211,23 @@ class Engine:
             return (f"budget {self.budget} is above the fast path's largest tree ({MAX_BUDGET} nodes): ddtree "
                     "requests take the reference path, several times slower on a GPU")
         return None
+
+    def warm_up(self, *settings: SamplingParams) -> list[str]:
+        """Run one short generation per sampling setting at the engine's own method and budget, so that the
+        fast path captures its CUDA graphs and compiles its kernels now, not on the first requests (which
+        would wait tens of seconds on a large model). Returns what was warmed up; nothing without a fast
+        path. The generations leave no state behind: every request starts with its own prefill."""
+        done = []
+        if self.fast is None:
+            return done
+        prompt = [i % self.vocab_size for i in range(1, 9)]
+        for params in settings:
+            gen = self.stream(prompt, replace(params, max_new_tokens=2 * self.block_size, ignore_eos=True))
+            if gen.on_fast_path:
+                for _ in gen:
+                    pass
+                done.append("greedy" if params.greedy else f"temperature {params.temperature:g}")
+        return done
 
     @property
     def max_context(self) -> int:

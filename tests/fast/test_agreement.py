@@ -89,6 +89,21 @@ def test_prompt_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, metho
     assert len(first.prompt_logprobs) == len(prompt)
 
 
+def test_warm_up_builds_the_plans_requests_will_run_and_leaves_no_trace(fast_ckpt):
+    """A server warms its engine up before it says it is ready: one plan per sampling setting, at the
+    engine's method and budget; the requests after it decode as if it never ran."""
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True,
+                                  fast_capacity=256, method="ddtree", budget=12)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    sampled = SamplingParams(temperature=0.7, top_k=5)
+    assert fast.warm_up(sampled, SamplingParams()) == ["temperature 0.7", "greedy"]
+    assert set(fast.fast._plans) == {("ddtree", 12, True, (5, 1.0, 0.0), False, False, False),
+                                     ("ddtree", 12, False, None, False, False, False)}
+    got = fast.generate([5, 6, 7], GREEDY)
+    assert got.token_ids == reference.generate([5, 6, 7], GREEDY).token_ids and got.stats.rounds > 1
+    assert Engine(fast.target, fast.draft, fast.tokenizer).warm_up(SamplingParams()) == []  # no fast path
+
+
 def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast_ckpt):
     _, fast = pairs["qwen3"]
     too_long = SamplingParams(max_new_tokens=fast.fast.capacity, ignore_eos=True)

@@ -12,6 +12,7 @@ PROMPTS = ["def merge(", "class Parser:", "import os\n\ndef main("]
 def test_fast_server_matches_the_reference_server(server, logs):
     fast = start_server(logs, "--fast", "--default-temperature", "0", name="fast")
     try:
+        assert "fast path warmed up" in fast.log.read_text()  # before /ready said yes
         for prompt in PROMPTS:
             kw = {"prompt": prompt, "max_tokens": 32, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
             reference = server.client().completions.create(model=server.model(), temperature=0, **kw)
