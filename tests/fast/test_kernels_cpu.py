@@ -12,6 +12,7 @@ import pytest
 import torch
 from ddtree.engine import Engine
 from ddtree.sampling import SamplingParams
+from test_agreement import prompt_logprobs_agree
 from test_cuda import attention_case, distinct_logits, gemv_case
 from tiny import make_draft, make_hybrid_target
 
@@ -108,8 +109,8 @@ def kernels_on_cpu(monkeypatch):
 @pytest.mark.slow
 def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ckpt, kernels_on_cpu, tmp_path):
     """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the
-    vocabulary top-k and the tree program): the reference's tokens, acceptance and logprobs, for a dense
-    target and a hybrid one."""
+    vocabulary top-k and the tree program): the reference's tokens, acceptance, logprobs and prompt
+    logprobs, for a dense target and a hybrid one."""
     from ddtree.fast import gemm
     from ddtree.fast.heads import attention_heads as heads_kernel
 
@@ -117,7 +118,7 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
     make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
     runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)], "hybrid": [("ddtree", 24)]}
     pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft")]
-    params = SamplingParams(max_new_tokens=6, logprobs=2, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     launches = []
     real = gemm.skinny_linear
     for target, draft in pairs:
@@ -138,4 +139,5 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
             got = [lp.logprob for r in rounds for lp in r.logprobs]
             assert got == pytest.approx([lp.logprob for r in ref_rounds for lp in r.logprobs], abs=1e-4)
+            prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs, tolerance=1e-4)
     assert launches  # the few-row GEMM ran (draft blocks, small trees)
