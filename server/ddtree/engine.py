@@ -214,9 +214,9 @@ class Engine:
 
     def warm_up(self, *settings: SamplingParams) -> list[str]:
         """Run one short generation per sampling setting at the engine's own method and budget, so that the
-        fast path captures its CUDA graphs and compiles its kernels now, not on the first requests (which
-        would wait tens of seconds on a large model). Returns what was warmed up; nothing without a fast
-        path. The generations leave no state behind: every request starts with its own prefill."""
+        fast path captures its CUDA graphs and compiles its kernels now, not while the first requests wait.
+        Returns what was warmed up; nothing without a fast path. The generations leave no state behind:
+        every request starts with its own prefill."""
         done = []
         if self.fast is None:
             return done
