@@ -354,16 +354,15 @@ class FastPath:
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         prompt_logits, taps = self.prompt_forward(prompt, positions, causal, every_row)
         logits = self.before_pick(prompt_logits[-1:], allowed, adjusted)
-        root = self.pick(logits, noise, filters)[0]
+        processed = self.processed(logits, noise is not None, filters)
+        root = self.pick(processed, noise)[0]
         if adjusted:
             self.emitted_counts[root] += 1
         if with_draft:
             self._extend_draft(taps, positions)
         self.start.fill_(n)
         self.root.copy_(root)
-        root_logprobs = None
-        if logprobs:
-            root_logprobs = self._token_logprobs(self.processed(logits, noise is not None, filters), root.view(1))
+        root_logprobs = self._token_logprobs(processed, root.view(1)) if logprobs else None
         return int(root), root_logprobs, prompt_logits if every_row else None
 
     def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
@@ -418,7 +417,8 @@ class FastPath:
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps, recurrent = self.forward(ids, self.start + depths, visible)
         logits = self.before_pick(logits, allowed, adjusted, ids, visible)
-        picks = self.pick(logits, noise, filters)
+        processed = self.processed(logits, noise is not None, filters)
+        picks = self.pick(processed, noise)
         steps = torch.arange(n, device=self.device)
         matches = (ids == picks[parents]) | (steps == 0)
         accepted = ~(visible & ~matches[None, :]).any(dim=1)
@@ -432,10 +432,7 @@ class FastPath:
             valid = torch.arange(max_depth + 1, device=self.device) < length
             self.emitted_counts.index_add_(0, emitted, valid.float())
         result = torch.cat([length.view(1), emitted])
-        rows = None
-        if logprobs:
-            path_rows = self.processed(logits.index_select(0, path), noise is not None, filters)
-            rows = self._token_logprobs(path_rows, emitted)
+        rows = self._token_logprobs(processed.index_select(0, path), emitted) if logprobs else None
         return result, path, length, bonus, taps, rows, recurrent
 
     def before_pick(self, logits: torch.Tensor, allowed: torch.Tensor | None, adjusted: bool,
@@ -474,28 +471,27 @@ class FastPath:
         self.prompt_seen[torch.tensor(prompt_ids, device=self.device)] = True
 
     def processed(self, logits: torch.Tensor, sampled: bool, filters: Filters | None) -> torch.Tensor:
-        """Rows as the reference's `process_logits` leaves them (float32; temperature-scaled and filtered
-        when sampled), for logprobs; `logits` already carry the grammar mask, bias and penalties."""
-        out = logits.float()
-        if sampled:
-            out = out * self.inv_temperature
-            if filters is not None:
-                out = filter_logits(out, *filters)
-        return out
+        """Rows as the reference's `process_logits` leaves them, what both the picks and the logprobs read:
+        temperature-scaled and filtered (float32) when sampled, else as they are; `logits` already carry the
+        grammar mask, bias and penalties."""
+        if not sampled:
+            return logits
+        out = logits.float() * self.inv_temperature
+        return filter_logits(out, *filters) if filters is not None else out
 
     def _token_logprobs(self, processed: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`token_logprobs` with as many alternatives as any request may ask for (each takes its own share)."""
         return token_logprobs(processed, tokens, min(MAX_TOP_LOGPROBS, self.vocab))
 
-    def pick(self, logits: torch.Tensor, noise: torch.Tensor | None, filters: Filters | None = None) -> torch.Tensor:
-        """Per row: the argmax, or with uniform noise [N, V] a sample of softmax(logits / T), filtered by
-        (top-k, top-p, min-p) as the reference path filters (Gumbel-max: filtered tokens stay at -inf).
+    def pick(self, processed: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """Per row of `processed` rows: the argmax, or with uniform noise [N, V] a sample of their softmax
+        (Gumbel-max: tokens the filters set to -inf stay there).
 
         A noise value of exactly 0 gives that token -inf (never picked), not +inf: the safe side.
         """
         if noise is None:
-            return logits.argmax(dim=-1)
-        return (self.processed(logits, True, filters) - torch.log(-torch.log(noise))).argmax(dim=-1)
+            return processed.argmax(dim=-1)
+        return (processed - torch.log(-torch.log(noise))).argmax(dim=-1)
 
     def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
                with_draft: bool, recurrent: object = None) -> None:
