@@ -252,11 +252,10 @@ class ServerState:
             return
         log.info("warming up the fast path (CUDA graphs, compiled kernels) ...")
         started = time.perf_counter()
-        defaults = {**self.sampling_defaults, "top_k": max(0, self.sampling_defaults["top_k"])}
         try:
-            settings = [SamplingParams(**defaults)]
+            settings = [SamplingParams(**_merged_sampling(self.sampling_defaults, {}))]
             if not settings[0].greedy:
-                settings.append(SamplingParams(**{**defaults, "temperature": 0.0}))
+                settings.append(SamplingParams(**_merged_sampling(self.sampling_defaults, {"temperature": 0.0})))
             done = engine.warm_up(*settings)
         except Exception as exc:  # an optimisation only: the first requests then capture what they need
             log.warning("fast path warm-up failed (%s: %s); the first requests will capture their graphs",
@@ -352,12 +351,10 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
     except ValueError:
         raise bad_request("logit_bias keys must be token ids (integers as strings).", "logit_bias") from None
     _check_token_ids([token for token, _ in bias], vocab, "logit_bias keys", "logit_bias")
-    sampling = {**state.sampling_defaults,
-                **{k: getattr(req, k) for k in NEUTRAL_SAMPLING if getattr(req, k) is not None}}
-    sampling["top_k"] = max(0, sampling["top_k"])  # -1 and 0 both mean off
+    sent = {k: getattr(req, k) for k in NEUTRAL_SAMPLING if getattr(req, k) is not None}
     try:
         params = SamplingParams(
-            **sampling,
+            **_merged_sampling(state.sampling_defaults, sent),
             max_new_tokens=max_tokens,
             seed=req.seed,
             stop_token_ids=stop_ids,
@@ -371,6 +368,13 @@ def _sampling(state: ServerState, req: _SamplingFields, prompt_ids: list[int], m
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     return Prepared(prompt_ids, params, tuple(s for s in stop if s))
+
+
+def _merged_sampling(defaults: dict[str, float], sent: dict[str, float]) -> dict[str, float]:
+    """The sampling fields a request runs with: what it sent over the server's defaults, top_k -1 and 0 both
+    meaning off."""
+    merged = {**defaults, **sent}
+    return {**merged, "top_k": max(0, merged["top_k"])}
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
