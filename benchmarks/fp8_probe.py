@@ -14,19 +14,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ddtree.fast.bench import graph_ms
+from ddtree.fast.bench import cycled_us, weight_copies
 
-CALLS = 36
 FP8_MAX = 448.0
 SHAPES = {"q": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288), "lm_head": (151936, 4096),
           "fc": (4096, 20480), "context_kv": (10240, 4096)}
-
-
-def per_call_us(fn, weights: list) -> float:
-    def calls() -> None:
-        for i in range(CALLS):
-            fn(weights[i % len(weights)])
-    return 1e3 * graph_ms(calls) / CALLS
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,14 +32,13 @@ def fp8_mm(x8: tuple[torch.Tensor, torch.Tensor], w8: tuple[torch.Tensor, torch.
 
 
 def probe(name: str, n: int, k: int, rows: int, quantize) -> None:
-    copies = max(2, min(CALLS, -(-2 * 2**30 // (n * k * 2))))
-    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    dense = weight_copies(n, k)
     weights = [(w8, scale.T.contiguous()) for w8, scale in map(quantize_rows, dense)]  # per-column scales [1, N]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     x8 = quantize_rows(x)
-    bf16 = per_call_us(lambda w: F.linear(x, w), dense)
-    fp8 = per_call_us(lambda w: fp8_mm(x8, w), weights)
-    with_quant = per_call_us(lambda w: fp8_mm(quantize(x), w), weights)
+    bf16 = cycled_us(lambda w: F.linear(x, w), dense)
+    fp8 = cycled_us(lambda w: fp8_mm(x8, w), weights)
+    with_quant = cycled_us(lambda w: fp8_mm(quantize(x), w), weights)
     want = F.linear(x.float(), dense[0].float())
     error = ((fp8_mm(x8, weights[0]).float() - want).norm() / want.norm()).item()
     print(f"| {name} | {rows} | {bf16:.1f} ({n * k * 2 / bf16 / 1e6:.2f} TB/s) | {fp8:.1f} ({n * k / fp8 / 1e6:.2f} "

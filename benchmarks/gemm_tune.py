@@ -21,11 +21,10 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.fast.bench import graph_ms
+from ddtree.fast.bench import cycled_us, weight_copies
 from ddtree.fast.fused import Ops
 from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv, launch_config
 
-CALLS = 36
 EPS = 1e-6
 # name: (N, K, mode)
 SHAPES = {"qkv": (6144, 4096, NORM), "o": (4096, 4096, PLAIN), "gate_up": (24576, 4096, NORM),
@@ -36,13 +35,6 @@ PER_STEP = {"qkv": 36, "o": 36, "gate_up": 36, "down": 36, "lm_head": 1}  # call
 def configs() -> list[dict]:
     grid = itertools.product((4, 8, 16), (512, 1024), (1, 4), (4, 8))
     return [dict(block_n=n, block_k=k, unroll=u, num_warps=w, num_stages=1) for n, k, u, w in grid]
-
-
-def per_call_us(fn, weights: list[torch.Tensor]) -> float:
-    def calls() -> None:
-        for i in range(CALLS):
-            fn(weights[i % len(weights)])
-    return 1e3 * graph_ms(calls) / CALLS
 
 
 def sweep() -> None:
@@ -63,8 +55,7 @@ def tune(name: str, n: int, k: int, mode: int, ops: Ops) -> tuple[float, float, 
     """Print one projection's rows; returns µs per call of (cuBLAS + folded step, GEMV default, GEMV best)."""
     dev = torch.device("cuda")
     nbytes = n * k * 2
-    copies = max(2, min(CALLS, -(-2 * 2**30 // nbytes)))
-    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    weights = weight_copies(n, k)
     width = 2 * k if mode == SILU else k
     x = torch.randn(1, width, device=dev, dtype=torch.bfloat16)
     delta = torch.randn(1, width, device=dev, dtype=torch.bfloat16)
@@ -79,9 +70,9 @@ def tune(name: str, n: int, k: int, mode: int, ops: Ops) -> tuple[float, float, 
         return gemv(x, w, mode, delta if mode == NORM else None, norm, EPS, cfg)[0]
 
     want = unfused(weights[0]).float()
-    rows = [("cuBLAS alone", per_call_us(lambda w: F.linear(x[:, :k], w), weights)),
-            ("cuBLAS + its folded step", per_call_us(unfused, weights)),
-            (f"gemv default {launch_config(n, k)}", per_call_us(fused, weights))]
+    rows = [("cuBLAS alone", cycled_us(lambda w: F.linear(x[:, :k], w), weights)),
+            ("cuBLAS + its folded step", cycled_us(unfused, weights)),
+            (f"gemv default {launch_config(n, k)}", cycled_us(fused, weights))]
     tried = []
     for cfg in configs():
         try:
@@ -91,7 +82,7 @@ def tune(name: str, n: int, k: int, mode: int, ops: Ops) -> tuple[float, float, 
         if not torch.allclose(got, want, atol=5e-2, rtol=5e-2):
             print(f"| {name} | {cfg} | WRONG | |")
             continue
-        tried.append((per_call_us(lambda w, cfg=cfg: fused(w, cfg), weights), str(cfg)))
+        tried.append((cycled_us(lambda w, cfg=cfg: fused(w, cfg), weights), str(cfg)))
     tried.sort()
     for label, us in [*rows, *((label, us) for us, label in tried[:4])]:
         print(f"| {name} | {label} | {us:.1f} | {nbytes / us / 1e6:.2f} |", flush=True)

@@ -21,10 +21,9 @@ from multiprocessing import get_context
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.fast.bench import graph_ms
+from ddtree.fast.bench import cycled_us, weight_copies
 from ddtree.fast.gemm import launch_config, skinny_linear
 
-CALLS = 36
 # name: (N, K, calls per step)
 TARGET = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36),
           "down": (4096, 12288, 36), "lm_head": (151936, 4096, 1)}
@@ -57,23 +56,14 @@ def precompile(jobs: list[tuple[int, int, dict]]) -> None:
     print(f"(compiled {len(jobs)} kernels in {workers} processes)", flush=True)
 
 
-def per_call_us(fn, weights: list) -> float:
-    def calls() -> None:
-        for i in range(CALLS):
-            fn(weights[i % len(weights)])
-    return 1e3 * graph_ms(calls) / CALLS
-
-
 def tune(name: str, n: int, k: int, rows: int, quick: bool) -> tuple[float, float, float]:
     """Print one projection's lines; returns µs per call of (cuBLAS, skinny default, skinny best)."""
-    dev = torch.device("cuda")
     nbytes = n * k * 2
-    copies = max(2, min(CALLS, -(-2 * 2**30 // nbytes)))
-    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
-    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-    cublas = per_call_us(lambda w: F.linear(x, w), weights)
+    weights = weight_copies(n, k)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    cublas = cycled_us(lambda w: F.linear(x, w), weights)
     want = F.linear(x, weights[0]).float()
-    default = per_call_us(lambda w: skinny_linear(x, w), weights)
+    default = cycled_us(lambda w: skinny_linear(x, w), weights)
     tried = []
     for cfg in configs(k, quick):
         try:
@@ -83,7 +73,7 @@ def tune(name: str, n: int, k: int, rows: int, quick: bool) -> tuple[float, floa
         if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
             print(f"| {name} | {rows} | {cfg} | WRONG {(got - want).abs().max().item():.3g} | |")
             continue
-        tried.append((per_call_us(lambda w, cfg=cfg: skinny_linear(x, w, cfg), weights), str(cfg)))
+        tried.append((cycled_us(lambda w, cfg=cfg: skinny_linear(x, w, cfg), weights), str(cfg)))
     tried.sort()
     print(f"| {name} | {rows} | cuBLAS | {cublas:.1f} | {nbytes / cublas / 1e6:.2f} |")
     print(f"| {name} | {rows} | skinny default {launch_config(n, k)} | {default:.1f} | {nbytes / default / 1e6:.2f} |")

@@ -205,6 +205,24 @@ def graph_ms(fn: Callable[[], object], reps: int = 15) -> float:
     return statistics.median(times[3:])
 
 
+CYCLED_CALLS = 36  # calls per timing in the kernel scripts (benchmarks/*_tune.py): one per layer of an 8B step
+
+
+def weight_copies(n: int, k: int) -> list[torch.Tensor]:
+    """Random bf16 [n, k] weights on the GPU, enough distinct copies (2 GiB in all, 2 to CYCLED_CALLS of them)
+    that calls cycling over them read memory, not L2."""
+    copies = max(2, min(CYCLED_CALLS, -(-2 * 2**30 // (n * k * 2))))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+
+
+def cycled_us(fn: Callable[..., object], weights: list) -> float:
+    """µs per call of fn(weight): CYCLED_CALLS calls cycling over `weights`, replayed as one CUDA graph."""
+    def calls() -> None:
+        for i in range(CYCLED_CALLS):
+            fn(weights[i % len(weights)])
+    return 1e3 * graph_ms(calls) / CYCLED_CALLS
+
+
 def copy_bandwidth(device: torch.device) -> float | None:
     """Measured device-to-device bandwidth of a copy kernel (bytes read + written per second), median of graph
     replays. A kernel, not `copy_`: in a graph that becomes a memcpy node, which the slower copy engines run."""
