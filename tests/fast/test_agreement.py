@@ -105,7 +105,12 @@ def test_warm_up_builds_the_plans_requests_will_run_and_leaves_no_trace(fast_ckp
 
 
 def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast_ckpt):
-    _, fast = pairs["qwen3"]
+    reference, fast = pairs["qwen3"]
+    wide = SamplingParams(max_new_tokens=4, logprobs=25, ignore_eos=True)  # a round keeps 20 alternatives
+    gen = fast.stream([1, 2, 3], wide)
+    got = [entry for r in gen for entry in r.logprobs]
+    assert not gen.on_fast_path and all(len(entry.top) == 25 for entry in got)
+    assert got == [entry for r in reference.stream([1, 2, 3], wide) for entry in r.logprobs]
     too_long = SamplingParams(max_new_tokens=fast.fast.capacity, ignore_eos=True)
     assert not fast.stream([1, 2, 3], too_long).on_fast_path
     assert not fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=0).on_fast_path

@@ -156,14 +156,17 @@ class FastPath:
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
-        settings), with or without a grammar, penalties, logit bias, logprobs and prompt logprobs; a budget
-        in 1..MAX_BUDGET; and the whole request fits the static caches."""
+        settings), with or without a grammar, penalties, logit bias, logprobs (up to MAX_TOP_LOGPROBS
+        alternatives, the API's limit) and prompt logprobs; a budget in 1..MAX_BUDGET; and the whole request
+        fits the static caches."""
         p = gen.params
         filters = sampling_filters(p)
         known = {key[3] for key in self._plans} - {None}
         if filters is not None and filters not in known and len(known) >= MAX_FILTER_SETTINGS:
             return False
         if self._busy:
+            return False
+        if p.logprobs is not None and p.logprobs > MAX_TOP_LOGPROBS:  # more alternatives than a round keeps
             return False
         if gen.method != "ar" and self.draft is None:
             return False
