@@ -96,8 +96,8 @@ def sweep(shapes: dict, rows: int, quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (4 warps only)")
-    ap.add_argument("--target-rows", type=int, nargs="+", default=[65, 17, 129])
-    ap.add_argument("--draft-rows", type=int, nargs="+", default=[16])
+    ap.add_argument("--target-rows", type=int, nargs="*", default=[65, 17, 129])
+    ap.add_argument("--draft-rows", type=int, nargs="*", default=[16])
     args = ap.parse_args()
     sets = [(TARGET, rows) for rows in args.target_rows] + [(DRAFT, rows) for rows in args.draft_rows]
     jobs = {(rows, k, str(cfg)): cfg for shapes, rows in sets for n, k, _ in shapes.values()

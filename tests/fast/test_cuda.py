@@ -290,6 +290,30 @@ def test_penalized_rounds_with_logprobs_replay_as_graphs_and_give_the_reference_
         assert got == pytest.approx([entry.logprob for entry in want.logprobs], abs=1e-4)
 
 
+def test_prompt_logprobs_and_a_warmed_up_engine_on_graphs_give_the_reference_entries(fast_ckpt):
+    """Prompt logprobs prefill with every row's logits and decode in graphs; a warm-up before them (what a
+    server runs before it is ready) leaves nothing that changes the next request."""
+    from test_agreement import prompt_logprobs_agree
+
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32", fast=True,
+                                  fast_capacity=256, method="ddtree", budget=16)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert fast.warm_up(SamplingParams()) == ["greedy"]
+    params = SamplingParams(max_new_tokens=24, prompt_logprobs=3, logprobs=2, ignore_eos=True)
+    prompt = list(range(40, 70))
+    for method, budget in (("ar", None), ("ddtree", 16)):
+        gen = fast.stream(prompt, params, method=method, budget=budget)
+        rounds = list(gen)
+        ref = reference.stream(prompt, params, method=method, budget=budget)
+        ref_rounds = list(ref)
+        plan = fast.fast.plan_for(method, budget or 1, params)
+        assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+        assert gen.token_ids == ref.token_ids, method
+        prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs, tolerance=1e-4)
+        got = [e.logprob for r in rounds for e in r.logprobs]
+        assert got == pytest.approx([e.logprob for r in ref_rounds for e in r.logprobs], abs=1e-4)
+
+
 def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():
     pytest.importorskip("llguidance", reason="the server extra's llguidance (carry its wheel to the GPU machine)")
     from ddtree.grammar import json_schema_grammar
