@@ -30,7 +30,7 @@ def test_a_dense_hybrid_takes_the_fast_path_and_a_moe_hybrid_says_why_not(hybrid
     _, fast, root = hybrid_pair
     assert type(fast.fast).__name__ == "HybridFastPath" and fast.fast_unsupported is None
     moe = Engine.from_pretrained(root / "qwen3_5_moe", root / "draft", device="cpu", fast=True)
-    assert moe.fast is None and moe.fast_unsupported == "only dense MLPs are supported"
+    assert moe.fast is None and "mixture-of-experts" in moe.fast_unsupported
 
 
 def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):

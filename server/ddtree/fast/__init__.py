@@ -15,9 +15,9 @@ back one small tensor (the accepted length and the emitted tokens). On the CPU t
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
 Scope: greedy or sampled requests (temperature, top-k, top-p, min-p, penalties, logit bias, a grammar,
-logprobs, prompt logprobs), on dense Qwen3 / Llama-family targets and dense Qwen3.5 / Qwen3.6 hybrids
-(Gated DeltaNet layers: fast/hybrid.py); no sliding windows, no MoE. Everything else stays on the reference
-path.
+logprobs, prompt logprobs), on Qwen3 / Llama-family targets, Qwen3-MoE targets (experts in fixed shapes:
+fast/moe.py) and dense Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet layers: fast/hybrid.py); no sliding windows,
+no hybrid MoE. Everything else stays on the reference path.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ddtree import grammar
 from ddtree.draft import DFlashDraft
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FastPath", "Plan", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
 
-ARCHITECTURES = ("qwen3", "llama")
+ARCHITECTURES = ("qwen3", "llama", "qwen3_moe")
 MAX_BUDGET = 256  # the largest tree the one-program tree build is tested at (its selections grow with B ln B)
 MAX_FILTER_SETTINGS = 8  # distinct (top-k, top-p, min-p) settings with their own captured plans
 
@@ -63,6 +64,15 @@ def sampling_filters(params: SamplingParams) -> Filters | None:
     return max(params.top_k, 0), params.top_p, params.min_p
 
 
+def sparse_block(mlp: nn.Module) -> bool:
+    """Whether an MLP is a mixture-of-experts block that fast/moe.py runs: Qwen3-MoE's (a top-k router over
+    stacked expert weights, no shared expert)."""
+    experts, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    return (getattr(experts, "gate_up_proj", None) is not None and getattr(experts, "down_proj", None) is not None
+            and experts.gate_up_proj.dim() == 3 and hasattr(router, "top_k") and hasattr(router, "norm_topk_prob")
+            and not hasattr(mlp, "shared_expert"))
+
+
 def unsupported(target: Target) -> str | None:
     """Why the fast path cannot run this target (None when it can)."""
     cfg = target.config
@@ -71,8 +81,13 @@ def unsupported(target: Target) -> str | None:
         return f"model type {cfg.model_type} is not one of {', '.join(ARCHITECTURES)}, nor a hybrid"
     if set(target.layer_types) - {"full_attention", "linear_attention"}:
         return "sliding-window layers use the reference path"
-    if not all(hasattr(layer.mlp, "gate_proj") for layer in target.layers):
-        return "only dense MLPs are supported"
+    dense = [hasattr(layer.mlp, "gate_proj") for layer in target.layers]
+    if hybrid and not all(dense):
+        return "hybrid targets with mixture-of-experts layers use the reference path"
+    if not all(is_dense or sparse_block(layer.mlp) for is_dense, layer in zip(dense, target.layers, strict=True)):
+        return "mixture-of-experts blocks other than Qwen3-MoE's (top-k experts, no shared expert)"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act} (the fast path's MLPs are SwiGLU)"
     if any(layer.linear_attn.conv1d.bias is not None for layer in target.layers if hasattr(layer, "linear_attn")):
         return "Gated DeltaNet convolutions with a bias"
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -133,6 +148,7 @@ class FastPath:
         projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         lm_head = self.target.lm_head
         self.row_gemv = (os.environ.get("DDTREE_GEMV", "1") != "0" and triton_works(self.device)
+                         and all(layer.experts is None for layer in self.layers)  # (their MLPs are not GEMVs)
                          and lm_head.bias is None
                          and all(gemv_supported(w) for w in [lm_head.weight, *(p.weight for p in projections)])
                          and all(p.bias is None for p in projections))
@@ -544,7 +560,7 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
     q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
                             layer.head_dim, cache, slots)
     h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps)
-    return entering, x, layer.down(ops.silu_mul(layer.gate_up(h)))
+    return entering, x, layer.mlp(ops, h)
 
 
 def decoder_row(ops: Ops, layer: TargetLayer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,

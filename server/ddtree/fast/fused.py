@@ -30,6 +30,7 @@ from torch import nn
 
 from ddtree.draft import rms_norm
 from ddtree.fast.gemm import linear
+from ddtree.fast.moe import Experts
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -158,8 +159,8 @@ class Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     o: Proj
-    gate_up: Proj
-    down: Proj
+    gate_up: Proj | None  # None in a mixture-of-experts layer (TargetLayer.experts)
+    down: Proj | None
     q_norm: torch.Tensor | None  # per-head q/k norms (Qwen3, DFlash); None for Llama
     k_norm: torch.Tensor | None
     kv_heads: int
@@ -169,28 +170,38 @@ class Layer:
         """(q, k, v) of the normed rows h."""
         raise NotImplementedError
 
+    def mlp(self, ops: Ops, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's output for the normed rows h."""
+        return self.down(ops.silu_mul(self.gate_up(h)))
+
 
 @dataclass(frozen=True)
 class TargetLayer(Layer):
-    """A Qwen3 / Llama target layer: q, k and v in one GEMM."""
+    """A Qwen3 / Llama / Qwen3-MoE target layer: q, k and v in one GEMM; a SwiGLU MLP, or experts."""
 
     qkv: Proj
     splits: tuple[int, int, int]  # q, k, v widths of qkv's output
+    experts: Experts | None = None
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.qkv(h).split(self.splits, dim=-1)
+
+    def mlp(self, ops: Ops, h: torch.Tensor) -> torch.Tensor:
+        return self.experts(h) if self.experts is not None else super().mlp(ops, h)
 
     @classmethod
     def of(cls, layer: nn.Module) -> TargetLayer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = fuse(attn, "ddtree_qkv", [attn.q_proj, attn.k_proj, attn.v_proj])
         has_qk_norm = hasattr(attn, "q_norm")
-        gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
+        experts = Experts.of(mlp) if hasattr(mlp, "experts") else None
+        gate_up = None if experts else fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
+        down = None if experts else Proj(mlp.down_proj.weight, mlp.down_proj.bias)
         return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                   Proj(attn.o_proj.weight, attn.o_proj.bias), gate_up, Proj(mlp.down_proj.weight, mlp.down_proj.bias),
+                   Proj(attn.o_proj.weight, attn.o_proj.bias), gate_up, down,
                    attn.q_norm.weight if has_qk_norm else None, attn.k_norm.weight if has_qk_norm else None,
                    attn.k_proj.out_features // attn.head_dim, attn.head_dim, qkv,
-                   (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features))
+                   (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), experts)
 
 
 @dataclass(frozen=True)

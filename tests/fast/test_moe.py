@@ -1,0 +1,76 @@
+"""Qwen3-MoE targets on the fast path: the experts in fixed shapes (ddtree/fast/moe.py) against transformers'
+sparse block, and whole generations against the reference path."""
+
+import pytest
+import torch
+from ddtree.engine import Engine
+from ddtree.fast import moe
+from ddtree.sampling import SamplingParams
+from tiny import make_draft, make_target
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    make_target(root / "moe", "qwen3_moe", seed=4)
+    make_draft(root / "draft")
+    return root
+
+
+@pytest.fixture(params=["grouped GEMM", "loop over experts"])
+def grouping(request, monkeypatch):
+    """Both ways the experts run: torch's grouped GEMM, and the fixed loop that stands in where it is missing."""
+    if request.param == "loop over experts":
+        monkeypatch.setattr(moe, "grouped_works", lambda device, dtype: False)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_equal_the_sparse_block_they_replace(moe_ckpt, grouping, rows, dtype):
+    """Float32: the block's output up to rounding (the same picks, the adds in the same order, the products
+    blocked otherwise: bit for bit at a few rows); bf16 up to the products' rounding. One row leaves most
+    experts without a token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_ckpt / "moe", dtype=dtype)
+    mlp = model.model.layers[0].mlp
+    h = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    with torch.no_grad():
+        want = mlp(h[None])[0]
+        got = moe.Experts.of(mlp)(h)
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), (got - want).abs().max()
+    else:
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_qwen3_moe_target_decodes_on_the_fast_path_with_the_reference_tokens(moe_ckpt, grouping):
+    fast = Engine.from_pretrained(moe_ckpt / "moe", moe_ckpt / "draft", device="cpu", fast=True, fast_capacity=256)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert fast.fast_unsupported is None and any(layer.experts for layer in fast.fast.layers)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
+        for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
+            gen = fast.stream(prompt, params, method=method, budget=budget)
+            rounds = list(gen)
+            ref = reference.stream(prompt, params, method=method, budget=budget)
+            ref_rounds = list(ref)
+            assert gen.on_fast_path and gen.token_ids == ref.token_ids, (method, budget)
+            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+
+
+def test_moe_logprobs_on_the_fast_path_equal_the_reference_paths(moe_ckpt):
+    """Greedy with logprobs and prompt logprobs: the log-probabilities through the experts, not only the picks."""
+    from test_agreement import prompt_logprobs_agree
+
+    fast = Engine.from_pretrained(moe_ckpt / "moe", moe_ckpt / "draft", device="cpu", fast=True, fast_capacity=256)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    params = SamplingParams(max_new_tokens=24, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    prompt = list(range(30, 50))
+    rounds = list(gen := fast.stream(prompt, params, method="ddtree", budget=16))
+    ref_rounds = list(ref := reference.stream(prompt, params, method="ddtree", budget=16))
+    assert gen.on_fast_path and gen.token_ids == ref.token_ids
+    got = [entry.logprob for r in rounds for entry in r.logprobs]
+    assert got == pytest.approx([entry.logprob for r in ref_rounds for entry in r.logprobs], abs=1e-5)
+    prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs)
