@@ -41,6 +41,7 @@ from ddtree.fast.gemv import NORM, SILU, gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
+from ddtree.fast.moe import grouped_works
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
 from ddtree.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
 from ddtree.target import HybridTarget, Target
@@ -152,6 +153,8 @@ class FastPath:
                          and lm_head.bias is None
                          and all(gemv_supported(w) for w in [lm_head.weight, *(p.weight for p in projections)])
                          and all(p.bias is None for p in projections))
+        if any(layer.experts is not None for layer in self.layers):
+            grouped_works(self.device, self.dtype)  # probe now, not first inside a graph capture
         self.kv = self._kv_cache(len(self.layers))
 
     def _kv_cache(self, layers: int) -> torch.Tensor:
