@@ -304,7 +304,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="ar, dflash and ddtree side by side, fast and eager paths, one process")
     p.add_argument("--target", help="target model directory (default: the embedded demo pair)")
     p.add_argument("--draft", help="DFlash draft directory (default: the demo pair's)")
-    p.add_argument("--shape", help="a random-weight model instead: qwen3-8b, qwen3.6-27b (hybrid), tiny, tiny-hybrid")
+    p.add_argument("--shape", help="a random-weight model instead: qwen3-8b, qwen3.6-27b (hybrid), "
+                   "qwen3-30b-a3b (MoE), tiny, tiny-hybrid, tiny-moe")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")

@@ -96,6 +96,22 @@ def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
     assert weight_bytes(fast, 100) == 4 * params + 100 * kv_per_token + 2 * 3 * (recurrent + conv)
 
 
+def test_bench_runs_a_moe_shape_on_the_fast_path_and_counts_only_the_picked_experts(capsys):
+    """A Qwen3-MoE shape decodes on the fast path, equal to the eager path; its floor counts k of E experts."""
+    from ddtree.fast.bench import SHAPES, build_shape, weight_bytes
+
+    rc = main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--methods", "ar", "ddtree", "--budgets", "8",
+               "--paths", "fast", "eager", "--prompts", "1", "--prompt-tokens", "24", "--max-new-tokens", "12"])
+    assert rc == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| fast")]
+    assert rows and all(line.rstrip().endswith("| yes |") for line in rows)  # the fast path's tokens are ar's
+    fast, _ = build_shape("tiny-moe", "cpu", torch.float32, fast_capacity=64)
+    t = SHAPES["tiny-moe"]["target"]
+    experts = 4 * 3 * 8 * 64 * 32  # layers x (gate, up, down) x experts x hidden x moe_intermediate
+    params = sum(p.numel() for p in fast.target.model.parameters()) - t["vocab_size"] * t["hidden_size"]
+    assert weight_bytes(fast, 0) == 4 * (params - experts + experts * 2 // 8)
+
+
 def test_bench_fast_path_only_on_a_target_without_one_is_an_error(fast_ckpt, capsys):
     assert main(["bench", "--target", str(fast_ckpt / "swa"), "--draft", str(fast_ckpt / "draft"),
                  "--device", "cpu", "--paths", "fast"]) == 2

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from ddtree.draft import DFlashDraft
 from ddtree.engine import DTYPES, Engine
@@ -66,11 +67,27 @@ SHAPES = {
                     num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
                     linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128),
         draft=dict(num_layers=5, intermediate_size=17408, target_layer_ids=[1, 16, 31, 46, 61])),
+    # Qwen3-Coder-30B-A3B (128 experts, 8 per token). Its DFlash draft's config is not in our references: this
+    # one takes the 8B draft's layout at the target's width.
+    "qwen3-30b-a3b": dict(
+        target=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=262144,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e7}, tie_word_embeddings=False,
+                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+        draft=dict(num_layers=5, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
+                   block_size=16, mask_token_id=151669, target_layer_ids=[1, 12, 23, 34, 45], rope_theta=1e7)),
     # The tiny shapes run anywhere in seconds: for smoke tests of the suite itself.
     "tiny": dict(
         target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                     rope_parameters={"rope_type": "default", "rope_theta": 1e4}, tie_word_embeddings=False),
+        draft=dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=8,
+                   mask_token_id=511, target_layer_ids=[1, 2], rope_theta=1e4)),
+    "tiny-moe": dict(
+        target=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}, tie_word_embeddings=False,
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
         draft=dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, block_size=8,
                    mask_token_id=511, target_layer_ids=[1, 2], rope_theta=1e4)),
     "tiny-hybrid": hybrid_shape(
@@ -88,13 +105,15 @@ def log(msg: str) -> None:
 
 def build_target(shape: dict, device: torch.device, dtype: torch.dtype) -> Target:
     """The random-weight target of a shape, its weights born in `dtype` on `device` (a 27B model never
-    exists in fp32); a HybridTarget when the shape has linear-attention layers."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+    exists in fp32); a HybridTarget when the shape has linear-attention layers, a Qwen3-MoE model when it
+    has experts."""
+    import transformers
 
     hybrid = "linear_attention" in shape["target"].get("layer_types", ())
-    config = (Qwen3_5TextConfig if hybrid else Qwen3Config)(**shape["target"])
+    family = "Qwen3_5" if hybrid else "Qwen3Moe" if "num_experts" in shape["target"] else "Qwen3"
+    config = getattr(transformers, f"{family}TextConfig" if hybrid else f"{family}Config")(**shape["target"])
     with born(device, dtype):
-        model = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(config).eval()
+        model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     return HybridTarget(model) if hybrid else Target(model)
 
 
@@ -156,7 +175,8 @@ def prompts_for(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
 def weight_bytes(engine: Engine, context: int) -> int:
     """Bytes one batch-1 target step must move at least: its time floor at a given bandwidth.
 
-        weights  every parameter, less the input embedding unless tied to the LM head (a step reads one row)
+        weights  every parameter, less the input embedding unless tied to the LM head (a step reads one row),
+                 and of a mixture-of-experts layer's experts only the k of E a token picks
       + KV       2 x attention layers x kv_heads x head_dim x dtype bytes x context, the attention layers
                  being all but the linear-attention (Gated DeltaNet) ones
       + state    2 x linear-attention layers x gdn_state_bytes: each layer's state is read and written once
@@ -166,7 +186,10 @@ def weight_bytes(engine: Engine, context: int) -> int:
     size = embed.element_size()
     tied = engine.target.lm_head.weight.data_ptr() == embed.data_ptr()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights = params - (0 if tied else embed.numel() * size)
+    experts = sum(p.numel() * p.element_size() for layer in engine.target.layers
+                  for p in getattr(layer.mlp, "experts", nn.Module()).parameters())
+    unpicked = experts - experts * getattr(cfg, "num_experts_per_tok", 0) // getattr(cfg, "num_experts", 1)
+    weights = params - unpicked - (0 if tied else embed.numel() * size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     linear = engine.target.layer_types.count("linear_attention")
     kv = 2 * (cfg.num_hidden_layers - linear) * cfg.num_key_value_heads * head_dim * size * context
