@@ -371,14 +371,16 @@ def test_packed_grammar_masks_unpack_on_the_device_as_on_the_host():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dtype):
-    """A Qwen3.5 hybrid: the closed-form Gated DeltaNet tree and its commit captured in the round's graphs.
-    float32 must give the reference's tokens exactly; bf16 its tokens up to rounding (a long common prefix)."""
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dtype, arch):
+    """A Qwen3.5 hybrid, and a Qwen3-Next one (experts and a shared expert in every layer): the closed-form
+    Gated DeltaNet tree and its commit captured in the round's graphs. float32 must give the reference's
+    tokens exactly; bf16 its tokens up to rounding (a long common prefix)."""
     from ddtree.fast.bench import prefix_match
     from tiny import make_draft, make_hybrid_target
 
     make_draft(tmp_path / "draft", taps=[1, 2])
-    make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
+    make_hybrid_target(tmp_path / "hybrid", arch, seed=0)
     fast = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cuda", dtype=dtype, fast=True,
                                   fast_capacity=512)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)

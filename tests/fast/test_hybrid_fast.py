@@ -22,15 +22,35 @@ def hybrid_pair(tmp_path_factory):
     make_draft(root / "draft", taps=[1, 2])
     make_hybrid_target(root / "qwen3_5", "qwen3_5", seed=0)
     make_hybrid_target(root / "qwen3_5_moe", "qwen3_5_moe", seed=1)
+    make_hybrid_target(root / "qwen3_next", "qwen3_next", seed=2)
     fast = Engine.from_pretrained(root / "qwen3_5", root / "draft", device="cpu", fast=True, fast_capacity=512)
     return Engine(fast.target, fast.draft, fast.tokenizer), fast, root
 
 
-def test_a_dense_hybrid_takes_the_fast_path_and_a_moe_hybrid_says_why_not(hybrid_pair):
-    _, fast, root = hybrid_pair
+def test_a_dense_hybrid_takes_the_hybrid_fast_path(hybrid_pair):
+    _, fast, _ = hybrid_pair
     assert type(fast.fast).__name__ == "HybridFastPath" and fast.fast_unsupported is None
-    moe = Engine.from_pretrained(root / "qwen3_5_moe", root / "draft", device="cpu", fast=True)
-    assert moe.fast is None and "mixture-of-experts" in moe.fast_unsupported
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_hybrids_take_the_fast_path_with_the_reference_tokens(hybrid_pair, arch):
+    """Qwen3.5-MoE (M-RoPE) and Qwen3-Next (plain RoPE, its own projection layout): routed experts plus a
+    gated shared expert in every layer."""
+    from ddtree.fast.moe import Experts
+
+    _, _, root = hybrid_pair
+    fast = Engine.from_pretrained(root / arch, root / "draft", device="cpu", fast=True, fast_capacity=512)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert type(fast.fast).__name__ == "HybridFastPath"
+    assert all(isinstance(mlp, Experts) and mlp.shared is not None for mlp in fast.fast.mlps)
+    for prompt in PROMPTS:
+        for method, budget in RUNS:
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            rounds = list(gen)
+            ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
+            ref_rounds = list(ref)
+            assert gen.on_fast_path and gen.token_ids == ref.token_ids, (method, budget)
+            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
 
 
 def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):

@@ -15,9 +15,9 @@ back one small tensor (the accepted length and the emitted tokens). On the CPU t
 which is what the tests compare against the reference path: the greedy tokens must be identical.
 
 Scope: greedy or sampled requests (temperature, top-k, top-p, min-p, penalties, logit bias, a grammar,
-logprobs, prompt logprobs), on Qwen3 / Llama-family targets, Qwen3-MoE targets (experts in fixed shapes:
-fast/moe.py) and dense Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet layers: fast/hybrid.py); no sliding windows,
-no hybrid MoE. Everything else stays on the reference path.
+logprobs, prompt logprobs), on Qwen3 / Llama-family targets and Qwen3.5 / Qwen3.6 / Qwen3-Next hybrids
+(Gated DeltaNet layers: fast/hybrid.py), dense or mixture-of-experts (experts in fixed shapes: fast/moe.py);
+no sliding windows. Everything else stays on the reference path.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from ddtree.fast.gemv import NORM, SILU, gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
-from ddtree.fast.moe import grouped_works
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
 from ddtree.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
 from ddtree.target import HybridTarget, Target
@@ -66,12 +65,14 @@ def sampling_filters(params: SamplingParams) -> Filters | None:
 
 
 def sparse_block(mlp: nn.Module) -> bool:
-    """Whether an MLP is a mixture-of-experts block that fast/moe.py runs: Qwen3-MoE's (a top-k router over
-    stacked expert weights, no shared expert)."""
+    """Whether an MLP is a mixture-of-experts block that fast/moe.py runs: the Qwen3 families' (a top-k router
+    over stacked expert weights; Qwen3.5-MoE and Qwen3-Next add a gated SwiGLU shared expert)."""
     experts, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    shared = getattr(mlp, "shared_expert", None)
     return (getattr(experts, "gate_up_proj", None) is not None and getattr(experts, "down_proj", None) is not None
-            and experts.gate_up_proj.dim() == 3 and hasattr(router, "top_k") and hasattr(router, "norm_topk_prob")
-            and not hasattr(mlp, "shared_expert"))
+            and experts.gate_up_proj.dim() == 3 and hasattr(router, "top_k") and hasattr(router, "weight")
+            and (shared is None or (hasattr(mlp, "shared_expert_gate")
+                                    and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))))
 
 
 def unsupported(target: Target) -> str | None:
@@ -82,11 +83,8 @@ def unsupported(target: Target) -> str | None:
         return f"model type {cfg.model_type} is not one of {', '.join(ARCHITECTURES)}, nor a hybrid"
     if set(target.layer_types) - {"full_attention", "linear_attention"}:
         return "sliding-window layers use the reference path"
-    dense = [hasattr(layer.mlp, "gate_proj") for layer in target.layers]
-    if hybrid and not all(dense):
-        return "hybrid targets with mixture-of-experts layers use the reference path"
-    if not all(is_dense or sparse_block(layer.mlp) for is_dense, layer in zip(dense, target.layers, strict=True)):
-        return "mixture-of-experts blocks other than Qwen3-MoE's (top-k experts, no shared expert)"
+    if not all(hasattr(layer.mlp, "gate_proj") or sparse_block(layer.mlp) for layer in target.layers):
+        return "mixture-of-experts blocks other than the Qwen3 families' (top-k experts, an optional shared expert)"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act} (the fast path's MLPs are SwiGLU)"
     if any(layer.linear_attn.conv1d.bias is not None for layer in target.layers if hasattr(layer, "linear_attn")):
@@ -153,8 +151,6 @@ class FastPath:
                          and lm_head.bias is None
                          and all(gemv_supported(w) for w in [lm_head.weight, *(p.weight for p in projections)])
                          and all(p.bias is None for p in projections))
-        if any(layer.experts is not None for layer in self.layers):
-            grouped_works(self.device, self.dtype)  # probe now, not first inside a graph capture
         self.kv = self._kv_cache(len(self.layers))
 
     def _kv_cache(self, layers: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ dense path capture the rounds (fla is not needed).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
 from ddtree.fast.fused import fuse
 from ddtree.fast.gemm import linear
+from ddtree.fast.moe import Experts
 from ddtree.hybrid import project, split_heads
 
 PROMPT_CHUNK = 256  # prompt tokens per forward: the closed form's [heads, n, n] products stay small
@@ -78,8 +80,8 @@ class HybridFastPath(FastPath):
     def _build_target(self) -> None:
         self.row_gemv = False
         self.decoder = list(self.model.layers)
-        for layer in self.decoder:  # gate and up, and a recurrent layer's qkv, z, b, a, as one weight each
-            fuse(layer.mlp, "ddtree_gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+        self.mlps = [self._mlp(layer.mlp) for layer in self.decoder]
+        for layer in self.decoder:  # a recurrent layer's qkv, z, b, a as one weight
             module = getattr(layer, "linear_attn", None)
             if module is not None and hasattr(module, "in_proj_qkv"):
                 fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b,
@@ -109,7 +111,9 @@ class HybridFastPath(FastPath):
         mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
         slots = self.start + torch.arange(n, device=self.device)
         x = self.model.embed_tokens(ids)
-        rows = positions.view(1, 1, n).expand(3, 1, n)  # M-RoPE's three rows, all the text position
+        rows = positions[None]
+        if hasattr(self.model.rotary_emb, "mrope_section"):  # Qwen3.5's M-RoPE: three rows, all the text position
+            rows = positions.view(1, 1, n).expand(3, 1, n)
         cos, sin = (t[0] for t in self.model.rotary_emb(x[None], rows))
         past = self.conv_width - 1
         layers, channels = self.conv_state.shape[0], self.conv_state.shape[2]
@@ -127,13 +131,18 @@ class HybridFastPath(FastPath):
             else:
                 mixed = self._attention(layer.self_attn, self.kv[self.attention_index[i]], h, mask, slots, cos, sin)
             x = x + mixed
-            mlp = layer.mlp
-            gate_up = mlp.ddtree_gate_up(self._norm(layer.post_attention_layernorm, x))
-            x = x + _project(mlp.down_proj, self.ops.silu_mul(gate_up))
+            x = x + self.mlps[i](self._norm(layer.post_attention_layernorm, x))
             tapped.append(x)
         logits = _project(self.target.lm_head, self._norm(self.model.norm, x[-1:] if last_only else x))
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps, rec
+
+    def _mlp(self, mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A layer's MLP as a function of its normed rows: SwiGLU with gate and up as one weight, or experts."""
+        if not hasattr(mlp, "gate_proj"):
+            return Experts.of(mlp)
+        gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
+        return lambda h: _project(mlp.down_proj, self.ops.silu_mul(gate_up(h)))
 
     def _norm(self, module, x: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
         """A norm module's output: its compiled twin when this file knows its math, else the module itself."""

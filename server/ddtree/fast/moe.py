@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE) on the fast path, in fixed shapes that a CUDA graph can replay.
+"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next) on the fast path, in fixed shapes that a CUDA
+graph can replay.
 
 transformers runs a sparse block as a loop over the experts that some token picked (`nonzero`, then one
 GEMM per expert): shapes that depend on the routing, so it can be neither captured nor replayed. Here the
@@ -23,28 +24,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.fast.gemm import linear
+
 _GROUPED: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
 @dataclass(frozen=True)
 class Experts:
-    """A Qwen3-MoE sparse block: router [E, H], stacked gate/up [E, 2I, H] and down [E, H, I] weights."""
+    """A sparse block: router [E, H], stacked gate/up [E, 2I, H] and down [E, H, I] weights, and (Qwen3.5-MoE,
+    Qwen3-Next) a shared expert whose output, scaled by a sigmoid gate, every row adds."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
     top_k: int
-    renormalize: bool  # norm_topk_prob: the k picked probabilities rescaled to sum to one
+    renormalize: bool  # the k picked probabilities rescaled to sum to one
+    shared: nn.Module | None = None  # a SwiGLU MLP (gate_proj, up_proj, down_proj)
+    shared_gate: torch.Tensor | None = None  # [1, H]
 
     @classmethod
     def of(cls, mlp: nn.Module) -> Experts:
+        weights = mlp.experts.gate_up_proj
+        grouped_works(weights.device, weights.dtype)  # probe now, not first inside a graph capture
+        shared = getattr(mlp, "shared_expert", None)
         return cls(mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.top_k,
-                   bool(mlp.gate.norm_topk_prob))
+                   bool(getattr(mlp.gate, "norm_topk_prob", True)),  # (Qwen3.5-MoE's router always rescales)
+                   shared, mlp.shared_expert_gate.weight if shared is not None else None)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """The block's output for normed rows h [n, H]."""
+        routed = self.routed(h)
+        if self.shared is None:
+            return routed
+        s = self.shared
+        shared = linear(F.silu(linear(h, s.gate_proj.weight)) * linear(h, s.up_proj.weight), s.down_proj.weight)
+        return routed + torch.sigmoid(linear(h, self.shared_gate)) * shared
+
+    def routed(self, h: torch.Tensor) -> torch.Tensor:
+        """The picked experts' weighted sum for normed rows h [n, H]."""
         n, k = h.shape[0], self.top_k
-        weights, experts = route(F.linear(h, self.router), k, self.renormalize)
+        weights, experts = route(linear(h, self.router), k, self.renormalize)
         pairs = experts.flatten()  # row-major: pair r * k + j is row r's j-th expert (ascending ids)
         order = pairs.argsort(stable=True)  # pairs by expert, each expert's rows in row order
         ids = torch.arange(self.router.shape[0], device=h.device)
