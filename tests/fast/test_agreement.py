@@ -63,6 +63,19 @@ def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
     assert (got.token_ids, got.finish_reason) == (full[:full.index(full[4])], "stop")
 
 
+def rounds_agree(fast: Engine, reference: Engine, prompt: list[int], params: SamplingParams, method: str,
+                 budget: int | None) -> list[int]:
+    """Decode `prompt` on both engines: the fast path takes it, with the reference's tokens and acceptance
+    round for round. Returns the tokens."""
+    gen = fast.stream(prompt, params, method=method, budget=budget)
+    rounds = list(gen)
+    ref = reference.stream(prompt, params, method=method, budget=budget)
+    ref_rounds = list(ref)
+    assert gen.on_fast_path and gen.token_ids == ref.token_ids, (method, budget)
+    assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], (method, budget)
+    return gen.token_ids
+
+
 def prompt_logprobs_agree(got: list, want: list, tolerance: float = 1e-5) -> None:
     """Prompt logprob entries (the first None) equal up to float32 rounding: token, rank, alternatives."""
     assert got[0] is None and want[0] is None and len(got) == len(want)

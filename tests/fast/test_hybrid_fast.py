@@ -7,7 +7,7 @@ from ddtree.fast import hybrid as fast_hybrid
 from ddtree.fast.tree import ancestors
 from ddtree.sampling import SamplingParams
 from ddtree.tree import build_tree
-from test_agreement import prompt_logprobs_agree
+from test_agreement import prompt_logprobs_agree, rounds_agree
 from tiny import make_draft, make_hybrid_target, path_tokens
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -45,12 +45,7 @@ def test_moe_hybrids_take_the_fast_path_with_the_reference_tokens(hybrid_pair, a
     assert all(isinstance(mlp, Experts) and mlp.shared is not None for mlp in fast.fast.mlps)
     for prompt in PROMPTS:
         for method, budget in RUNS:
-            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
-            rounds = list(gen)
-            ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
-            ref_rounds = list(ref)
-            assert gen.on_fast_path and gen.token_ids == ref.token_ids, (method, budget)
-            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+            rounds_agree(fast, reference, prompt, GREEDY, method, budget)
 
 
 def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):
@@ -58,12 +53,7 @@ def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):
     for prompt in PROMPTS:
         ar = reference.generate(prompt, GREEDY, method="ar").token_ids
         for method, budget in RUNS:
-            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
-            rounds = list(gen)
-            ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
-            ref_rounds = list(ref)
-            assert gen.on_fast_path and gen.token_ids == ref.token_ids == ar, (method, budget)
-            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+            assert rounds_agree(fast, reference, prompt, GREEDY, method, budget) == ar, (method, budget)
 
 
 def test_prompts_longer_than_a_chunk_run_chunk_by_chunk_with_the_same_tokens(hybrid_pair, monkeypatch):

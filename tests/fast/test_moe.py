@@ -6,6 +6,7 @@ import torch
 from ddtree.engine import Engine
 from ddtree.fast import moe
 from ddtree.sampling import SamplingParams
+from test_agreement import prompt_logprobs_agree, rounds_agree
 from tiny import make_draft, make_target
 
 
@@ -52,18 +53,11 @@ def test_a_qwen3_moe_target_decodes_on_the_fast_path_with_the_reference_tokens(m
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
-            gen = fast.stream(prompt, params, method=method, budget=budget)
-            rounds = list(gen)
-            ref = reference.stream(prompt, params, method=method, budget=budget)
-            ref_rounds = list(ref)
-            assert gen.on_fast_path and gen.token_ids == ref.token_ids, (method, budget)
-            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+            rounds_agree(fast, reference, prompt, params, method, budget)
 
 
 def test_moe_logprobs_on_the_fast_path_equal_the_reference_paths(moe_ckpt):
     """Greedy with logprobs and prompt logprobs: the log-probabilities through the experts, not only the picks."""
-    from test_agreement import prompt_logprobs_agree
-
     fast = Engine.from_pretrained(moe_ckpt / "moe", moe_ckpt / "draft", device="cpu", fast=True, fast_capacity=256)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     params = SamplingParams(max_new_tokens=24, logprobs=3, prompt_logprobs=2, ignore_eos=True)
