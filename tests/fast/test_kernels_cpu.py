@@ -14,7 +14,7 @@ from ddtree.engine import Engine
 from ddtree.sampling import SamplingParams
 from test_agreement import prompt_logprobs_agree
 from test_cuda import attention_case, distinct_logits, gemv_case
-from tiny import make_draft, make_hybrid_target
+from tiny import make_draft, make_hybrid_target, make_target
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -110,21 +110,24 @@ def kernels_on_cpu(monkeypatch):
 def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ckpt, kernels_on_cpu, tmp_path):
     """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the
     vocabulary top-k and the tree program): the reference's tokens, acceptance, logprobs and prompt
-    logprobs, for a dense target and a hybrid one."""
+    logprobs, for a dense target, a hybrid one and a mixture-of-experts one."""
     from ddtree.fast import gemm
     from ddtree.fast.heads import attention_heads as heads_kernel
 
     make_draft(tmp_path / "draft", taps=[1, 2])
     make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
-    runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)], "hybrid": [("ddtree", 24)]}
-    pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft")]
+    make_target(tmp_path / "moe", "qwen3_moe", seed=4)
+    runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)], "hybrid": [("ddtree", 24)],
+            "moe": [("ddtree", 24)]}
+    pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft"),
+             (tmp_path / "moe", fast_ckpt / "draft")]
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     launches = []
     real = gemm.skinny_linear
     for target, draft in pairs:
         fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
         reference = Engine(fast.target, fast.draft, fast.tokenizer)
-        if target.name == "qwen3":  # (a hybrid's forward has neither)
+        if target.name == "qwen3":  # (a hybrid's forward has neither; an MoE target's AR steps take the rows code)
             assert fast.fast.row_gemv and fast.fast.ops.attention_heads is heads_kernel
         for method, budget in runs[target.name]:
             gemm.skinny_linear = lambda *a, **kw: launches.append(1) or real(*a, **kw)
