@@ -148,6 +148,13 @@ def fuse(owner: nn.Module, name: str, linears: list[nn.Linear]) -> Proj:
     return getattr(owner, name)
 
 
+def swiglu(mlp: nn.Module, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A SwiGLU MLP module (gate_proj, up_proj, down_proj) as a function of its normed rows: gate and up as one
+    weight (`fuse`), SiLU · up as one step, then down."""
+    gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
+    return lambda h: linear(ops.silu_mul(gate_up(h)), mlp.down_proj.weight, mlp.down_proj.bias)
+
+
 def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach() for t in tensors])
 

@@ -30,7 +30,7 @@ from torch import nn
 from ddtree.fast import FastPath
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
-from ddtree.fast.fused import fuse
+from ddtree.fast.fused import fuse, swiglu
 from ddtree.fast.gemm import linear
 from ddtree.fast.moe import Experts
 from ddtree.hybrid import project, split_heads
@@ -138,11 +138,11 @@ class HybridFastPath(FastPath):
         return logits, taps, rec
 
     def _mlp(self, mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A layer's MLP as a function of its normed rows: SwiGLU with gate and up as one weight, or experts."""
-        if not hasattr(mlp, "gate_proj"):
-            return Experts.of(mlp)
-        gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
-        return lambda h: _project(mlp.down_proj, self.ops.silu_mul(gate_up(h)))
+        """A layer's MLP as a function of its normed rows: SwiGLU, or experts (with their shared expert)."""
+        if hasattr(mlp, "gate_proj"):
+            return swiglu(mlp, self.ops)
+        shared = getattr(mlp, "shared_expert", None)
+        return Experts.of(mlp, swiglu(shared, self.ops) if shared is not None else None)
 
     def _norm(self, module, x: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
         """A norm module's output: its compiled twin when this file knows its math, else the module itself."""

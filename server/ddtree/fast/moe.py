@@ -18,6 +18,7 @@ fast path.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,15 +40,17 @@ class Experts:
     down: torch.Tensor
     top_k: int
     renormalize: bool  # the k picked probabilities rescaled to sum to one
-    shared: nn.Module | None = None  # a SwiGLU MLP (gate_proj, up_proj, down_proj)
+    shared: Callable[[torch.Tensor], torch.Tensor] | None = None  # the shared expert, a function of the rows
     shared_gate: torch.Tensor | None = None  # [1, H]
 
     @classmethod
-    def of(cls, mlp: nn.Module) -> Experts:
+    def of(cls, mlp: nn.Module, shared: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Experts:
+        """The block `mlp`; `shared` runs its shared expert, which a block that has one must be given."""
+        if hasattr(mlp, "shared_expert") != (shared is not None):
+            raise ValueError("a sparse block's shared expert and the function given to run it must come together")
         weights = mlp.experts.gate_up_proj
         grouped_works(weights.device, weights.dtype)  # probe now, not first inside a graph capture
-        shared = getattr(mlp, "shared_expert", None)
-        return cls(mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.top_k,
+        return cls(mlp.gate.weight, weights, mlp.experts.down_proj, mlp.gate.top_k,
                    bool(getattr(mlp.gate, "norm_topk_prob", True)),  # (Qwen3.5-MoE's router always rescales)
                    shared, mlp.shared_expert_gate.weight if shared is not None else None)
 
@@ -56,9 +59,7 @@ class Experts:
         routed = self.routed(h)
         if self.shared is None:
             return routed
-        s = self.shared
-        shared = linear(F.silu(linear(h, s.gate_proj.weight)) * linear(h, s.up_proj.weight), s.down_proj.weight)
-        return routed + torch.sigmoid(linear(h, self.shared_gate)) * shared
+        return routed + torch.sigmoid(linear(h, self.shared_gate)) * self.shared(h)
 
     def routed(self, h: torch.Tensor) -> torch.Tensor:
         """The picked experts' weighted sum for normed rows h [n, H]."""
