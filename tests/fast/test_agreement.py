@@ -36,12 +36,7 @@ def test_a_sliding_window_draft_gives_the_reference_tokens(fast_ckpt):
     assert None in fast.draft.config.layer_windows and 6 in fast.draft.config.layer_windows
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     for method, budget in (("dflash", None), ("ddtree", 16)):
-        gen = fast.stream(list(range(60, 90)), GREEDY, method=method, budget=budget)
-        rounds = list(gen)
-        ref = reference.stream(list(range(60, 90)), GREEDY, method=method, budget=budget)
-        ref_rounds = list(ref)
-        assert gen.on_fast_path and gen.token_ids == ref.token_ids
-        assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+        rounds_agree(fast, reference, list(range(60, 90)), GREEDY, method, budget)
 
 
 def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
@@ -205,13 +200,7 @@ def test_penalties_and_logit_bias_give_the_reference_tokens_round_for_round(pair
     params = SamplingParams(max_new_tokens=32, ignore_eos=True, **extra)
     assert fast.generate(prompt, params, method="ar").token_ids != fast.generate(prompt, GREEDY, method="ar").token_ids
     for method, budget in RUNS[:5]:
-        gen = fast.stream(prompt, params, method=method, budget=budget)
-        assert gen.on_fast_path
-        rounds = list(gen)
-        ref = reference.stream(prompt, params, method=method, budget=budget)
-        ref_rounds = list(ref)
-        assert gen.token_ids == ref.token_ids, (method, budget)
-        assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+        rounds_agree(fast, reference, prompt, params, method, budget)
 
 
 def test_sampled_penalized_requests_stay_on_the_fast_path_and_a_seed_fixes_them(pairs):
