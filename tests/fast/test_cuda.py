@@ -329,10 +329,11 @@ def test_moe_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dty
 
 
 def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str) -> None:
-    """Every method's rounds replay from graphs; float32 gives the reference's `ar` tokens exactly, bf16 up to
-    rounding (at least 8 of 40 tokens in common before they part)."""
-    from ddtree.fast.bench import prefix_match
-
+    """Every method's rounds replay from graphs; float32 gives the reference's `ar` tokens exactly. In bf16 a
+    batch's rounding can flip a near-tie, so there the tokens may part from `ar`'s, but only where the
+    reference itself is unsure: at the first token that differs, the reference's logit for its own token
+    exceeds the fast path's token's by less than NEAR_TIE (these tiny random models' bf16 logits stray from
+    float32's by up to ~0.5, a wrong forward's by whole units)."""
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     for prompt in prompts:
         ar = reference.generate(prompt, GREEDY, method="ar").token_ids
@@ -343,8 +344,20 @@ def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str) ->
             assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
             if dtype == "float32":
                 assert gen.token_ids == ar, (method, budget)
-            else:
-                assert prefix_match([gen.token_ids], [ar]) >= 0.2, (method, budget)
+            elif gen.token_ids != ar:
+                assert reference_margin(reference, prompt, ar, gen.token_ids) < NEAR_TIE, (method, budget)
+
+
+NEAR_TIE = 0.25
+
+
+def reference_margin(reference: Engine, prompt: list[int], want: list[int], got: list[int]) -> float:
+    """At the first index where `got` parts from `want`, the reference's logit for want's token minus got's."""
+    i = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+    ids = torch.tensor(prompt + want[:i], device=reference.target.device)
+    logits = reference.target.forward(ids, torch.arange(len(ids), device=ids.device),
+                                      reference.target.new_cache())[0][-1].float()
+    return (logits[want[i]] - logits[got[i]]).item()
 
 
 def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():
