@@ -325,7 +325,39 @@ def test_moe_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dty
     make_draft(tmp_path / "draft")
     fast = Engine.from_pretrained(tmp_path / "moe", tmp_path / "draft", device="cuda", dtype=dtype, fast=True,
                                   fast_capacity=256)
+    experts = fast.fast.layers[0].experts
+    assert experts.kernels_take(torch.zeros(65, experts.router.shape[1], device="cuda", dtype=experts.router.dtype))
     graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(60, 90))], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_experts_equal_the_sparse_block_at_real_widths(dtype):
+    """Qwen3-30B-A3B's widths (128 experts, 8 a token, 2048 -> 768): at an AR row (a run per pair), at trees
+    of B = 16 and 64 and at a prompt chunk (a run per expert, some experts empty, some runs longer than one
+    16-row tile). float32 against transformers' block; bf16 against the PyTorch steps on the same routing
+    (transformers' router rounds its logits through another GEMM, which can flip a near-tie pick)."""
+    from ddtree.fast.moe import Experts
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                         norm_topk_prob=True)
+    block = Qwen3MoeSparseMoeBlock(cfg).to("cuda", dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    experts = Experts.of(block)
+    for rows in (1, 17, 65, 256):
+        h = torch.randn(rows, 2048, device="cuda").to(dtype)
+        assert experts.kernels_take(h)
+        with torch.no_grad():
+            got = experts.routed_by_kernels(h)
+            if dtype == torch.float32:
+                want = block(h[None])[0]
+                assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (rows, (got - want).abs().max())
+            else:
+                want = experts.routed_by_torch(h)
+                assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=2e-2), (rows, (got - want).abs().max())
 
 
 def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str) -> None:

@@ -1,10 +1,12 @@
 """Qwen3-MoE targets on the fast path: the experts in fixed shapes (ddtree/fast/moe.py) against transformers'
 sparse block, and whole generations against the reference path."""
 
+import os
+
 import pytest
 import torch
 from ddtree.engine import Engine
-from ddtree.fast import moe
+from ddtree.fast import jit, moe
 from ddtree.sampling import SamplingParams
 from test_agreement import prompt_logprobs_agree, rounds_agree
 from tiny import make_draft, make_target
@@ -18,11 +20,16 @@ def moe_ckpt(tmp_path_factory):
     return root
 
 
-@pytest.fixture(params=["grouped GEMM", "loop over experts"])
+@pytest.fixture(params=["grouped GEMM", "loop over experts", "Triton kernels"])
 def grouping(request, monkeypatch):
-    """Both ways the experts run: torch's grouped GEMM, and the fixed loop that stands in where it is missing."""
+    """Every way the experts run: torch's grouped GEMM, the fixed loop that stands in where it is missing, and
+    the Triton kernels (interpreted on a CPU machine; tests/fast/test_cuda.py runs them compiled)."""
     if request.param == "loop over experts":
         monkeypatch.setattr(moe, "grouped_works", lambda device, dtype: False)
+    if request.param == "Triton kernels":
+        if os.environ.get("TRITON_INTERPRET") != "1" or moe.triton is None:
+            pytest.skip("the interpreted kernels run on CPU-only machines (the GPU compiles them)")
+        monkeypatch.setattr(jit, "INTERPRETED_ON_CPU", True)
     return request.param
 
 
@@ -34,6 +41,8 @@ def test_experts_equal_the_sparse_block_they_replace(moe_ckpt, grouping, rows, d
     experts without a token."""
     from transformers import AutoModelForCausalLM
 
+    if grouping == "Triton kernels" and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.9's interpreter garbles bf16 products (test_cuda.py runs the kernels in bf16)")
     model = AutoModelForCausalLM.from_pretrained(moe_ckpt / "moe", dtype=dtype)
     mlp = model.model.layers[0].mlp
     h = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -46,7 +55,9 @@ def test_experts_equal_the_sparse_block_they_replace(moe_ckpt, grouping, rows, d
         assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("grouping", ["grouped GEMM", "loop over experts"], indirect=True)
 def test_a_qwen3_moe_target_decodes_on_the_fast_path_with_the_reference_tokens(moe_ckpt, grouping):
+    """(Whole generations on the interpreted kernels, these included, are test_kernels_cpu.py's.)"""
     fast = Engine.from_pretrained(moe_ckpt / "moe", moe_ckpt / "draft", device="cpu", fast=True, fast_capacity=256)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     assert fast.fast_unsupported is None and any(layer.experts for layer in fast.fast.layers)

@@ -9,6 +9,14 @@ an expert no pair picked costs nothing, so a step reads the weights of the picke
 pairs go back to their rows, and each row adds its experts' outputs, weighted, in the order the reference
 adds them (ascending expert id, rounding after every add): in float32 the reference's sums exactly.
 
+On CUDA (and in Triton's interpreter, for the CPU tests) up to MAX_PAIRS pairs take Triton instead, in six
+kernels a layer where the PyTorch steps take about forty (at batch 1 each costs more than its bytes): the
+router's GEMM; one program per row for softmax, top-k, renormalisation and the picks in ascending expert id
+(`_route_kernel`); one sort of the pairs by expert; gate/up with SiLU · up, and down, each one launch over
+the runs of pairs that share an expert (`_up_kernel`, `_down_kernel`: a program streams one column tile of
+its expert's weight once for all of that expert's pairs); the weighted sum in the reference's order
+(`_combine_kernel`). Each rounds where transformers' loop rounds.
+
 Where the grouped GEMM is missing, or cannot be captured into a CUDA graph on this build (it needs the
 offsets on the host), a fixed loop over every expert stands in: every pair through every expert, each
 keeping its own expert's rows. That costs E GEMMs, so it is a fallback for tests and odd builds, not a
@@ -26,7 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.fast.gemm import linear
+from ddtree.fast.jit import triton_works
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch steps
+    triton = None
+
+MAX_PAIRS = 2048  # (row, expert) pairs a Triton launch takes: 256 rows at k = 8; a longer prompt chunk groups
 _GROUPED: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
@@ -63,6 +79,10 @@ class Experts:
 
     def routed(self, h: torch.Tensor) -> torch.Tensor:
         """The picked experts' weighted sum for normed rows h [n, H]."""
+        return self.routed_by_kernels(h) if self.kernels_take(h) else self.routed_by_torch(h)
+
+    def routed_by_torch(self, h: torch.Tensor) -> torch.Tensor:
+        """`routed` in PyTorch steps around the grouped GEMM (or the fixed loop)."""
         n, k = h.shape[0], self.top_k
         weights, experts = route(linear(h, self.router), k, self.renormalize)
         pairs = experts.flatten()  # row-major: pair r * k + j is row r's j-th expert (ascending ids)
@@ -77,6 +97,54 @@ class Experts:
         for j in range(k):  # the reference's index_add_ order: ascending expert id, rounding each time
             total = total + out[:, j] * weights[:, j, None]
         return total
+
+
+    def kernels_take(self, h: torch.Tensor) -> bool:
+        """Whether the Triton kernels run these rows: on a device where Triton runs, up to MAX_PAIRS pairs,
+        widths that whole 16-wide K tiles cover."""
+        return (triton is not None and h.shape[0] * self.top_k <= MAX_PAIRS and h.shape[1] % 16 == 0
+                and self.down.shape[2] % 16 == 0 and h.is_contiguous() and self.gate_up.is_contiguous()
+                and self.down.is_contiguous() and triton_works(h.device))
+
+    def routed_by_kernels(self, h: torch.Tensor) -> torch.Tensor:
+        """`routed` in six launches (see the module's docstring)."""
+        n, hidden = h.shape
+        k, experts = self.top_k, self.router.shape[0]
+        inter = self.down.shape[2]
+        logits = linear(h, self.router)
+        weights = torch.empty((n, k), dtype=h.dtype, device=h.device)
+        picks = torch.empty((n, k), dtype=torch.int32, device=h.device)
+        _route_kernel[(n,)](logits, weights, picks, experts, logits.stride(0), TOP_K=k,
+                            BLOCK_E=triton.next_power_of_2(experts), RENORMALIZE=self.renormalize)
+        owners, order = picks.flatten().sort(stable=True)  # pairs by expert, each expert's in row order
+        pairs = n * k
+        runs = min(experts, pairs)  # programs per column tile: one per expert, or one per pair when fewer
+        common = dict(PAIRS=pairs, EXPERTS=experts, TOP_K=k, BY_EXPERT=pairs > experts,
+                      BLOCK_P=triton.next_power_of_2(pairs), BLOCK_M=16,
+                      PRECISION="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4)
+        act = torch.empty((pairs, inter), dtype=h.dtype, device=h.device)
+        cfg = UP_CONFIG
+        _up_kernel[(runs, triton.cdiv(inter, cfg["block_n"]))](
+            h, self.gate_up, owners, order, act, inter, self.gate_up.stride(0), K=hidden, BLOCK_N=cfg["block_n"],
+            BLOCK_K=_block_k(hidden), num_stages=cfg["num_stages"], **common)
+        out = torch.empty((pairs, hidden), dtype=h.dtype, device=h.device)
+        cfg = DOWN_CONFIG
+        _down_kernel[(runs, triton.cdiv(hidden, cfg["block_n"]))](
+            act, self.down, owners, order, out, hidden, self.down.stride(0), K=inter, BLOCK_N=cfg["block_n"],
+            BLOCK_K=_block_k(inter), num_stages=cfg["num_stages"], **common)
+        total = torch.empty_like(h)
+        _combine_kernel[(n, triton.cdiv(hidden, 256))](out, weights, total, hidden, TOP_K=k, BLOCK=256)
+        return total
+
+
+# From benchmarks/moe_tune.py on an H200 (Qwen3-30B-A3B's widths): columns per program and pipeline depth.
+UP_CONFIG = dict(block_n=64, num_stages=3)
+DOWN_CONFIG = dict(block_n=64, num_stages=3)
+
+
+def _block_k(k: int) -> int:
+    """The widest K step (up to 128) that divides k (a multiple of 16)."""
+    return next(b for b in (128, 64, 32, 16) if k % b == 0)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,3 +206,112 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
         graph.replay()
         torch.cuda.synchronize(device)
     return torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(Logits, Weights, Picks, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      RENORMALIZE: tl.constexpr):
+        """One row's picks, as `route` makes them: softmax in float32, the TOP_K most probable (the lowest id
+        among equals), optionally rescaled to sum to one, rounded to the weights' dtype, in ascending id."""
+        row = tl.program_id(0)
+        ids = tl.arange(0, BLOCK_E)
+        valid = ids < E
+        logits = tl.load(Logits + row * stride_l + ids, mask=valid, other=-float("inf")).to(tl.float32)
+        exps = tl.exp(logits - tl.max(logits, axis=0))
+        probs = tl.where(valid, exps / tl.sum(exps, axis=0), -1.0)
+        picked = ids < 0
+        left = probs
+        for _ in tl.static_range(TOP_K):
+            best = tl.min(tl.where(left == tl.max(left, axis=0), ids, BLOCK_E), axis=0)
+            picked = picked | (ids == best)
+            left = tl.where(ids == best, -2.0, left)
+        weights = tl.where(picked, probs, 0.0)
+        if RENORMALIZE:
+            weights = weights / tl.sum(weights, axis=0)
+        slot = row * TOP_K + tl.cumsum(picked.to(tl.int32), axis=0) - 1
+        tl.store(Weights + slot, weights.to(Weights.dtype.element_ty), mask=picked)
+        tl.store(Picks + slot, ids, mask=picked)
+
+    @triton.jit
+    def _run(Owners, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, BY_EXPERT: tl.constexpr, BLOCK_P: tl.constexpr):
+        """This program's expert and its run [start, end) of the sorted pairs. By expert, program e takes
+        expert e (an empty run if no pair picked it); by pair, program p takes the run that starts at sorted
+        pair p (an empty one if p does not start a run)."""
+        pid = tl.program_id(0)
+        rp = tl.arange(0, BLOCK_P)
+        owners = tl.load(Owners + rp, mask=rp < PAIRS, other=EXPERTS)
+        expert = pid if BY_EXPERT else tl.load(Owners + pid)
+        start = tl.sum((owners < expert).to(tl.int32), axis=0)
+        end = tl.sum((owners <= expert).to(tl.int32), axis=0)
+        if not BY_EXPERT:
+            end = tl.where(start == pid, end, start)
+        return expert, start, end
+
+    @triton.jit
+    def _up_kernel(X, W, Owners, Order, Act, N, stride_we, K: tl.constexpr, PAIRS: tl.constexpr,
+                   EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BY_EXPERT: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """Columns pid_n * BLOCK_N.. of SiLU(gate) * up for every pair of this program's expert: W [E, 2N, K]
+        holds gate's N rows, then up's. Each product is rounded, then SiLU, then the product, as in torch."""
+        expert, start, end = _run(Owners, PAIRS, EXPERTS, BY_EXPERT, BLOCK_P)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        col_ok = rn < N
+        w_gate = W + expert.to(tl.int64) * stride_we + rn[:, None] * K + rk[None, :]
+        w_up = w_gate + N * K
+        for first in range(start, end, BLOCK_M):
+            rm = first + tl.arange(0, BLOCK_M)
+            row_ok = rm < end
+            pairs = tl.load(Order + rm, mask=row_ok, other=0)
+            x_ptrs = X + (pairs // TOP_K)[None, :] * K + rk[:, None]
+            gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for k in range(0, K, BLOCK_K):
+                x = tl.load(x_ptrs + k, mask=row_ok[None, :], other=0.0)
+                gate = tl.dot(tl.load(w_gate + k, mask=col_ok[:, None], other=0.0), x, gate,
+                              input_precision=PRECISION)
+                up = tl.dot(tl.load(w_up + k, mask=col_ok[:, None], other=0.0), x, up, input_precision=PRECISION)
+            dtype = Act.dtype.element_ty
+            gate = gate.to(dtype).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+            tl.store(Act + pairs[None, :] * N + rn[:, None], act, mask=col_ok[:, None] & row_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(A, W, Owners, Order, Out, N, stride_we, K: tl.constexpr, PAIRS: tl.constexpr,
+                     EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BY_EXPERT: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """Columns pid_n * BLOCK_N.. of every pair's down projection by its expert's W [E, N, K], rounded."""
+        expert, start, end = _run(Owners, PAIRS, EXPERTS, BY_EXPERT, BLOCK_P)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        col_ok = rn < N
+        w_ptrs = W + expert.to(tl.int64) * stride_we + rn[:, None] * K + rk[None, :]
+        for first in range(start, end, BLOCK_M):
+            rm = first + tl.arange(0, BLOCK_M)
+            row_ok = rm < end
+            pairs = tl.load(Order + rm, mask=row_ok, other=0)
+            a_ptrs = A + pairs[None, :] * K + rk[:, None]
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for k in range(0, K, BLOCK_K):
+                acc = tl.dot(tl.load(w_ptrs + k, mask=col_ok[:, None], other=0.0),
+                             tl.load(a_ptrs + k, mask=row_ok[None, :], other=0.0), acc, input_precision=PRECISION)
+            tl.store(Out + pairs[None, :] * N + rn[:, None], acc.to(Out.dtype.element_ty),
+                     mask=col_ok[:, None] & row_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(Out, Weights, Total, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        """A row's weighted sum of its experts' outputs, in ascending expert id, each product and each sum
+        rounded to the dtype (transformers' index_add_ loop)."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        dtype = Total.dtype.element_ty
+        total = tl.zeros((BLOCK,), tl.float32)
+        for j in tl.static_range(TOP_K):
+            weight = tl.load(Weights + row * TOP_K + j).to(tl.float32)
+            out = tl.load(Out + (row * TOP_K + j) * N + cols, mask=ok, other=0.0).to(tl.float32)
+            total = (total + (out * weight).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(Total + row * N + cols, total.to(dtype), mask=ok)
