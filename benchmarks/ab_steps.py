@@ -1,17 +1,20 @@
 """The fast path's kernel choices A/B, in one process: whole AR steps and tree rounds of a random-weight shape.
 
 Variants, alternated (each recaptures its graphs), twice over, timing the AR step and rounds at B = 16
-and 64 (`--budgets`); on the hybrid shape only the few-row GEMM changes (its forward uses neither of the
-others):
+and 64 (`--budgets`); on the hybrid shape only the few-row GEMM and the one-row projections change (its
+forward uses neither the fused GEMV layers nor the heads kernel; a mixture-of-experts target has no fused
+GEMV layers either):
 
     all kernels      one-row GEMVs (ddtree/fast/gemv.py), the few-row GEMM (ddtree/fast/gemm.py) and the
                      attention-heads kernel (ddtree/fast/heads.py)
+    cuBLAS one-row   the same with cuBLAS for the single-row projections outside the fused GEMV layers (a
+                     hybrid target's AR step, a one-row prompt's LM head)
     cuBLAS few-row   the same with cuBLAS for every projection of more than one row
     compiled heads   one-row GEMVs, the heads step as torch.compile's kernels, cuBLAS for more rows
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
-    PYTHONPATH=server python benchmarks/ab_steps.py --shape qwen3.6-27b --variants "all kernels" "cuBLAS few-row"
+    PYTHONPATH=server python benchmarks/ab_steps.py --shape qwen3.6-27b --variants "all kernels" "cuBLAS one-row"
 """
 
 from __future__ import annotations
@@ -27,29 +30,31 @@ from ddtree.fast.heads import attention_heads
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
-# label: (one-row GEMVs, few-row GEMM, heads step)
-VARIANTS = {"all kernels": (True, True, "kernel"), "cuBLAS few-row": (True, False, "kernel"),
-            "compiled heads": (True, False, "compiled"), "v4": (False, False, "compiled")}
+# label: (one-row GEMV layers, few-row GEMM, heads step, one-row GEMV in `linear`)
+VARIANTS = {"all kernels": (True, True, "kernel", True), "cuBLAS one-row": (True, True, "kernel", False),
+            "cuBLAS few-row": (True, False, "kernel", True), "compiled heads": (True, False, "compiled", True),
+            "v4": (False, False, "compiled", False)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "qwen3.6-27b"])
+    ap.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "qwen3.6-27b", "qwen3-30b-a3b"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
     fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
     path = fast.fast
+    fused_rows = path.row_gemv  # the fused GEMV layers: not for hybrid or mixture-of-experts layers
     heads = {"kernel": attention_heads, "compiled": Ops(compile=True).attention_heads}
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
     print(f"| variant | AR step ms | {rounds} | B = {args.budgets[0]} draft ms |\n|{'---|' * (3 + len(args.budgets))}")
     for _, label in itertools.product(range(2), args.variants):
-        row_gemv, skinny, heads_step = VARIANTS[label]
+        row_gemv, skinny, heads_step, gemm.ROW_GEMV = VARIANTS[label]
         if not isinstance(path, HybridFastPath):  # a hybrid's forward uses neither the GEMVs nor the heads kernel
-            path.row_gemv, path.ops.attention_heads = row_gemv, heads[heads_step]
+            path.row_gemv, path.ops.attention_heads = row_gemv and fused_rows, heads[heads_step]
         gemm.ENABLED = skinny
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)["round_ms"]

@@ -106,6 +106,27 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(jit, "INTERPRETED_ON_CPU", True)
 
 
+def test_linear_takes_the_gemv_for_one_row_of_a_narrow_weight(kernels_on_cpu, monkeypatch):
+    """One row of a weight up to ROW_GEMV_MAX_N wide goes through the GEMV (wider ones, and DDTREE_ROW_GEMV=0,
+    keep F.linear); either way the product is F.linear's."""
+    import torch.nn.functional as F
+    from ddtree.fast import gemm
+    from ddtree.fast.gemv import gemv
+
+    calls = []
+    monkeypatch.setattr(gemm, "gemv", lambda x, weight: calls.append(weight.shape[0]) or gemv(x, weight))
+    monkeypatch.setattr(gemm, "ROW_GEMV_MAX_N", 48)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=gen)
+    for n, routed in ((40, True), (56, False)):
+        weight = torch.randn(n, 64, generator=gen)
+        assert torch.allclose(gemm.linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        assert (calls[-1:] == [n]) == routed
+    monkeypatch.setattr(gemm, "ROW_GEMV", False)
+    gemm.linear(x, torch.randn(40, 64, generator=gen))
+    assert calls == [40]
+
+
 @pytest.mark.slow
 def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ckpt, kernels_on_cpu, tmp_path):
     """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the

@@ -19,6 +19,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ddtree.fast.gemv import gemv
+from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.jit import triton_works
 
 try:
@@ -29,13 +31,24 @@ except ImportError:  # CPU-only installs: the caller keeps F.linear
 
 MAX_ROWS = 32  # measured: 65 rows run 1.2x slower than cuBLAS (compute-bound after padding to 128)
 ENABLED = os.environ.get("DDTREE_SKINNY", "1") != "0"
+ROW_GEMV = os.environ.get("DDTREE_ROW_GEMV", "1") != "0"
+ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the skinny kernel where it is the faster one (see above)."""
-    if bias is None and ENABLED and supported(x, weight) and triton_works(x.device):
-        return skinny_linear(x, weight)
+    """F.linear, through the skinny kernel where it is the faster one (see above), and one row of a weight
+    up to ROW_GEMV_MAX_N wide through the Triton GEMV (ddtree/fast/gemv.py; measured on the 8B shape's
+    4096-row weights: 10.2 against cuBLAS' 13.2 µs for o, 25.6 against 30.1 for down; on the wide ones cuBLAS
+    is as fast). That is every one-row projection outside the fused GEMV layers: a hybrid's AR step took 17.75
+    against 18.25 ms, an MoE target's 3.78 against 3.92 (benchmarks/ab_steps.py). DDTREE_ROW_GEMV=0 keeps
+    cuBLAS for single rows, for A/B runs."""
+    if bias is None and x.dim() == 2 and x.dtype == weight.dtype:
+        if (x.shape[0] == 1 and ROW_GEMV and weight.shape[0] <= ROW_GEMV_MAX_N and gemv_supported(weight)
+                and x.stride(1) == 1 and triton_works(x.device)):
+            return gemv(x, weight)[0]
+        if ENABLED and supported(x, weight) and triton_works(x.device):
+            return skinny_linear(x, weight)
     return F.linear(x, weight, bias)
 
 
