@@ -12,10 +12,11 @@ adds them (ascending expert id, rounding after every add): in float32 the refere
 On CUDA (and in Triton's interpreter, for the CPU tests) up to MAX_PAIRS pairs take Triton instead, in six
 kernels a layer where the PyTorch steps take about forty (at batch 1 each costs more than its bytes): the
 router's GEMM; one program per row for softmax, top-k, renormalisation and the picks in ascending expert id
-(`_route_kernel`); one sort of the pairs by expert; gate/up with SiLU · up, and down, each one launch over
+(`_route_kernel`); one sort of the pairs by expert (not for one row: its picks are in order); gate/up with SiLU · up, and down, each one launch over
 the runs of pairs that share an expert (`_up_kernel`, `_down_kernel`: a program streams one column tile of
-its expert's weight once for all of that expert's pairs); the weighted sum in the reference's order
-(`_combine_kernel`). Each rounds where transformers' loop rounds.
+its expert's weight once for all of that expert's pairs; one program per expert, or per pair when there
+are fewer pairs than experts, so an AR step launches no idle programs); the weighted sum in the reference's
+order (`_combine_kernel`). Each rounds where transformers' loop rounds.
 
 Where the grouped GEMM is missing, or cannot be captured into a CUDA graph on this build (it needs the
 offsets on the host), a fixed loop over every expert stands in: every pair through every expert, each
@@ -107,7 +108,7 @@ class Experts:
                 and self.down.is_contiguous() and triton_works(h.device))
 
     def routed_by_kernels(self, h: torch.Tensor) -> torch.Tensor:
-        """`routed` in six launches (see the module's docstring)."""
+        """`routed` in six launches, five for one row (see the module's docstring)."""
         n, hidden = h.shape
         k, experts = self.top_k, self.router.shape[0]
         inter = self.down.shape[2]
@@ -116,11 +117,14 @@ class Experts:
         picks = torch.empty((n, k), dtype=torch.int32, device=h.device)
         _route_kernel[(n,)](logits, weights, picks, experts, logits.stride(0), TOP_K=k,
                             BLOCK_E=triton.next_power_of_2(experts), RENORMALIZE=self.renormalize)
-        owners, order = picks.flatten().sort(stable=True)  # pairs by expert, each expert's in row order
+        if n == 1:  # one row's picks are already in ascending expert id: no sort
+            owners, order = picks.view(-1), picks.view(-1)
+        else:
+            owners, order = picks.flatten().sort(stable=True)  # pairs by expert, each expert's in row order
         pairs = n * k
         runs = min(experts, pairs)  # programs per column tile: one per expert, or one per pair when fewer
         common = dict(PAIRS=pairs, EXPERTS=experts, TOP_K=k, BY_EXPERT=pairs > experts,
-                      BLOCK_P=triton.next_power_of_2(pairs), BLOCK_M=16,
+                      BLOCK_P=triton.next_power_of_2(pairs), BLOCK_M=16, SORTED=n == 1,
                       PRECISION="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4)
         act = torch.empty((pairs, inter), dtype=h.dtype, device=h.device)
         cfg = UP_CONFIG
@@ -252,9 +256,11 @@ if triton is not None:
     @triton.jit
     def _up_kernel(X, W, Owners, Order, Act, N, stride_we, K: tl.constexpr, PAIRS: tl.constexpr,
                    EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BY_EXPERT: tl.constexpr, BLOCK_P: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
         """Columns pid_n * BLOCK_N.. of SiLU(gate) * up for every pair of this program's expert: W [E, 2N, K]
-        holds gate's N rows, then up's. Each product is rounded, then SiLU, then the product, as in torch."""
+        holds gate's N rows, then up's. Each product is rounded, then SiLU, then the product, as in torch.
+        Order lists the pairs by expert (SORTED: the pairs are in that order already)."""
         expert, start, end = _run(Owners, PAIRS, EXPERTS, BY_EXPERT, BLOCK_P)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -264,7 +270,7 @@ if triton is not None:
         for first in range(start, end, BLOCK_M):
             rm = first + tl.arange(0, BLOCK_M)
             row_ok = rm < end
-            pairs = tl.load(Order + rm, mask=row_ok, other=0)
+            pairs = rm if SORTED else tl.load(Order + rm, mask=row_ok, other=0)
             x_ptrs = X + (pairs // TOP_K)[None, :] * K + rk[:, None]
             gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -282,7 +288,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(A, W, Owners, Order, Out, N, stride_we, K: tl.constexpr, PAIRS: tl.constexpr,
                      EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BY_EXPERT: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_M: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
         """Columns pid_n * BLOCK_N.. of every pair's down projection by its expert's W [E, N, K], rounded."""
         expert, start, end = _run(Owners, PAIRS, EXPERTS, BY_EXPERT, BLOCK_P)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -292,7 +299,7 @@ if triton is not None:
         for first in range(start, end, BLOCK_M):
             rm = first + tl.arange(0, BLOCK_M)
             row_ok = rm < end
-            pairs = tl.load(Order + rm, mask=row_ok, other=0)
+            pairs = rm if SORTED else tl.load(Order + rm, mask=row_ok, other=0)
             a_ptrs = A + pairs[None, :] * K + rk[:, None]
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for k in range(0, K, BLOCK_K):
