@@ -2,11 +2,11 @@
 
 Variants, alternated (each recaptures its graphs), twice over, timing the AR step and rounds at B = 16
 and 64 (`--budgets`); on the hybrid shape only the few-row GEMM and the one-row projections change (its
-forward uses neither the fused GEMV layers nor the heads kernel; a mixture-of-experts target has no fused
-GEMV layers either):
+forward uses neither the fused GEMV layers nor the heads kernel):
 
     all kernels      one-row GEMVs (ddtree/fast/gemv.py), the few-row GEMM (ddtree/fast/gemm.py) and the
                      attention-heads kernel (ddtree/fast/heads.py)
+    no GEMV layers   the same with an AR step through the multi-row layer code (its projections still GEMVs)
     cuBLAS one-row   the same with cuBLAS for the single-row projections outside the fused GEMV layers (a
                      hybrid target's AR step, a one-row prompt's LM head)
     cuBLAS few-row   the same with cuBLAS for every projection of more than one row
@@ -31,7 +31,8 @@ from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
 # label: (one-row GEMV layers, few-row GEMM, heads step, one-row GEMV in `linear`)
-VARIANTS = {"all kernels": (True, True, "kernel", True), "cuBLAS one-row": (True, True, "kernel", False),
+VARIANTS = {"all kernels": (True, True, "kernel", True), "no GEMV layers": (False, True, "kernel", True),
+            "cuBLAS one-row": (True, True, "kernel", False),
             "cuBLAS few-row": (True, False, "kernel", True), "compiled heads": (True, False, "compiled", True),
             "v4": (False, False, "compiled", False)}
 
@@ -45,7 +46,6 @@ def main() -> None:
     args = ap.parse_args()
     fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
     path = fast.fast
-    fused_rows = path.row_gemv  # the fused GEMV layers: not for hybrid or mixture-of-experts layers
     heads = {"kernel": attention_heads, "compiled": Ops(compile=True).attention_heads}
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -54,7 +54,7 @@ def main() -> None:
     for _, label in itertools.product(range(2), args.variants):
         row_gemv, skinny, heads_step, gemm.ROW_GEMV = VARIANTS[label]
         if not isinstance(path, HybridFastPath):  # a hybrid's forward uses neither the GEMVs nor the heads kernel
-            path.row_gemv, path.ops.attention_heads = row_gemv and fused_rows, heads[heads_step]
+            path.row_gemv, path.ops.attention_heads = row_gemv, heads[heads_step]
         gemm.ENABLED = skinny
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)["round_ms"]

@@ -117,10 +117,11 @@ def test_one_split_writes_the_merged_output(dtype, n, window, tile):
 
 def gemv_case(n: int, k: int, mode: str, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused GEMV's output for a random row in `mode` (plain, norm, norm_first, silu) and the float64
-    product of the row its unfused steps make; the summed residual is checked bit for bit on the way."""
+    product of the row its unfused steps make; the summed residual is checked bit for bit on the way, and
+    in the norm modes so is `norm_gemv`'s output, with the normed row it hands back."""
     import torch.nn.functional as F
     from ddtree.draft import rms_norm
-    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv
+    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv, norm_gemv
 
     gen = torch.Generator().manual_seed(n + k)
     weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).to(device)
@@ -137,6 +138,9 @@ def gemv_case(n: int, k: int, mode: str, dtype: torch.dtype, device: str) -> tup
         row = rms_norm(summed, norm, 1e-6)
         y, residual = gemv(x, weight, NORM, delta if mode == "norm" else None, norm, 1e-6)
         assert torch.equal(residual, summed)
+        again, residual, built = norm_gemv(x, weight, delta if mode == "norm" else None, norm, 1e-6)
+        assert torch.equal(again, y) and torch.equal(residual, summed)
+        assert torch.allclose(built, row, atol=0, rtol=2 ** -7)  # up to the sum of squares' order: one bf16 ulp
     return y.double(), F.linear(row.double(), weight.double())
 
 

@@ -139,7 +139,7 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
     make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
     make_target(tmp_path / "moe", "qwen3_moe", seed=4)
     runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)], "hybrid": [("ddtree", 24)],
-            "moe": [("ddtree", 24)]}
+            "moe": [("ar", None), ("ddtree", 24)]}
     pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft"),
              (tmp_path / "moe", fast_ckpt / "draft")]
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
@@ -148,9 +148,10 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
     for target, draft in pairs:
         fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
         reference = Engine(fast.target, fast.draft, fast.tokenizer)
-        if target.name == "qwen3":  # (a hybrid's forward has neither; an MoE target's AR steps take the rows code)
+        if target.name == "qwen3":  # (a hybrid's forward has neither)
             assert fast.fast.row_gemv and fast.fast.ops.attention_heads is heads_kernel
-        if target.name == "moe":  # its experts through the Triton kernels
+        if target.name == "moe":  # its experts through the Triton kernels, its AR steps through the GEMV layers
+            assert fast.fast.row_gemv
             experts = fast.fast.layers[0].experts
             assert experts.kernels_take(torch.zeros(25, experts.router.shape[1]))
         for method, budget in runs[target.name]:

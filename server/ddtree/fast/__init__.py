@@ -37,7 +37,7 @@ from ddtree.draft import DFlashDraft
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.gemm import linear
-from ddtree.fast.gemv import NORM, SILU, gemv
+from ddtree.fast.gemv import NORM, SILU, gemv, norm_gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
@@ -144,13 +144,15 @@ class FastPath:
         self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
         # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
         # (ddtree/fast/gemv.py); DDTREE_GEMV=0 keeps cuBLAS and the separate kernels, for A/B runs.
-        projections = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        # A mixture-of-experts layer's router is its MLP's GEMV; the experts then run their own kernels.
         lm_head = self.target.lm_head
+        weights, biases = [lm_head.weight], [lm_head.bias]
+        for layer in self.layers:
+            projections = [layer.qkv, layer.o] + ([layer.gate_up, layer.down] if layer.experts is None else [])
+            weights += [p.weight for p in projections] + ([layer.experts.router] if layer.experts else [])
+            biases += [p.bias for p in projections]
         self.row_gemv = (os.environ.get("DDTREE_GEMV", "1") != "0" and triton_works(self.device)
-                         and all(layer.experts is None for layer in self.layers)  # (their MLPs are not GEMVs)
-                         and lm_head.bias is None
-                         and all(gemv_supported(w) for w in [lm_head.weight, *(p.weight for p in projections)])
-                         and all(p.bias is None for p in projections))
+                         and all(gemv_supported(w) for w in weights) and all(b is None for b in biases))
         self.kv = self._kv_cache(len(self.layers))
 
     def _kv_cache(self, layers: int) -> torch.Tensor:
@@ -567,11 +569,15 @@ def decoder_row(ops: Ops, layer: TargetLayer, x: torch.Tensor, delta: torch.Tens
                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """decoder_layer for a single row (an AR step): every projection is a Triton GEMV, and the residual adds,
     the norms and SiLU · up are computed inside the GEMVs that read them (ddtree/fast/gemv.py): three
-    kernels fewer per layer, and no cuBLAS split-K pass for the narrow weights."""
+    kernels fewer per layer, and no cuBLAS split-K pass for the narrow weights. In a mixture-of-experts
+    layer the router's GEMV builds the normed row, and hands it on to the experts."""
     qkv, x = gemv(x, layer.qkv.weight, NORM, delta, layer.input_norm, eps)
     q = ops.attention_heads(*qkv.split(layer.splits, dim=-1), layer.q_norm, layer.k_norm, eps, cos, sin,
                             layer.kv_heads, layer.head_dim, cache, slots)
     attended = gemv(tree_attention(q, cache, mask), layer.o.weight)[0]
+    if layer.experts is not None:
+        logits, after, h = norm_gemv(x, layer.experts.router, attended, layer.post_norm, eps)
+        return x, after, layer.experts(h, logits)
     gate_up, after = gemv(x, layer.gate_up.weight, NORM, attended, layer.post_norm, eps)
     return x, after, gemv(gate_up, layer.down.weight, SILU)[0]
 

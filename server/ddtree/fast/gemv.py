@@ -53,18 +53,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, mode: int = PLAIN, delta: torch.
     weight; the second output is residual + delta (x itself when there is no delta). SILU: x is [1, 2K],
     the gate then the up half.
     """
+    y, residual = _launch(x, weight, mode, delta, norm, eps, config, None)
+    if mode == NORM:
+        return y, residual if residual is not None else x
+    return y, None
+
+
+def norm_gemv(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None, norm: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gemv` in NORM mode that also hands back the normed row it multiplied: (y [1, N], the new residual,
+    the row [1, K]), for a block that reads the row again after this projection (a mixture-of-experts
+    block's experts after its router)."""
+    row = torch.empty_like(x)
+    y, residual = _launch(x, weight, NORM, delta, norm, eps, None, row)
+    return y, residual if residual is not None else x, row
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, mode: int, delta: torch.Tensor | None,
+            norm: torch.Tensor | None, eps: float, config: dict[str, int] | None,
+            row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     n, k = weight.shape
     cfg = config or launch_config(n, k)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     residual = torch.empty_like(x) if mode == NORM and delta is not None else None
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, delta if delta is not None else x, residual if residual is not None else x,
-        norm if norm is not None else x, weight, y, n, weight.stride(0), eps,
-        K=k, MODE=mode, HAS_DELTA=delta is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        UNROLL=cfg["unroll"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if mode == NORM:
-        return y, residual if residual is not None else x
-    return y, None
+        norm if norm is not None else x, weight, y, row if row is not None else x, n, weight.stride(0), eps,
+        K=k, MODE=mode, HAS_DELTA=delta is not None, WRITE_ROW=row is not None, BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], UNROLL=cfg["unroll"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y, residual
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -92,10 +109,12 @@ if triton is not None:
             return tl.load(X + cols).to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(X, Delta, Res, G, W, Y, N, stride_w, eps, K: tl.constexpr, MODE: tl.constexpr,
-                     HAS_DELTA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+    def _gemv_kernel(X, Delta, Res, G, W, Y, Row, N, stride_w, eps, K: tl.constexpr, MODE: tl.constexpr,
+                     HAS_DELTA: tl.constexpr, WRITE_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         """BLOCK_N output rows of y = W @ row(X): float32 partial products kept per column, summed once; the
-        main loop unrolled UNROLL times so several weight tiles are in flight per program."""
+        main loop unrolled UNROLL times so several weight tiles are in flight per program. With WRITE_ROW
+        the first program also stores the row it built."""
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -118,5 +137,8 @@ if triton is not None:
             cols = k0 + rk
             w = tl.load(W + rn[:, None] * stride_w + cols[None, :], mask=row_ok, other=0.0,
                         eviction_policy="evict_first")
-            acc += w.to(tl.float32) * _input_tile(X, Delta, G, cols, rstd, K, MODE, HAS_DELTA)[None, :]
+            row = _input_tile(X, Delta, G, cols, rstd, K, MODE, HAS_DELTA)
+            if WRITE_ROW:  # by the first program only
+                tl.store(Row + cols, row.to(Row.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
+            acc += w.to(tl.float32) * row[None, :]
         tl.store(Y + rn, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=rn < N)

@@ -10,13 +10,15 @@ pairs go back to their rows, and each row adds its experts' outputs, weighted, i
 adds them (ascending expert id, rounding after every add): in float32 the reference's sums exactly.
 
 On CUDA (and in Triton's interpreter, for the CPU tests) up to MAX_PAIRS pairs take Triton instead, in six
-kernels a layer where the PyTorch steps take about forty (at batch 1 each costs more than its bytes): the
-router's GEMM; one program per row for softmax, top-k, renormalisation and the picks in ascending expert id
-(`_route_kernel`); one sort of the pairs by expert (not for one row: its picks are in order); gate/up with SiLU · up, and down, each one launch over
-the runs of pairs that share an expert (`_up_kernel`, `_down_kernel`: a program streams one column tile of
-its expert's weight once for all of that expert's pairs; one program per expert, or per pair when there
-are fewer pairs than experts, so an AR step launches no idle programs); the weighted sum in the reference's
-order (`_combine_kernel`). Each rounds where transformers' loop rounds.
+kernels a layer where the PyTorch steps take about forty (at batch 1 each costs more than its bytes):
+the router's GEMM; one program per row for softmax, top-k, renormalisation and the picks in ascending
+expert id (`_route_kernel`); one sort of the pairs by expert (not for one row: its picks are in order);
+gate/up with SiLU · up, and down, each one launch over the runs of pairs that share an expert
+(`_up_kernel`, `_down_kernel`: a program streams one column tile of its expert's weight once for all of
+that expert's pairs; one program per expert, or per pair when there are fewer pairs than experts, so an
+AR step launches no idle programs); the weighted sum in the reference's order (`_combine_kernel`). Each
+rounds where transformers' loop rounds. In an AR step the router is the GEMV that also norms the row (the
+fast path's one-row layers: `gemv.norm_gemv`), and four launches follow it.
 
 Where the grouped GEMM is missing, or cannot be captured into a CUDA graph on this build (it needs the
 offsets on the host), a fixed loop over every expert stands in: every pair through every expert, each
@@ -71,16 +73,16 @@ class Experts:
                    bool(getattr(mlp.gate, "norm_topk_prob", True)),  # (Qwen3.5-MoE's router always rescales)
                    shared, mlp.shared_expert_gate.weight if shared is not None else None)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """The block's output for normed rows h [n, H]."""
-        routed = self.routed(h)
+    def __call__(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for normed rows h [n, H] (`logits`: the router's, where already computed)."""
+        routed = self.routed(h, logits)
         if self.shared is None:
             return routed
         return routed + torch.sigmoid(linear(h, self.shared_gate)) * self.shared(h)
 
-    def routed(self, h: torch.Tensor) -> torch.Tensor:
+    def routed(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """The picked experts' weighted sum for normed rows h [n, H]."""
-        return self.routed_by_kernels(h) if self.kernels_take(h) else self.routed_by_torch(h)
+        return self.routed_by_kernels(h, logits) if self.kernels_take(h) else self.routed_by_torch(h)
 
     def routed_by_torch(self, h: torch.Tensor) -> torch.Tensor:
         """`routed` in PyTorch steps around the grouped GEMM (or the fixed loop)."""
@@ -107,12 +109,13 @@ class Experts:
                 and self.down.shape[2] % 16 == 0 and h.is_contiguous() and self.gate_up.is_contiguous()
                 and self.down.is_contiguous() and triton_works(h.device))
 
-    def routed_by_kernels(self, h: torch.Tensor) -> torch.Tensor:
-        """`routed` in six launches, five for one row (see the module's docstring)."""
+    def routed_by_kernels(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """`routed` in six launches, five for one row, one fewer with the router's `logits` given (see the
+        module's docstring)."""
         n, hidden = h.shape
         k, experts = self.top_k, self.router.shape[0]
         inter = self.down.shape[2]
-        logits = linear(h, self.router)
+        logits = linear(h, self.router) if logits is None else logits
         weights = torch.empty((n, k), dtype=h.dtype, device=h.device)
         picks = torch.empty((n, k), dtype=torch.int32, device=h.device)
         _route_kernel[(n,)](logits, weights, picks, experts, logits.stride(0), TOP_K=k,
