@@ -45,7 +45,7 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
-MAX_PAIRS = 2048  # (row, expert) pairs a Triton launch takes: 256 rows at k = 8; a longer prompt chunk groups
+MAX_PAIRS = 2048  # (row, expert) pairs the Triton kernels take (256 rows at k = 8); more take the PyTorch steps
 _GROUPED: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
@@ -100,7 +100,6 @@ class Experts:
         for j in range(k):  # the reference's index_add_ order: ascending expert id, rounding each time
             total = total + out[:, j] * weights[:, j, None]
         return total
-
 
     def kernels_take(self, h: torch.Tensor) -> bool:
         """Whether the Triton kernels run these rows: on a device where Triton runs, up to MAX_PAIRS pairs,
