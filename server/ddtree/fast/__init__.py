@@ -149,7 +149,7 @@ class FastPath:
         weights, biases = [lm_head.weight], [lm_head.bias]
         for layer in self.layers:
             projections = [layer.qkv, layer.o] + ([layer.gate_up, layer.down] if layer.experts is None else [])
-            weights += [p.weight for p in projections] + ([layer.experts.router] if layer.experts else [])
+            weights += [p.weight for p in projections] + ([layer.experts.router] if layer.experts is not None else [])
             biases += [p.bias for p in projections]
         self.row_gemv = (os.environ.get("DDTREE_GEMV", "1") != "0" and triton_works(self.device)
                          and all(gemv_supported(w) for w in weights) and all(b is None for b in biases))

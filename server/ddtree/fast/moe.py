@@ -82,12 +82,12 @@ class Experts:
 
     def routed(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """The picked experts' weighted sum for normed rows h [n, H]."""
-        return self.routed_by_kernels(h, logits) if self.kernels_take(h) else self.routed_by_torch(h)
+        return self.routed_by_kernels(h, logits) if self.kernels_take(h) else self.routed_by_torch(h, logits)
 
-    def routed_by_torch(self, h: torch.Tensor) -> torch.Tensor:
+    def routed_by_torch(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """`routed` in PyTorch steps around the grouped GEMM (or the fixed loop)."""
         n, k = h.shape[0], self.top_k
-        weights, experts = route(linear(h, self.router), k, self.renormalize)
+        weights, experts = route(linear(h, self.router) if logits is None else logits, k, self.renormalize)
         pairs = experts.flatten()  # row-major: pair r * k + j is row r's j-th expert (ascending ids)
         order = pairs.argsort(stable=True)  # pairs by expert, each expert's rows in row order
         ids = torch.arange(self.router.shape[0], device=h.device)
