@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 from ddtree.fast.bench import build_shape, graph_ms
+from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 from torch.profiler import ProfilerActivity, profile
 
@@ -41,8 +42,10 @@ def gemm_floor(fast, rows: int) -> float:
     return graph_ms(step)
 
 
-def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: int) -> dict:
-    """Wall time of replayed rounds (graphs), and the kernels of the same steps run eagerly, per round."""
+def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: int, top_kernels: int,
+                   ops: bool = False) -> dict:
+    """Wall time of replayed rounds (graphs), and the kernels of the same steps run eagerly (time and launches),
+    per round."""
     fast = engine.fast
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     engine.generate(prompt, params, method=method, budget=budget)  # captures the plan
@@ -55,21 +58,29 @@ def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: 
     for _ in range(rounds):
         _, phases = plan.run()
         walls.append(sum(phases.values()))
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:  # eager steps: kernel times
+    activities = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if ops else [ProfilerActivity.CUDA]
+    with torch.inference_mode(), profile(activities=activities, record_shapes=ops) as prof:  # eager: kernel times
         for _ in range(rounds):
             out = None
             for _, fn in plan.steps:
                 out = fn(out)
         torch.cuda.synchronize()
     by_kernel: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     total = 0.0
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             by_kernel[evt.name[:90]] += evt.device_time / 1e3 / rounds
+            launches[evt.name[:90]] += 1
             total += evt.device_time / 1e3 / rounds
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top_kernels]
+    if ops:  # which PyTorch ops (and input shapes) launch the kernels
+        print(f"{method} B={budget}:", prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_device_time_total", row_limit=top_kernels, max_name_column_width=60,
+            max_shapes_column_width=70))
     return dict(method=method, budget=budget, wall_ms=1e3 * statistics.median(walls), kernel_ms=total,
-                graphs=plan.eager_reason or "graphs", top=[(name, round(ms, 4)) for name, ms in top])
+                launches=sum(launches.values()) / rounds, graphs=plan.eager_reason or "graphs",
+                top=[(name, round(ms, 4), launches[name] / rounds) for name, ms in top])
 
 
 def main() -> None:
@@ -78,21 +89,27 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[64])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per method")
+    parser.add_argument("--ops", action="store_true", help="also the PyTorch ops behind the kernels, with shapes")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")
     engine, _ = build_shape(args.shape, device, torch.bfloat16, args.prompt_tokens + 256)
     prompt = torch.randint(0, 1000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    plans = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [1])]
+    hybrid = isinstance(engine.fast, HybridFastPath)  # its layers are not `gemm_floor`'s
     report = dict(shape=args.shape, compiled=engine.fast.ops.compiled,
-                  gemm_floor_ms={rows: gemm_floor(engine.fast, rows) for rows in [1, *(b + 1 for b in args.budgets)]},
-                  runs=[profile_rounds(engine, m, b, prompt, args.rounds)
-                        for m, b in [("ar", 1), ("dflash", 1), *(("ddtree", b) for b in args.budgets)]])
+                  gemm_floor_ms={} if hybrid else
+                  {rows: gemm_floor(engine.fast, rows) for rows in [1, *(b + 1 for b in args.budgets)]},
+                  runs=[profile_rounds(engine, m, b, prompt, args.rounds, args.top, args.ops) for m, b in plans])
     for run in report["runs"]:
         print(f"\n{run['method']} B={run['budget']} ({run['graphs']}): wall {run['wall_ms']:.3f} ms/round, "
-              f"kernels {run['kernel_ms']:.3f} ms")
-        for name, ms in run["top"]:
-            print(f"  {ms:8.4f}  {name}")
-    print("\nGEMM-only floor (ms):", {k: round(v, 3) for k, v in report["gemm_floor_ms"].items()})
+              f"kernels {run['kernel_ms']:.3f} ms in {run['launches']:.0f} launches")
+        for name, ms, count in run["top"]:
+            print(f"  {ms:8.4f} ms  {count:5.0f}x  {name}")
+    if report["gemm_floor_ms"]:
+        print("\nGEMM-only floor (ms):", {k: round(v, 3) for k, v in report["gemm_floor_ms"].items()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
