@@ -1,8 +1,8 @@
 """The fast path's kernel choices A/B, in one process: whole AR steps and tree rounds of a random-weight shape.
 
 Variants, alternated (each recaptures its graphs), twice over, timing the AR step and rounds at B = 16
-and 64 (`--budgets`); on the hybrid shape only the few-row GEMM and the one-row projections change (its
-forward uses neither the fused GEMV layers nor the heads kernel):
+and 64 (`--budgets`); on the hybrid shape only the few-row GEMM, the one-row projections and the Gated
+DeltaNet step change (its forward uses neither the fused GEMV layers nor the heads kernel):
 
     all kernels      one-row GEMVs (ddtree/fast/gemv.py), the few-row GEMM (ddtree/fast/gemm.py) and the
                      attention-heads kernel (ddtree/fast/heads.py)
@@ -11,6 +11,8 @@ forward uses neither the fused GEMV layers nor the heads kernel):
                      hybrid target's AR step, a one-row prompt's LM head)
     cuBLAS few-row   the same with cuBLAS for every projection of more than one row
     compiled heads   one-row GEMVs, the heads step as torch.compile's kernels, cuBLAS for more rows
+    PyTorch GDN step all kernels but a hybrid's one-row Gated DeltaNet kernel (ddtree/fast/gdn.py): its
+                     AR step through the compiled PyTorch steps
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
@@ -30,11 +32,11 @@ from ddtree.fast.heads import attention_heads
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
-# label: (one-row GEMV layers, few-row GEMM, heads step, one-row GEMV in `linear`)
-VARIANTS = {"all kernels": (True, True, "kernel", True), "no GEMV layers": (False, True, "kernel", True),
-            "cuBLAS one-row": (True, True, "kernel", False),
-            "cuBLAS few-row": (True, False, "kernel", True), "compiled heads": (True, False, "compiled", True),
-            "v4": (False, False, "compiled", False)}
+ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn=True)  # what the fast path runs
+VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
+            "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
+            "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN step": {**ALL, "gdn": False},
+            "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn=False)}
 
 
 def main() -> None:
@@ -46,16 +48,19 @@ def main() -> None:
     args = ap.parse_args()
     fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
     path = fast.fast
+    gdn_rows = getattr(path, "gdn_rows", set())
     heads = {"kernel": attention_heads, "compiled": Ops(compile=True).attention_heads}
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
     print(f"| variant | AR step ms | {rounds} | B = {args.budgets[0]} draft ms |\n|{'---|' * (3 + len(args.budgets))}")
     for _, label in itertools.product(range(2), args.variants):
-        row_gemv, skinny, heads_step, gemm.ROW_GEMV = VARIANTS[label]
-        if not isinstance(path, HybridFastPath):  # a hybrid's forward uses neither the GEMVs nor the heads kernel
-            path.row_gemv, path.ops.attention_heads = row_gemv, heads[heads_step]
-        gemm.ENABLED = skinny
+        variant = VARIANTS[label]
+        if isinstance(path, HybridFastPath):  # its forward uses neither the GEMV layers nor the heads kernel
+            path.gdn_rows = gdn_rows if variant["gdn"] else set()
+        else:
+            path.row_gemv, path.ops.attention_heads = variant["row_gemv"], heads[variant["heads"]]
+        gemm.ENABLED, gemm.ROW_GEMV = variant["skinny"], variant["linear_gemv"]
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)["round_ms"]
         trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]

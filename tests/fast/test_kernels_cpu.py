@@ -13,7 +13,7 @@ import torch
 from ddtree.engine import Engine
 from ddtree.sampling import SamplingParams
 from test_agreement import prompt_logprobs_agree
-from test_cuda import attention_case, distinct_logits, gemv_case
+from test_cuda import attention_case, distinct_logits, gdn_case, gemv_case
 from tiny import make_draft, make_hybrid_target, make_target
 
 triton = pytest.importorskip("triton")
@@ -51,6 +51,14 @@ def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits):
     mask = TreeMask(torch.tensor(start), n, window, visible=visible.view(torch.int8))
     got = _triton_attention(q, cache, mask, dict(block_m=16, block_n=16, splits=splits, num_warps=4, num_stages=1))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize(("heads", "k_heads"), [(4, 2), (2, 2)])
+def test_gated_deltanet_row_kernel_equals_the_pytorch_steps(heads, k_heads):
+    got, want = gdn_case(heads, k_heads, 16, torch.float32, "cpu")
+    assert torch.equal(got[1], want[1])  # the conv window's columns, copied
+    for name, g, w in zip(("out", "keys", "u", "decay"), got[:1] + got[2:], want[:1] + want[2:], strict=True):
+        assert torch.allclose(g, w, atol=1e-5, rtol=1e-5), (name, (g - w).abs().max())
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -128,23 +136,26 @@ def test_linear_takes_the_gemv_for_one_row_of_a_narrow_weight(kernels_on_cpu, mo
 
 
 @pytest.mark.slow
-def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ckpt, kernels_on_cpu, tmp_path):
+def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ckpt, kernels_on_cpu, tmp_path,
+                                                                          monkeypatch):
     """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the
-    vocabulary top-k and the tree program): the reference's tokens, acceptance, logprobs and prompt
-    logprobs, for a dense target, a hybrid one and a mixture-of-experts one."""
-    from ddtree.fast import gemm
+    vocabulary top-k, the tree program, a Gated DeltaNet layer's AR step): the reference's tokens, acceptance,
+    logprobs and prompt logprobs, for a dense target, a hybrid one and a mixture-of-experts one."""
+    from ddtree.fast import gdn, gemm
     from ddtree.fast.heads import attention_heads as heads_kernel
 
     make_draft(tmp_path / "draft", taps=[1, 2])
     make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
     make_target(tmp_path / "moe", "qwen3_moe", seed=4)
-    runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)], "hybrid": [("ddtree", 24)],
+    runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)],
+            "hybrid": [("ar", None), ("ddtree", 24)],
             "moe": [("ar", None), ("ddtree", 24)]}
     pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft"),
              (tmp_path / "moe", fast_ckpt / "draft")]
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
-    launches = []
-    real = gemm.skinny_linear
+    launches, gdn_steps = [], []
+    real, real_gdn = gemm.skinny_linear, gdn.row_step
+    monkeypatch.setattr(gdn, "row_step", lambda *a: gdn_steps.append(1) or real_gdn(*a))
     for target, draft in pairs:
         fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
         reference = Engine(fast.target, fast.draft, fast.tokenizer)
@@ -169,3 +180,4 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
             assert got == pytest.approx([lp.logprob for r in ref_rounds for lp in r.logprobs], abs=1e-4)
             prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs, tolerance=1e-4)
     assert launches  # the few-row GEMM ran (draft blocks, small trees)
+    assert gdn_steps  # the hybrid's AR steps ran its Gated DeltaNet layers through the one-row kernel

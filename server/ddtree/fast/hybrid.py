@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.fast import FastPath
+from ddtree.fast import FastPath, gdn
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
 from ddtree.fast.fused import fuse, swiglu
 from ddtree.fast.gemm import linear
+from ddtree.fast.jit import triton_works
 from ddtree.fast.moe import Experts
 from ddtree.hybrid import project, split_heads
 
@@ -91,6 +92,8 @@ class HybridFastPath(FastPath):
         self.delta_rule = self.ops.wrap(tree_delta_rule)
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
                                                           if hasattr(layer, "linear_attn"))}
+        self.gdn_rows = {n for i, n in self.recurrent_index.items()  # recurrent layers whose AR step is one kernel
+                         if gdn.ENABLED and gdn.takes(self.decoder[i].linear_attn)}
         self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
                                                           if i not in self.recurrent_index)}
         self.kv = self._kv_cache(len(self.attention_index))
@@ -155,6 +158,10 @@ class HybridFastPath(FastPath):
     def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
         """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
         n = h.shape[0]
+        if n == 1 and index in self.gdn_rows and triton_works(h.device):  # an AR step: one kernel after in_proj
+            out = gdn.row_step(module, module.ddtree_in_proj(h), self.conv_state[index], self.recurrent_state[index],
+                               rec.inputs[index], rec.keys[index], rec.u[index], rec.decay[index])
+            return _project(module.out_proj, out)
         if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
             qkv, z, b, a = module.ddtree_in_proj(h).split(
                 [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)

@@ -1,0 +1,115 @@
+"""A Gated DeltaNet layer's AR step (one row) in one Triton kernel, from its input projection to the gated norm.
+
+For one row the closed form of fast/delta.py needs no triangular solve: with S0 the committed state of a
+value head, k and q L2-normed (q scaled by 1/sqrt(d_k)), α = exp(g),
+
+    u = β (v - α S0ᵀ k),        o = α S0ᵀ q + (qᵀ k) u
+
+But run as PyTorch steps the layer is some thirty small kernels between its two projections (the conv
+window's copies and gather, the conv and gates, the head split, the norms, three batched products and a
+solve): at batch 1 a hybrid target's AR step spent about a quarter of its time there (benchmarks/RESULTS.md).
+Here one program per value head does all of it: the causal conv of its q, k and v channels over the committed
+columns and the new row (SiLU, rounded to the model dtype as the compiled step rounds it), the gates
+(β = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), the L2 norms, the two products with its state (read
+once), u and o, and Qwen3.5's gated RMSNorm of o. It also writes what the commit needs, into the same
+`Recurrent` buffers the PyTorch steps fill: the conv window's columns, the normed key, u and G (= g for one
+row). The commit is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch steps
+    triton = None
+
+ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps, for A/B runs
+GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
+
+
+def takes(module: torch.nn.Module) -> bool:
+    """Whether the kernel computes this Gated DeltaNet module's step: one fused input projection (qkv, z, b,
+    a), a SiLU conv and Qwen3.5's gated norm, with power-of-two head dims."""
+    dims = (getattr(module, "head_k_dim", 0), getattr(module, "head_v_dim", 0))
+    return (hasattr(module, "ddtree_in_proj") and getattr(module, "activation", None) == "silu"
+            and type(module.norm).__name__ in GATED_NORMS and all(d >= 16 and d & (d - 1) == 0 for d in dims))
+
+
+def row_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
+             inputs: torch.Tensor, keys: torch.Tensor, u: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """One row's Gated DeltaNet mixing: proj [1, conv_dim + value_dim + 2 H] (the fused input projection) ->
+    the gated-normed output [1, H * d_v], ready for out_proj.
+
+    Reads the committed conv columns conv_state [W-1, conv_dim] and state [H, d_k, d_v] (float32); writes the
+    commit's record: inputs [W, conv_dim] (the committed columns, then the row's), keys [1, H, d_k], u [1, H,
+    d_v] and decay [1, H].
+    """
+    heads, d_k, d_v = state.shape
+    conv_dim = conv_state.shape[1]
+    taps = module.conv1d.weight.shape[-1]
+    out = torch.empty((1, heads * d_v), dtype=proj.dtype, device=proj.device)
+    _row_kernel[(heads,)](
+        proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, state, module.norm.weight, out,
+        inputs, keys, u, decay, module.norm.variance_epsilon, d_k ** -0.5,
+        CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim, HEADS=heads,
+        GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, num_warps=8)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv(Proj, ConvState, ConvW, Inputs, ch, WRITE: tl.constexpr, CONV_DIM: tl.constexpr,
+              TAPS: tl.constexpr):
+        """SiLU of the causal conv over channels `ch` (committed columns, oldest first, then the new row),
+        rounded to the model dtype; with WRITE, the window's columns also go to Inputs [TAPS, CONV_DIM]."""
+        acc = tl.zeros(ch.shape, tl.float32)
+        for t in tl.static_range(TAPS - 1):
+            x = tl.load(ConvState + t * CONV_DIM + ch)
+            if WRITE:
+                tl.store(Inputs + t * CONV_DIM + ch, x)
+            acc += x.to(tl.float32) * tl.load(ConvW + ch * TAPS + t).to(tl.float32)
+        x = tl.load(Proj + ch)
+        if WRITE:
+            tl.store(Inputs + (TAPS - 1) * CONV_DIM + ch, x)
+        acc += x.to(tl.float32) * tl.load(ConvW + ch * TAPS + TAPS - 1).to(tl.float32)
+        return (acc / (1.0 + tl.exp(-acc))).to(Proj.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _row_kernel(Proj, ConvState, ConvW, ALog, DtBias, State, NormW, Out, Inputs, Keys, U, Decay, eps, scale,
+                    CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, HEADS: tl.constexpr,
+                    GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, TAPS: tl.constexpr):
+        """Value head `h`: its conv, gates, normed q/k, the state products, u, o and the gated norm of o."""
+        h = tl.program_id(0)
+        k_head = h // GROUPS
+        dk, dv = tl.arange(0, DK), tl.arange(0, DV)
+        first = h % GROUPS == 0  # q/k channels are shared by GROUPS value heads: one of them writes them
+        q = _conv(Proj, ConvState, ConvW, Inputs, k_head * DK + dk, first, CONV_DIM, TAPS)
+        k = _conv(Proj, ConvState, ConvW, Inputs, KEY_DIM + k_head * DK + dk, first, CONV_DIM, TAPS)
+        v = _conv(Proj, ConvState, ConvW, Inputs, 2 * KEY_DIM + h * DV + dv, True, CONV_DIM, TAPS)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        gates = CONV_DIM + VALUE_DIM
+        b = tl.load(Proj + gates + h).to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-b))).to(Proj.dtype.element_ty).to(tl.float32)
+        a = tl.load(Proj + gates + HEADS + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a))))
+        g = -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
+        s = tl.load(State + h * DK * DV + dk[:, None] * DV + dv[None, :])
+        alpha = tl.exp(g)
+        u = beta * (v - alpha * tl.sum(k[:, None] * s, 0))
+        o = alpha * tl.sum(q[:, None] * s, 0) + tl.sum(q * k, 0) * u
+        tl.store(Keys + h * DK + dk, k)
+        tl.store(U + h * DV + dv, u)
+        tl.store(Decay + h, g)
+        dtype = Out.dtype.element_ty
+        o = o.to(dtype).to(tl.float32)  # the delta rule's output in the model dtype, then Qwen3.5's gated norm
+        normed = (o / tl.sqrt(tl.sum(o * o, 0) / DV + eps)).to(dtype)
+        scaled = (tl.load(NormW + dv) * normed).to(tl.float32)
+        z = tl.load(Proj + CONV_DIM + h * DV + dv).to(tl.float32)
+        tl.store(Out + h * DV + dv, (scaled * (z / (1.0 + tl.exp(-z)))).to(dtype))
