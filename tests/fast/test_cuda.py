@@ -416,11 +416,12 @@ def test_triton_experts_equal_the_sparse_block_at_real_widths(dtype):
 
 
 def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str) -> None:
-    """Every method's rounds replay from graphs; float32 gives the reference's `ar` tokens exactly. In bf16 a
-    batch's rounding can flip a near-tie, so there the tokens may part from `ar`'s, but only where the
-    reference itself is unsure: at the first token that differs, the reference's logit for its own token
-    exceeds the fast path's token's by less than NEAR_TIE (these tiny random models' bf16 logits stray from
-    float32's by up to ~0.5, a wrong forward's by whole units)."""
+    """Every method's rounds replay from graphs and give the reference's `ar` tokens. Rounding can flip a
+    near-tie, so the tokens may part from `ar`'s, but only where the reference itself is unsure: at the first
+    token that differs, the reference's logit for its own token exceeds the fast path's token's by less than
+    NEAR_TIE in bf16 (these tiny random models' bf16 logits stray from float32's by up to ~0.5, a wrong
+    forward's by whole units), by less than FLOAT32_TIE in float32 (where the tiny Qwen3-Next's 350-token
+    prompt meets a tie of 0.0034 that the reference's own full forward resolves the other way)."""
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     for prompt in prompts:
         ar = reference.generate(prompt, GREEDY, method="ar").token_ids
@@ -429,13 +430,13 @@ def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str) ->
             list(gen)
             plan = fast.fast.plan(method, budget or 1)
             assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
-            if dtype == "float32":
-                assert gen.token_ids == ar, (method, budget)
-            elif gen.token_ids != ar:
-                assert reference_margin(reference, prompt, ar, gen.token_ids) < NEAR_TIE, (method, budget)
+            if gen.token_ids != ar:
+                tie = FLOAT32_TIE if dtype == "float32" else NEAR_TIE
+                assert reference_margin(reference, prompt, ar, gen.token_ids) < tie, (method, budget)
 
 
 NEAR_TIE = 0.25
+FLOAT32_TIE = 0.01
 
 
 def reference_margin(reference: Engine, prompt: list[int], want: list[int], got: list[int]) -> float:
@@ -481,8 +482,8 @@ def test_packed_grammar_masks_unpack_on_the_device_as_on_the_host():
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dtype, arch):
     """A Qwen3.5 hybrid, and a Qwen3-Next one (experts and a shared expert in every layer): the closed-form
-    Gated DeltaNet tree and its commit captured in the round's graphs. float32 must give the reference's
-    tokens exactly; bf16 its tokens up to rounding (a long common prefix)."""
+    Gated DeltaNet tree and its commit captured in the round's graphs (and Qwen3.5's AR steps through the
+    one-row kernel): the reference's tokens up to its own near-ties (graph_rounds_match_ar)."""
     from tiny import make_draft, make_hybrid_target
 
     make_draft(tmp_path / "draft", taps=[1, 2])
