@@ -140,22 +140,23 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
                                                                           monkeypatch):
     """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the
     vocabulary top-k, the tree program, a Gated DeltaNet layer's AR step): the reference's tokens, acceptance,
-    logprobs and prompt logprobs, for a dense target, a hybrid one and a mixture-of-experts one."""
+    logprobs and prompt logprobs, for a dense target, a dense and an MoE hybrid, and a mixture-of-experts one."""
     from ddtree.fast import gdn, gemm
     from ddtree.fast.heads import attention_heads as heads_kernel
 
     make_draft(tmp_path / "draft", taps=[1, 2])
     make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
+    make_hybrid_target(tmp_path / "hybrid_moe", "qwen3_5_moe", seed=1)
     make_target(tmp_path / "moe", "qwen3_moe", seed=4)
     runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)],
-            "hybrid": [("ar", None), ("ddtree", 24)],
+            "hybrid": [("ar", None), ("ddtree", 24)], "hybrid_moe": [("ar", None)],
             "moe": [("ar", None), ("ddtree", 24)]}
     pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft"),
-             (tmp_path / "moe", fast_ckpt / "draft")]
+             (tmp_path / "hybrid_moe", tmp_path / "draft"), (tmp_path / "moe", fast_ckpt / "draft")]
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     launches, gdn_steps = [], []
     real, real_gdn = gemm.skinny_linear, gdn.row_step
-    monkeypatch.setattr(gdn, "row_step", lambda *a: gdn_steps.append(1) or real_gdn(*a))
+    monkeypatch.setattr(gdn, "row_step", lambda *a: gdn_steps.append(target.name) or real_gdn(*a))
     for target, draft in pairs:
         fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
         reference = Engine(fast.target, fast.draft, fast.tokenizer)
@@ -180,4 +181,4 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
             assert got == pytest.approx([lp.logprob for r in ref_rounds for lp in r.logprobs], abs=1e-4)
             prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs, tolerance=1e-4)
     assert launches  # the few-row GEMM ran (draft blocks, small trees)
-    assert gdn_steps  # the hybrid's AR steps ran its Gated DeltaNet layers through the one-row kernel
+    assert set(gdn_steps) == {"hybrid", "hybrid_moe"}  # the hybrids' AR steps: Gated DeltaNet through the kernel
