@@ -5,15 +5,15 @@ value head, k and q L2-normed (q scaled by 1/sqrt(d_k)), α = exp(g),
 
     u = β (v - α S0ᵀ k),        o = α S0ᵀ q + (qᵀ k) u
 
-But run as PyTorch steps the layer is some thirty small kernels between its two projections (the conv
-window's copies and gather, the conv and gates, the head split, the norms, three batched products and a
-solve): at batch 1 a hybrid target's AR step spent about a quarter of its time there (benchmarks/RESULTS.md).
-Here one program per value head does all of it: the causal conv of its q, k and v channels over the committed
-columns and the new row (SiLU, rounded to the model dtype as the compiled step rounds it), the gates
-(β = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), the L2 norms, the two products with its state (read
-once), u and o, and Qwen3.5's gated RMSNorm of o. It also writes what the commit needs, into the same
-`Recurrent` buffers the PyTorch steps fill: the conv window's columns, the normed key, u and G (= g for one
-row). The commit is unchanged.
+But run as PyTorch steps the layer is some thirty small kernels between its two projections (the conv window's
+copies and gather, the conv and gates, the head split, the norms, three batched products and a solve), and at
+batch 1 each costs a launch and a ramp. Replacing them took the Qwen3.6-27B shape's AR step from 18.13 to
+16.05 ms (benchmarks/RESULTS.md, v10). Here one program per value head does all of it: the causal conv of its
+q, k and v channels over the committed columns and the new row (SiLU, rounded to the model dtype as the
+compiled step rounds it), the gates (β = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), the L2 norms, the
+two products with its state (read once), u and o, and Qwen3.5's gated RMSNorm of o. It also writes what the
+commit needs, into the same `Recurrent` buffers the PyTorch steps fill: the conv window's columns, the normed
+key, u and G (= g for one row). The commit is unchanged.
 """
 
 from __future__ import annotations
