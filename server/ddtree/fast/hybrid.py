@@ -93,7 +93,7 @@ class HybridFastPath(FastPath):
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
                                                           if hasattr(layer, "linear_attn"))}
         self.gdn_rows = {n for i, n in self.recurrent_index.items()  # recurrent layers whose AR step is one kernel
-                         if gdn.ENABLED and gdn.takes(self.decoder[i].linear_attn)}
+                         if gdn.ENABLED and triton_works(self.device) and gdn.takes(self.decoder[i].linear_attn)}
         self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
                                                           if i not in self.recurrent_index)}
         self.kv = self._kv_cache(len(self.attention_index))
@@ -158,7 +158,7 @@ class HybridFastPath(FastPath):
     def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
         """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
         n = h.shape[0]
-        if n == 1 and index in self.gdn_rows and triton_works(h.device):  # an AR step: one kernel after in_proj
+        if n == 1 and index in self.gdn_rows:  # an AR step: one kernel after in_proj
             out = gdn.row_step(module, module.ddtree_in_proj(h), self.conv_state[index], self.recurrent_state[index],
                                rec.inputs[index], rec.keys[index], rec.u[index], rec.decay[index])
             return _project(module.out_proj, out)
