@@ -155,19 +155,19 @@ def test_one_row_gemv_equals_its_unfused_steps(dtype, n, k, mode):
     assert torch.allclose(y, want, atol=tolerance, rtol=tolerance), (y - want).abs().max()
 
 
-def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str) -> tuple[tuple, tuple]:
-    """A random Qwen3.5 Gated DeltaNet layer's AR step: the one-row kernel's (output, conv window, keys, u, G)
-    and the same from the PyTorch steps it replaces (the conv and gates, the closed-form delta rule on a
-    one-node tree, the gated norm)."""
+def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, nodes: int = 1) -> tuple[tuple, tuple]:
+    """A random Qwen3.5 Gated DeltaNet layer over a random tree of `nodes` (one: an AR step): the kernel's
+    (output, conv window columns, keys, u, G) and the same from the PyTorch steps it replaces (the conv and
+    gates over each node's window, the closed-form delta rule, the gated norm)."""
     from ddtree.fast import gdn
-    from ddtree.fast.delta import tree_delta_rule
+    from ddtree.fast.delta import conv_sources, tree_delta_rule
     from ddtree.fast.fused import fuse
     from ddtree.fast.hybrid import conv_and_gates, gated_rms_norm
     from ddtree.hybrid import split_heads
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    torch.manual_seed(heads + d)
+    torch.manual_seed(heads + d + nodes)
     config = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=k_heads, linear_num_value_heads=heads,
                                linear_key_head_dim=d, linear_value_head_dim=d, linear_conv_kernel_dim=4)
     module = Qwen3_5GatedDeltaNet(config, layer_idx=0)
@@ -178,28 +178,41 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str) 
     fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a])
     assert gdn.takes(module)
     conv_dim, taps = module.conv_dim, module.conv_kernel_size
-    proj = torch.randn(1, conv_dim + module.value_dim + 2 * heads, device=device).to(dtype)
+    parents = [-1] + [int(torch.randint(0, i, ())) for i in range(1, nodes)]  # each node after its parent
+    visible = torch.eye(nodes, dtype=torch.bool)
+    depths = torch.zeros(nodes, dtype=torch.long)
+    for i in range(1, nodes):
+        visible[i] |= visible[parents[i]]
+        depths[i] = depths[parents[i]] + 1
+    visible, sources = visible.to(device), conv_sources(visible, depths, taps).to(device)
+    proj = torch.randn(nodes, conv_dim + module.value_dim + 2 * heads, device=device).to(dtype)
     conv_state = torch.randn(taps - 1, conv_dim, device=device).to(dtype)
     state = torch.randn(heads, d, d, device=device) / d
-    got = (torch.empty(taps, conv_dim, device=device, dtype=dtype), torch.empty(1, heads, d, device=device),
-           torch.empty(1, heads, d, device=device), torch.empty(1, heads, device=device))
-    out = gdn.row_step(module, proj, conv_state, state, *got)
+    got = (torch.empty(taps - 1 + nodes, conv_dim, device=device, dtype=dtype),
+           torch.empty(nodes, heads, d, device=device), torch.empty(nodes, heads, d, device=device),
+           torch.empty(nodes, heads, device=device))
+    if nodes == 1:
+        out = gdn.row_step(module, proj, conv_state, state, *got)
+    else:
+        out = gdn.tree_step(module, proj, conv_state, state, got[0], sources, visible, *got[1:])
     qkv, z, b, a = proj.split([conv_dim, module.value_dim, heads, heads], dim=-1)
     inputs = torch.cat([conv_state, qkv])
-    conv, beta, g = conv_and_gates(inputs.T[None], module.conv1d.weight[:, 0], b, a, module.A_log, module.dt_bias)
-    o, keys, u, decay = tree_delta_rule(*split_heads(module, conv), g, beta, torch.ones(1, 1, dtype=torch.bool,
-                                                                                           device=device), state)
+    window = inputs[sources].transpose(1, 2)
+    conv, beta, g = conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log, module.dt_bias)
+    o, keys, u, decay = tree_delta_rule(*split_heads(module, conv), g, beta, visible, state)
     want = gated_rms_norm(o.to(dtype).reshape(-1, d), z.reshape(-1, d), module.norm.weight,
-                          module.norm.variance_epsilon).reshape(1, -1)
+                          module.norm.variance_epsilon).reshape(nodes, -1)
     return (out, *got), (want, inputs, keys, u, decay)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "k_heads", "d"), [(4, 2, 16), (48, 16, 128)])
-def test_gated_deltanet_row_kernel_equals_the_pytorch_steps(dtype, heads, k_heads, d):
-    """Qwen3.6-27B's widths (48 value heads over 16 key heads, d 128) and a tiny grouped case: the kernel's
-    output and commit record against the steps it replaces. bf16: within the conv's and the norm's rounding."""
-    got, want = gdn_case(heads, k_heads, d, dtype, "cuda")
+@pytest.mark.parametrize("nodes", [1, 17, 65, 128])
+def test_gated_deltanet_kernels_equal_the_pytorch_steps(dtype, heads, k_heads, d, nodes):
+    """Qwen3.6-27B's widths (48 value heads over 16 key heads, d 128) and a tiny grouped case, for an AR step
+    and trees up to TREE_MAX nodes: the kernels' outputs and commit record against the steps they replace.
+    bf16: within the conv's and the norm's rounding."""
+    got, want = gdn_case(heads, k_heads, d, dtype, "cuda", nodes)
     assert torch.equal(got[1], want[1])  # the conv window's columns, copied
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for name, g, w in zip(("out", "keys", "u", "decay"), got[:1] + got[2:], want[:1] + want[2:], strict=True):

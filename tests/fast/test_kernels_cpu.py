@@ -54,8 +54,9 @@ def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits):
 
 
 @pytest.mark.parametrize(("heads", "k_heads"), [(4, 2), (2, 2)])
-def test_gated_deltanet_row_kernel_equals_the_pytorch_steps(heads, k_heads):
-    got, want = gdn_case(heads, k_heads, 16, torch.float32, "cpu")
+@pytest.mark.parametrize("nodes", [1, 2, 9, 24])
+def test_gated_deltanet_kernels_equal_the_pytorch_steps(heads, k_heads, nodes):
+    got, want = gdn_case(heads, k_heads, 16, torch.float32, "cpu", nodes)
     assert torch.equal(got[1], want[1])  # the conv window's columns, copied
     for name, g, w in zip(("out", "keys", "u", "decay"), got[:1] + got[2:], want[:1] + want[2:], strict=True):
         assert torch.allclose(g, w, atol=1e-5, rtol=1e-5), (name, (g - w).abs().max())
@@ -155,8 +156,9 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
              (tmp_path / "hybrid_moe", tmp_path / "draft"), (tmp_path / "moe", fast_ckpt / "draft")]
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     launches, gdn_steps = [], []
-    real, real_gdn = gemm.skinny_linear, gdn.row_step
-    monkeypatch.setattr(gdn, "row_step", lambda *a: gdn_steps.append(target.name) or real_gdn(*a))
+    real, real_row, real_tree = gemm.skinny_linear, gdn.row_step, gdn.tree_step
+    monkeypatch.setattr(gdn, "row_step", lambda *a: gdn_steps.append((target.name, "row")) or real_row(*a))
+    monkeypatch.setattr(gdn, "tree_step", lambda *a: gdn_steps.append((target.name, "tree")) or real_tree(*a))
     for target, draft in pairs:
         fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
         reference = Engine(fast.target, fast.draft, fast.tokenizer)
@@ -181,4 +183,5 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
             assert got == pytest.approx([lp.logprob for r in ref_rounds for lp in r.logprobs], abs=1e-4)
             prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs, tolerance=1e-4)
     assert launches  # the few-row GEMM ran (draft blocks, small trees)
-    assert set(gdn_steps) == {"hybrid", "hybrid_moe"}  # the hybrids' AR steps: Gated DeltaNet through the kernel
+    # the hybrids' Gated DeltaNet layers: AR steps through the row kernel, trees through the tree kernel
+    assert set(gdn_steps) == {("hybrid", "row"), ("hybrid", "tree"), ("hybrid_moe", "row")}

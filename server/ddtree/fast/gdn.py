@@ -29,6 +29,7 @@ except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps, for A/B runs
+TREE_MAX = 128  # nodes per tree kernel call; more (prompt chunks) take the PyTorch steps
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
 
 
@@ -58,6 +59,30 @@ def row_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Tens
         inputs, keys, u, decay, module.norm.variance_epsilon, d_k ** -0.5,
         CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim, HEADS=heads,
         GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, num_warps=8)
+    return out
+
+
+def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
+              inputs: torch.Tensor, sources: torch.Tensor, visible: torch.Tensor, keys: torch.Tensor, u: torch.Tensor,
+              decay: torch.Tensor) -> torch.Tensor:
+    """`row_step` for a tree of n (up to TREE_MAX) nodes: proj [n, ...] -> the gated-normed outputs [n, H * d_v].
+
+    Each node's conv window comes from `sources` [n, W] (rows of [committed columns ; the nodes' rows]), the
+    delta rule is fast/delta.py's closed form over `visible` [n, n] (ancestors, parents before children),
+    solved by forward substitution; the commit's record (inputs [W-1+n, conv_dim], keys, u, decay) is filled
+    as the PyTorch steps fill it.
+    """
+    n = proj.shape[0]
+    heads, d_k, d_v = state.shape
+    conv_dim = conv_state.shape[1]
+    taps = module.conv1d.weight.shape[-1]
+    out = torch.empty((n, heads * d_v), dtype=proj.dtype, device=proj.device)
+    _tree_kernel[(heads,)](
+        proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, state, module.norm.weight, out,
+        inputs, sources, visible.view(torch.int8), keys, u, decay, module.norm.variance_epsilon, d_k ** -0.5, n,
+        proj.stride(0), CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim, HEADS=heads,
+        GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, BLOCK=max(16, triton.next_power_of_2(n)),
+        num_warps=8)
     return out
 
 
@@ -113,3 +138,78 @@ if triton is not None:
         scaled = (tl.load(NormW + dv) * normed).to(tl.float32)
         z = tl.load(Proj + CONV_DIM + h * DV + dv).to(tl.float32)
         tl.store(Out + h * DV + dv, (scaled * (z / (1.0 + tl.exp(-z)))).to(dtype))
+
+    @triton.jit
+    def _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, ch, WRITE: tl.constexpr,
+                   CONV_DIM: tl.constexpr, TAPS: tl.constexpr):
+        """`_conv` for every node: tap t of node i reads row Sources[i, t] of [committed columns ; proj's rows].
+        With WRITE, those rows of channels `ch` also go to Inputs [TAPS - 1 + n, CONV_DIM]."""
+        acc = tl.zeros((rows.shape[0], ch.shape[0]), tl.float32)
+        for t in tl.static_range(TAPS):
+            src = tl.load(Sources + rows * TAPS + t, mask=valid, other=0)
+            old = src < TAPS - 1
+            x_old = tl.load(ConvState + src[:, None] * CONV_DIM + ch[None, :], mask=(valid & old)[:, None], other=0.0)
+            x_new = tl.load(Proj + (src - (TAPS - 1))[:, None] * stride_p + ch[None, :], mask=(valid & ~old)[:, None],
+                            other=0.0)
+            acc += tl.where(old[:, None], x_old, x_new).to(tl.float32) * tl.load(ConvW + ch * TAPS + t).to(tl.float32)
+        if WRITE:
+            for t in tl.static_range(TAPS - 1):
+                tl.store(Inputs + t * CONV_DIM + ch, tl.load(ConvState + t * CONV_DIM + ch))
+            tl.store(Inputs + (TAPS - 1 + rows)[:, None] * CONV_DIM + ch[None, :],
+                     tl.load(Proj + rows[:, None] * stride_p + ch[None, :], mask=valid[:, None]), mask=valid[:, None])
+        return (acc / (1.0 + tl.exp(-acc))).to(Proj.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _tree_kernel(Proj, ConvState, ConvW, ALog, DtBias, State, NormW, Out, Inputs, Sources, Vis, Keys, U, Decay,
+                     eps, scale, n, stride_p, CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                     HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     TAPS: tl.constexpr, BLOCK: tl.constexpr):
+        """Value head `h` over the n nodes (BLOCK rows, padded): `_row_kernel`'s steps, with the closed form's
+        decays along each node's path, the unit lower-triangular system for u, and the ancestors' terms in o."""
+        h = tl.program_id(0)
+        k_head = h // GROUPS
+        rows, dk, dv = tl.arange(0, BLOCK), tl.arange(0, DK), tl.arange(0, DV)
+        valid = rows < n
+        first = h % GROUPS == 0
+        q = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, k_head * DK + dk, first,
+                       CONV_DIM, TAPS)
+        k = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, KEY_DIM + k_head * DK + dk,
+                       first, CONV_DIM, TAPS)
+        v = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, 2 * KEY_DIM + h * DV + dv,
+                       True, CONV_DIM, TAPS)
+        q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale
+        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        gates = Proj + rows * stride_p + CONV_DIM + VALUE_DIM
+        b = tl.load(gates + h, mask=valid, other=0.0).to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-b))).to(Proj.dtype.element_ty).to(tl.float32)
+        a = tl.load(gates + HEADS + h, mask=valid, other=0.0).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a))))
+        g = tl.where(valid, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus, 0.0)
+        pair = valid[:, None] & valid[None, :]
+        vis = tl.load(Vis + rows[:, None] * n + rows[None, :], mask=pair, other=0) != 0
+        big_g = tl.sum(tl.where(vis, g[None, :], 0.0), 1)  # log decay from the committed state to each node
+        rel = tl.where(vis, tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
+        s = tl.load(State + h * DK * DV + dk[:, None] * DV + dv[None, :])
+        decayed = tl.exp(big_g)
+        rhs = beta[:, None] * (v - decayed[:, None] * tl.dot(k, s, input_precision="ieee"))
+        strict = tl.where(rows[:, None] != rows[None, :], rel, 0.0)
+        lower = beta[:, None] * tl.dot(k, tl.trans(k), input_precision="ieee") * strict
+        u = tl.zeros((BLOCK, DV), tl.float32)
+        for i in range(0, n):  # forward substitution: ancestors come before their descendants
+            here = (rows == i)[:, None]
+            row = tl.sum(tl.where(here, lower, 0.0), 0)
+            u_i = tl.sum(tl.where(here, rhs, 0.0), 0) - tl.sum(row[:, None] * u, 0)
+            u = tl.where(here, u_i[None, :], u)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * rel
+        o = decayed[:, None] * tl.dot(q, s, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+        tl.store(Keys + (rows * HEADS + h)[:, None] * DK + dk[None, :], k, mask=valid[:, None])
+        tl.store(U + (rows * HEADS + h)[:, None] * DV + dv[None, :], u, mask=valid[:, None])
+        tl.store(Decay + rows * HEADS + h, big_g, mask=valid)
+        dtype = Out.dtype.element_ty
+        o = o.to(dtype).to(tl.float32)  # the delta rule's output in the model dtype, then Qwen3.5's gated norm
+        normed = (o / tl.sqrt(tl.sum(o * o, 1) / DV + eps)[:, None]).to(dtype)
+        scaled = (tl.load(NormW + dv)[None, :] * normed).to(tl.float32)
+        z = tl.load(Proj + rows[:, None] * stride_p + CONV_DIM + h * DV + dv[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        gated = (scaled * (z / (1.0 + tl.exp(-z)))).to(dtype)
+        tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], gated, mask=valid[:, None])

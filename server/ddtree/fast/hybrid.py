@@ -92,7 +92,7 @@ class HybridFastPath(FastPath):
         self.delta_rule = self.ops.wrap(tree_delta_rule)
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
                                                           if hasattr(layer, "linear_attn"))}
-        self.gdn_rows = {n for i, n in self.recurrent_index.items()  # recurrent layers whose AR step is one kernel
+        self.gdn_rows = {n for i, n in self.recurrent_index.items()  # recurrent layers whose rounds are one kernel
                          if gdn.ENABLED and triton_works(self.device) and gdn.takes(self.decoder[i].linear_attn)}
         self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
                                                           if i not in self.recurrent_index)}
@@ -158,9 +158,13 @@ class HybridFastPath(FastPath):
     def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
         """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
         n = h.shape[0]
-        if n == 1 and index in self.gdn_rows:  # an AR step: one kernel after in_proj
-            out = gdn.row_step(module, module.ddtree_in_proj(h), self.conv_state[index], self.recurrent_state[index],
-                               rec.inputs[index], rec.keys[index], rec.u[index], rec.decay[index])
+        if n <= gdn.TREE_MAX and index in self.gdn_rows:  # one kernel after in_proj
+            proj, state = module.ddtree_in_proj(h), (self.conv_state[index], self.recurrent_state[index])
+            record = (rec.keys[index], rec.u[index], rec.decay[index])
+            if n == 1:  # an AR step
+                out = gdn.row_step(module, proj, *state, rec.inputs[index], *record)
+            else:
+                out = gdn.tree_step(module, proj, *state, rec.inputs[index], rec.sources, rec.visible, *record)
             return _project(module.out_proj, out)
         if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
             qkv, z, b, a = module.ddtree_in_proj(h).split(
