@@ -198,7 +198,11 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, 
     qkv, z, b, a = proj.split([conv_dim, module.value_dim, heads, heads], dim=-1)
     inputs = torch.cat([conv_state, qkv])
     window = inputs[sources].transpose(1, 2)
-    conv, beta, g = conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log, module.dt_bias)
+    # the conv summed in float32 and rounded once, as the compiled step and the kernels do (eager bf16 would
+    # round every product, a difference the tree's triangular solve amplifies)
+    conv, beta, g = conv_and_gates(window.float(), module.conv1d.weight[:, 0].float(), b, a, module.A_log,
+                                   module.dt_bias)
+    conv = conv.to(dtype)
     o, keys, u, decay = tree_delta_rule(*split_heads(module, conv), g, beta, visible, state)
     want = gated_rms_norm(o.to(dtype).reshape(-1, d), z.reshape(-1, d), module.norm.weight,
                           module.norm.variance_epsilon).reshape(nodes, -1)
