@@ -11,8 +11,9 @@ DeltaNet step change (its forward uses neither the fused GEMV layers nor the hea
                      hybrid target's AR step, a one-row prompt's LM head)
     cuBLAS few-row   the same with cuBLAS for every projection of more than one row
     compiled heads   one-row GEMVs, the heads step as torch.compile's kernels, cuBLAS for more rows
-    PyTorch GDN step all kernels but a hybrid's one-row Gated DeltaNet kernel (ddtree/fast/gdn.py): its
-                     AR step through the compiled PyTorch steps
+    PyTorch GDN tree all kernels but a hybrid's Gated DeltaNet tree kernel (ddtree/fast/gdn.py): its trees
+                     through the compiled PyTorch steps, its AR steps still one kernel
+    PyTorch GDN step neither Gated DeltaNet kernel: AR steps and trees through the compiled PyTorch steps
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
@@ -25,18 +26,19 @@ import argparse
 import itertools
 
 import torch
-from ddtree.fast import gemm
+from ddtree.fast import gdn, gemm
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
 from ddtree.fast.heads import attention_heads
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
-ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn=True)  # what the fast path runs
+ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all")  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
-            "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN step": {**ALL, "gdn": False},
-            "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn=False)}
+            "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN tree": {**ALL, "gdn": "row"},
+            "PyTorch GDN step": {**ALL, "gdn": "none"},
+            "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none")}
 
 
 def main() -> None:
@@ -45,19 +47,21 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--passes", type=int, default=2, help="times over the variants")
     args = ap.parse_args()
     fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
     path = fast.fast
-    gdn_rows = getattr(path, "gdn_rows", set())
+    gdn_rows, tree_max = getattr(path, "gdn_rows", set()), gdn.TREE_MAX
     heads = {"kernel": attention_heads, "compiled": Ops(compile=True).attention_heads}
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
     print(f"| variant | AR step ms | {rounds} | B = {args.budgets[0]} draft ms |\n|{'---|' * (3 + len(args.budgets))}")
-    for _, label in itertools.product(range(2), args.variants):
+    for _, label in itertools.product(range(args.passes), args.variants):
         variant = VARIANTS[label]
         if isinstance(path, HybridFastPath):  # its forward uses neither the GEMV layers nor the heads kernel
-            path.gdn_rows = gdn_rows if variant["gdn"] else set()
+            path.gdn_rows = gdn_rows if variant["gdn"] != "none" else set()
+            gdn.TREE_MAX = tree_max if variant["gdn"] == "all" else 1
         else:
             path.row_gemv, path.ops.attention_heads = variant["row_gemv"], heads[variant["heads"]]
         gemm.ENABLED, gemm.ROW_GEMV = variant["skinny"], variant["linear_gemv"]

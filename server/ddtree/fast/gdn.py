@@ -30,6 +30,8 @@ except ImportError:  # CPU-only installs: the PyTorch steps
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps, for A/B runs
 TREE_MAX = 128  # nodes per tree kernel call; more (prompt chunks) take the PyTorch steps
+TREE_WARPS = 16
+TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
 
 
@@ -76,13 +78,15 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
     heads, d_k, d_v = state.shape
     conv_dim = conv_state.shape[1]
     taps = module.conv1d.weight.shape[-1]
+    block = max(16, triton.next_power_of_2(n))
     out = torch.empty((n, heads * d_v), dtype=proj.dtype, device=proj.device)
+    system = torch.empty((heads, n, block), dtype=torch.float32, device=proj.device)  # each head's L, row by row
     _tree_kernel[(heads,)](
         proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, state, module.norm.weight, out,
-        inputs, sources, visible.view(torch.int8), keys, u, decay, module.norm.variance_epsilon, d_k ** -0.5, n,
-        proj.stride(0), CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim, HEADS=heads,
-        GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, BLOCK=max(16, triton.next_power_of_2(n)),
-        num_warps=8)
+        inputs, sources, visible.view(torch.int8), keys, u, decay, system, module.norm.variance_epsilon,
+        d_k ** -0.5, n, proj.stride(0), CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim,
+        HEADS=heads, GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, BLOCK=block,
+        PRECISION=TREE_PRECISION, num_warps=TREE_WARPS)
     return out
 
 
@@ -161,11 +165,13 @@ if triton is not None:
 
     @triton.jit
     def _tree_kernel(Proj, ConvState, ConvW, ALog, DtBias, State, NormW, Out, Inputs, Sources, Vis, Keys, U, Decay,
-                     eps, scale, n, stride_p, CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                     HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     TAPS: tl.constexpr, BLOCK: tl.constexpr):
+                     System, eps, scale, n, stride_p, CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr,
+                     VALUE_DIM: tl.constexpr, HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr,
+                     DV: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
         """Value head `h` over the n nodes (BLOCK rows, padded): `_row_kernel`'s steps, with the closed form's
-        decays along each node's path, the unit lower-triangular system for u, and the ancestors' terms in o."""
+        decays along each node's path, the unit lower-triangular system for u, and the ancestors' terms in o.
+        The system's strictly lower part L and the right-hand side go through System and U, so forward
+        substitution loads row i instead of cutting it out of registers."""
         h = tl.program_id(0)
         k_head = h // GROUPS
         rows, dk, dv = tl.arange(0, BLOCK), tl.arange(0, DK), tl.arange(0, DV)
@@ -191,19 +197,22 @@ if triton is not None:
         rel = tl.where(vis, tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
         s = tl.load(State + h * DK * DV + dk[:, None] * DV + dv[None, :])
         decayed = tl.exp(big_g)
-        rhs = beta[:, None] * (v - decayed[:, None] * tl.dot(k, s, input_precision="ieee"))
+        rhs = beta[:, None] * (v - decayed[:, None] * tl.dot(k, s, input_precision=PRECISION))
         strict = tl.where(rows[:, None] != rows[None, :], rel, 0.0)
-        lower = beta[:, None] * tl.dot(k, tl.trans(k), input_precision="ieee") * strict
+        lower = beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PRECISION) * strict
+        out_rows = (rows * HEADS + h)[:, None] * DV + dv[None, :]
+        tl.store(System + (h * n + rows[:, None]) * BLOCK + rows[None, :], lower, mask=valid[:, None])
+        tl.store(U + out_rows, rhs, mask=valid[:, None])
+        tl.debug_barrier()  # the program's own stores, visible to all its threads
         u = tl.zeros((BLOCK, DV), tl.float32)
         for i in range(0, n):  # forward substitution: ancestors come before their descendants
-            here = (rows == i)[:, None]
-            row = tl.sum(tl.where(here, lower, 0.0), 0)
-            u_i = tl.sum(tl.where(here, rhs, 0.0), 0) - tl.sum(row[:, None] * u, 0)
-            u = tl.where(here, u_i[None, :], u)
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * rel
-        o = decayed[:, None] * tl.dot(q, s, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+            row = tl.load(System + (h * n + i) * BLOCK + rows, mask=rows < i, other=0.0)
+            u_i = tl.load(U + (i * HEADS + h) * DV + dv) - tl.sum(row[:, None] * u, 0)
+            u = tl.where((rows == i)[:, None], u_i[None, :], u)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * rel
+        o = decayed[:, None] * tl.dot(q, s, input_precision=PRECISION) + tl.dot(qk, u, input_precision=PRECISION)
         tl.store(Keys + (rows * HEADS + h)[:, None] * DK + dk[None, :], k, mask=valid[:, None])
-        tl.store(U + (rows * HEADS + h)[:, None] * DV + dv[None, :], u, mask=valid[:, None])
+        tl.store(U + out_rows, u, mask=valid[:, None])
         tl.store(Decay + rows * HEADS + h, big_g, mask=valid)
         dtype = Out.dtype.element_ty
         o = o.to(dtype).to(tl.float32)  # the delta rule's output in the model dtype, then Qwen3.5's gated norm
