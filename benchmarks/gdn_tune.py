@@ -1,10 +1,11 @@
-"""The Gated DeltaNet tree kernel (ddtree/fast/gdn.py) on a GPU: µs per layer call by warps and product precision.
+"""The Gated DeltaNet tree kernels (ddtree/fast/gdn.py) on a GPU: µs per layer call by the delta kernel's warps,
+d_v slice and product precision.
 
 A Qwen3.6-27B-shaped layer (48 value heads over 16 key heads, d 128, 4 conv taps, bf16) over random trees of
 17, 33, 65 and 128 nodes; each config runs 48 calls (the shape's Gated DeltaNet layers) as one CUDA graph,
 and its output is compared with the first config's (max |Δ|), so a config that computes something else shows.
 
-    PYTHONPATH=server python benchmarks/gdn_tune.py [--nodes 17 65] [--warps 8 16] [--precisions ieee tf32x3]
+    PYTHONPATH=server python benchmarks/gdn_tune.py [--nodes 17 65] [--warps 4 8] [--slices 32 64] [--precisions ieee]
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def random_tree(nodes: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[17, 33, 65, 128])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--slices", type=int, nargs="+", default=[32, 64], help="d_v per program")
     ap.add_argument("--precisions", nargs="+", default=["ieee", "tf32x3"], choices=["ieee", "tf32x3", "tf32"])
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -49,7 +51,8 @@ def main() -> None:
     conv_dim = module.conv_dim
     conv_state = torch.randn(TAPS - 1, conv_dim, device="cuda").to(torch.bfloat16)
     state = torch.randn(HEADS, D, D, device="cuda") / D
-    print("| nodes | warps | precision | µs per layer | max abs diff to the first config |\n|---|---|---|---|---|")
+    print("| nodes | warps | d_v slice | precision | µs per layer | max abs diff to the first config |\n"
+          "|---|---|---|---|---|---|")
     for nodes in args.nodes:
         visible, sources = random_tree(nodes, "cuda")
         proj = torch.randn(nodes, conv_dim + module.value_dim + 2 * HEADS, device="cuda").to(torch.bfloat16)
@@ -57,18 +60,19 @@ def main() -> None:
                   sources, visible, torch.empty(nodes, HEADS, D, device="cuda"),
                   torch.empty(nodes, HEADS, D, device="cuda"), torch.empty(nodes, HEADS, device="cuda"))
         first = None
-        for warps, precision in itertools.product(args.warps, args.precisions):
-            gdn.TREE_WARPS, gdn.TREE_PRECISION = warps, precision
+        for warps, slice_v, precision in itertools.product(args.warps, args.slices, args.precisions):
+            gdn.TREE_WARPS, gdn.TREE_SLICE, gdn.TREE_PRECISION = warps, slice_v, precision
+            label = f"| {nodes} | {warps} | {slice_v} | {precision} |"
             try:
                 out = gdn.tree_step(module, proj, conv_state, state, *record)
             except Exception as exc:  # a config the compiler cannot fit (registers, shared memory)
-                print(f"| {nodes} | {warps} | {precision} | failed: {type(exc).__name__} | |", flush=True)
+                print(f"{label} failed: {type(exc).__name__} | |", flush=True)
                 continue
             first = out if first is None else first
             call = (module, proj, conv_state, state, *record)
             ms = graph_ms(lambda call=call: [gdn.tree_step(*call) for _ in range(LAYERS)])
             diff = (out.float() - first.float()).abs().max().item()
-            print(f"| {nodes} | {warps} | {precision} | {1e3 * ms / LAYERS:.1f} | {diff:.4f} |", flush=True)
+            print(f"{label} {1e3 * ms / LAYERS:.1f} | {diff:.4f} |", flush=True)
 
 
 if __name__ == "__main__":

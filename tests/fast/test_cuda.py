@@ -196,6 +196,9 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, 
     else:
         out = gdn.tree_step(module, proj, conv_state, state, got[0], sources, visible, *got[1:])
     qkv, z, b, a = proj.split([conv_dim, module.value_dim, heads, heads], dim=-1)
+    if nodes > 1:  # the tree kernels stop before the gated norm: the fast path's compiled norm follows them
+        out = gated_rms_norm(out.view(-1, d), z.reshape(-1, d), module.norm.weight,
+                             module.norm.variance_epsilon).view(nodes, -1)
     inputs = torch.cat([conv_state, qkv])
     window = inputs[sources].transpose(1, 2)
     # the conv summed in float32 and rounded once, as the compiled step and the kernels do (eager bf16 would

@@ -30,7 +30,7 @@ except ImportError:  # CPU-only installs: the PyTorch steps
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps, for A/B runs
 TREE_MAX = 128  # nodes per tree kernel call; more (prompt chunks) take the PyTorch steps
-TREE_WARPS = 16
+TREE_WARPS, TREE_SLICE, TREE_CHUNK = 4, 32, 32  # the delta kernel's warps, d_v per program, d_k per product
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
 
@@ -67,26 +67,31 @@ def row_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Tens
 def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
               inputs: torch.Tensor, sources: torch.Tensor, visible: torch.Tensor, keys: torch.Tensor, u: torch.Tensor,
               decay: torch.Tensor) -> torch.Tensor:
-    """`row_step` for a tree of n (up to TREE_MAX) nodes: proj [n, ...] -> the gated-normed outputs [n, H * d_v].
+    """The delta rule's output o [n, H * d_v] (model dtype, before the gated norm) for a tree of n (up to
+    TREE_MAX) nodes, in two kernels.
 
-    Each node's conv window comes from `sources` [n, W] (rows of [committed columns ; the nodes' rows]), the
-    delta rule is fast/delta.py's closed form over `visible` [n, n] (ancestors, parents before children),
-    solved by forward substitution; the commit's record (inputs [W-1+n, conv_dim], keys, u, decay) is filled
-    as the PyTorch steps fill it.
+    The first, one program per (node, value head), is `_row_kernel`'s conv, gates and norms, each node's conv
+    window taken from `sources` [n, W] (rows of [committed columns ; the nodes' rows]). The second, one per
+    (value head, slice of d_v), is fast/delta.py's closed form over `visible` [n, n] (ancestors, parents
+    before children): K Kᵀ and the state products over d_k in chunks, the unit lower-triangular system solved
+    by forward substitution. The commit's record (inputs [W-1+n, conv_dim], keys, u, decay) is filled as the
+    PyTorch steps fill it.
     """
     n = proj.shape[0]
     heads, d_k, d_v = state.shape
-    conv_dim = conv_state.shape[1]
-    taps = module.conv1d.weight.shape[-1]
-    block = max(16, triton.next_power_of_2(n))
+    conv_dim, taps = conv_state.shape[1], module.conv1d.weight.shape[-1]
+    block, slice_v = max(16, triton.next_power_of_2(n)), min(d_v, TREE_SLICE)
+    slices = d_v // slice_v
+    work = torch.empty(n * heads * (d_k + d_v + 2) + heads * slices * n * block, dtype=torch.float32,
+                       device=proj.device)  # q, v, beta, g per node and head, then each program's system
     out = torch.empty((n, heads * d_v), dtype=proj.dtype, device=proj.device)
-    system = torch.empty((heads, n, block), dtype=torch.float32, device=proj.device)  # each head's L, row by row
-    _tree_kernel[(heads,)](
-        proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, state, module.norm.weight, out,
-        inputs, sources, visible.view(torch.int8), keys, u, decay, system, module.norm.variance_epsilon,
+    _tree_prep_kernel[(n, heads)](
+        proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, inputs, sources, keys, work,
         d_k ** -0.5, n, proj.stride(0), CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim,
-        HEADS=heads, GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, BLOCK=block,
-        PRECISION=TREE_PRECISION, num_warps=TREE_WARPS)
+        HEADS=heads, GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, num_warps=1)
+    _tree_delta_kernel[(heads, slices)](
+        state, visible.view(torch.int8), keys, u, decay, work, out, n, HEADS=heads, DK=d_k, DV=d_v,
+        SLICE=slice_v, BLOCK=block, CHUNK=min(d_k, TREE_CHUNK), PRECISION=TREE_PRECISION, num_warps=TREE_WARPS)
     return out
 
 
@@ -144,81 +149,102 @@ if triton is not None:
         tl.store(Out + h * DV + dv, (scaled * (z / (1.0 + tl.exp(-z)))).to(dtype))
 
     @triton.jit
-    def _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, ch, WRITE: tl.constexpr,
+    def _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, i, stride_p, ch, WRITE: tl.constexpr,
                    CONV_DIM: tl.constexpr, TAPS: tl.constexpr):
-        """`_conv` for every node: tap t of node i reads row Sources[i, t] of [committed columns ; proj's rows].
-        With WRITE, those rows of channels `ch` also go to Inputs [TAPS - 1 + n, CONV_DIM]."""
-        acc = tl.zeros((rows.shape[0], ch.shape[0]), tl.float32)
+        """`_conv` for node i: tap t reads row Sources[i, t] of [committed columns ; proj's rows]. With WRITE,
+        the node's own row of channels `ch` goes to Inputs [TAPS - 1 + n, CONV_DIM] (node 0 also copies the
+        committed columns)."""
+        acc = tl.zeros(ch.shape, tl.float32)
         for t in tl.static_range(TAPS):
-            src = tl.load(Sources + rows * TAPS + t, mask=valid, other=0)
-            old = src < TAPS - 1
-            x_old = tl.load(ConvState + src[:, None] * CONV_DIM + ch[None, :], mask=(valid & old)[:, None], other=0.0)
-            x_new = tl.load(Proj + (src - (TAPS - 1))[:, None] * stride_p + ch[None, :], mask=(valid & ~old)[:, None],
-                            other=0.0)
-            acc += tl.where(old[:, None], x_old, x_new).to(tl.float32) * tl.load(ConvW + ch * TAPS + t).to(tl.float32)
+            src = tl.load(Sources + i * TAPS + t)
+            if src < TAPS - 1:
+                x = tl.load(ConvState + src * CONV_DIM + ch)
+            else:
+                x = tl.load(Proj + (src - (TAPS - 1)) * stride_p + ch)
+            acc += x.to(tl.float32) * tl.load(ConvW + ch * TAPS + t).to(tl.float32)
         if WRITE:
-            for t in tl.static_range(TAPS - 1):
-                tl.store(Inputs + t * CONV_DIM + ch, tl.load(ConvState + t * CONV_DIM + ch))
-            tl.store(Inputs + (TAPS - 1 + rows)[:, None] * CONV_DIM + ch[None, :],
-                     tl.load(Proj + rows[:, None] * stride_p + ch[None, :], mask=valid[:, None]), mask=valid[:, None])
+            tl.store(Inputs + (TAPS - 1 + i) * CONV_DIM + ch, tl.load(Proj + i * stride_p + ch))
+            if i == 0:
+                for t in tl.static_range(TAPS - 1):
+                    tl.store(Inputs + t * CONV_DIM + ch, tl.load(ConvState + t * CONV_DIM + ch))
         return (acc / (1.0 + tl.exp(-acc))).to(Proj.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _tree_kernel(Proj, ConvState, ConvW, ALog, DtBias, State, NormW, Out, Inputs, Sources, Vis, Keys, U, Decay,
-                     System, eps, scale, n, stride_p, CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr,
-                     VALUE_DIM: tl.constexpr, HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr,
-                     DV: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
-        """Value head `h` over the n nodes (BLOCK rows, padded): `_row_kernel`'s steps, with the closed form's
-        decays along each node's path, the unit lower-triangular system for u, and the ancestors' terms in o.
-        The system's strictly lower part L and the right-hand side go through System and U, so forward
-        substitution loads row i instead of cutting it out of registers."""
-        h = tl.program_id(0)
+    def _tree_prep_kernel(Proj, ConvState, ConvW, ALog, DtBias, Inputs, Sources, Keys, Work, scale, n, stride_p,
+                          CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                          HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          TAPS: tl.constexpr):
+        """Node i, value head h: its conv (q, k of the head's key head; v), normed q and k, β and g. Keys gets
+        the normed k (the commit's record); Work the scaled q, v, β and g."""
+        i, h = tl.program_id(0), tl.program_id(1)
         k_head = h // GROUPS
-        rows, dk, dv = tl.arange(0, BLOCK), tl.arange(0, DK), tl.arange(0, DV)
-        valid = rows < n
+        dk, dv = tl.arange(0, DK), tl.arange(0, DV)
         first = h % GROUPS == 0
-        q = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, k_head * DK + dk, first,
+        q = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, i, stride_p, k_head * DK + dk, first, CONV_DIM, TAPS)
+        k = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, i, stride_p, KEY_DIM + k_head * DK + dk, first,
                        CONV_DIM, TAPS)
-        k = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, KEY_DIM + k_head * DK + dk,
-                       first, CONV_DIM, TAPS)
-        v = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, rows, valid, stride_p, 2 * KEY_DIM + h * DV + dv,
-                       True, CONV_DIM, TAPS)
-        q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale
-        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        gates = Proj + rows * stride_p + CONV_DIM + VALUE_DIM
-        b = tl.load(gates + h, mask=valid, other=0.0).to(tl.float32)
-        beta = (1.0 / (1.0 + tl.exp(-b))).to(Proj.dtype.element_ty).to(tl.float32)
-        a = tl.load(gates + HEADS + h, mask=valid, other=0.0).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
+        v = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, i, stride_p, 2 * KEY_DIM + h * DV + dv, True,
+                       CONV_DIM, TAPS)
+        gates = Proj + i * stride_p + CONV_DIM + VALUE_DIM
+        b = tl.load(gates + h).to(tl.float32)
+        a = tl.load(gates + HEADS + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
         softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a))))
-        g = tl.where(valid, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus, 0.0)
-        pair = valid[:, None] & valid[None, :]
-        vis = tl.load(Vis + rows[:, None] * n + rows[None, :], mask=pair, other=0) != 0
+        node = i * HEADS + h
+        tl.store(Keys + node * DK + dk, k / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
+        tl.store(Work + node * DK + dk, q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale)
+        tl.store(Work + n * HEADS * DK + node * DV + dv, v)
+        gate_base = Work + n * HEADS * (DK + DV)
+        tl.store(gate_base + node, (1.0 / (1.0 + tl.exp(-b))).to(Proj.dtype.element_ty).to(tl.float32))
+        tl.store(gate_base + n * HEADS + node, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus)
+
+    @triton.jit
+    def _tree_delta_kernel(State, Vis, Keys, U, Decay, Work, Out, n, HEADS: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                           PRECISION: tl.constexpr):
+        """Value head h, d_v slice c, over the n nodes (BLOCK rows, padded): G along each path, the system's
+        strict lower part L = β exp(G_i - G_j) k_iᵀk_j and right-hand side β (v - exp(G) S0ᵀ k) (through
+        memory, so forward substitution loads row i rather than cutting it out of registers), u, then o."""
+        h, c = tl.program_id(0), tl.program_id(1)
+        rows, dv, ck = tl.arange(0, BLOCK), c * SLICE + tl.arange(0, SLICE), tl.arange(0, CHUNK)
+        valid = rows < n
+        node = rows * HEADS + h
+        gate_base = Work + n * HEADS * (DK + DV)
+        beta = tl.load(gate_base + node, mask=valid, other=0.0)
+        g = tl.load(gate_base + n * HEADS + node, mask=valid, other=0.0)
+        vis = tl.load(Vis + rows[:, None] * n + rows[None, :], mask=valid[:, None] & valid[None, :], other=0) != 0
         big_g = tl.sum(tl.where(vis, g[None, :], 0.0), 1)  # log decay from the committed state to each node
         rel = tl.where(vis, tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
-        s = tl.load(State + h * DK * DV + dk[:, None] * DV + dv[None, :])
+        kk = tl.zeros((BLOCK, BLOCK), tl.float32)
+        ks = tl.zeros((BLOCK, SLICE), tl.float32)
+        for lo in tl.static_range(0, DK, CHUNK):
+            k = tl.load(Keys + node[:, None] * DK + lo + ck[None, :], mask=valid[:, None], other=0.0)
+            s = tl.load(State + (h * DK + lo + ck[:, None]) * DV + dv[None, :])
+            kk += tl.dot(k, tl.trans(k), input_precision=PRECISION)
+            ks += tl.dot(k, s, input_precision=PRECISION)
+        v = tl.load(Work + n * HEADS * DK + node[:, None] * DV + dv[None, :], mask=valid[:, None], other=0.0)
         decayed = tl.exp(big_g)
-        rhs = beta[:, None] * (v - decayed[:, None] * tl.dot(k, s, input_precision=PRECISION))
-        strict = tl.where(rows[:, None] != rows[None, :], rel, 0.0)
-        lower = beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PRECISION) * strict
-        out_rows = (rows * HEADS + h)[:, None] * DV + dv[None, :]
-        tl.store(System + (h * n + rows[:, None]) * BLOCK + rows[None, :], lower, mask=valid[:, None])
-        tl.store(U + out_rows, rhs, mask=valid[:, None])
+        lower = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk * rel, 0.0)
+        system = gate_base + 2 * n * HEADS + ((h * tl.num_programs(1) + c) * n) * BLOCK
+        tl.store(system + rows[:, None] * BLOCK + rows[None, :], lower, mask=valid[:, None])
+        slots = node[:, None] * DV + dv[None, :]
+        tl.store(U + slots, beta[:, None] * (v - decayed[:, None] * ks), mask=valid[:, None])
         tl.debug_barrier()  # the program's own stores, visible to all its threads
-        u = tl.zeros((BLOCK, DV), tl.float32)
+        u = tl.zeros((BLOCK, SLICE), tl.float32)
         for i in range(0, n):  # forward substitution: ancestors come before their descendants
-            row = tl.load(System + (h * n + i) * BLOCK + rows, mask=rows < i, other=0.0)
+            row = tl.load(system + i * BLOCK + rows, mask=rows < i, other=0.0)
             u_i = tl.load(U + (i * HEADS + h) * DV + dv) - tl.sum(row[:, None] * u, 0)
             u = tl.where((rows == i)[:, None], u_i[None, :], u)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * rel
-        o = decayed[:, None] * tl.dot(q, s, input_precision=PRECISION) + tl.dot(qk, u, input_precision=PRECISION)
-        tl.store(Keys + (rows * HEADS + h)[:, None] * DK + dk[None, :], k, mask=valid[:, None])
-        tl.store(U + out_rows, u, mask=valid[:, None])
-        tl.store(Decay + rows * HEADS + h, big_g, mask=valid)
-        dtype = Out.dtype.element_ty
-        o = o.to(dtype).to(tl.float32)  # the delta rule's output in the model dtype, then Qwen3.5's gated norm
-        normed = (o / tl.sqrt(tl.sum(o * o, 1) / DV + eps)[:, None]).to(dtype)
-        scaled = (tl.load(NormW + dv)[None, :] * normed).to(tl.float32)
-        z = tl.load(Proj + rows[:, None] * stride_p + CONV_DIM + h * DV + dv[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        gated = (scaled * (z / (1.0 + tl.exp(-z)))).to(dtype)
-        tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], gated, mask=valid[:, None])
+        tl.store(U + slots, u, mask=valid[:, None])
+        qk = tl.zeros((BLOCK, BLOCK), tl.float32)
+        qs = tl.zeros((BLOCK, SLICE), tl.float32)
+        for lo in tl.static_range(0, DK, CHUNK):
+            q = tl.load(Work + node[:, None] * DK + lo + ck[None, :], mask=valid[:, None], other=0.0)
+            k = tl.load(Keys + node[:, None] * DK + lo + ck[None, :], mask=valid[:, None], other=0.0)
+            s = tl.load(State + (h * DK + lo + ck[:, None]) * DV + dv[None, :])
+            qk += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            qs += tl.dot(q, s, input_precision=PRECISION)
+        o = decayed[:, None] * qs + tl.dot(qk * rel, u, input_precision=PRECISION)
+        tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], o.to(Out.dtype.element_ty),
+                 mask=valid[:, None])
+        if c == 0:
+            tl.store(Decay + node, big_g, mask=valid)

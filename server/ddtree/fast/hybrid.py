@@ -161,11 +161,12 @@ class HybridFastPath(FastPath):
         if n <= gdn.TREE_MAX and index in self.gdn_rows:  # one kernel after in_proj
             proj, state = module.ddtree_in_proj(h), (self.conv_state[index], self.recurrent_state[index])
             record = (rec.keys[index], rec.u[index], rec.decay[index])
-            if n == 1:  # an AR step
-                out = gdn.row_step(module, proj, *state, rec.inputs[index], *record)
-            else:
-                out = gdn.tree_step(module, proj, *state, rec.inputs[index], rec.sources, rec.visible, *record)
-            return _project(module.out_proj, out)
+            if n == 1:  # an AR step, gated norm included
+                return _project(module.out_proj, gdn.row_step(module, proj, *state, rec.inputs[index], *record))
+            out = gdn.tree_step(module, proj, *state, rec.inputs[index], rec.sources, rec.visible, *record)
+            z = proj[:, module.conv_dim:module.conv_dim + module.value_dim]
+            out = self._norm(module.norm, out.view(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+            return _project(module.out_proj, out.view(n, -1))
         if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
             qkv, z, b, a = module.ddtree_in_proj(h).split(
                 [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
