@@ -56,7 +56,8 @@ def main() -> None:
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
-    print(f"| variant | AR step ms | {rounds} | B = {args.budgets[0]} draft ms |\n|{'---|' * (3 + len(args.budgets))}")
+    print(f"| variant | AR step ms | {rounds} | B = {args.budgets[0]} draft ms | trees' tokens == ar's |\n"
+          f"|{'---|' * (4 + len(args.budgets))}")
     for _, label in itertools.product(range(args.passes), args.variants):
         variant = VARIANTS[label]
         if isinstance(path, HybridFastPath):  # its forward uses neither the GEMV layers nor the heads kernel
@@ -66,10 +67,12 @@ def main() -> None:
             path.row_gemv, path.ops.attention_heads = variant["row_gemv"], heads[variant["heads"]]
         gemm.ENABLED, gemm.ROW_GEMV = variant["skinny"], variant["linear_gemv"]
         path._plans.clear()  # recapture with this variant's kernels
-        ar = run(fast, prompts, "ar", 1, params)["round_ms"]
+        ar = run(fast, prompts, "ar", 1, params)
         trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]
         times = " | ".join(f"{tree['round_ms']:.3f}" for tree in trees)
-        print(f"| {label} | {ar:.3f} | {times} | {trees[0]['phase_ms']['draft']:.3f} |", flush=True)
+        same = all(tree["outputs"] == ar["outputs"] for tree in trees)
+        draft = trees[0]['phase_ms']['draft']
+        print(f"| {label} | {ar['round_ms']:.3f} | {times} | {draft:.3f} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ except ImportError:  # CPU-only installs: the PyTorch steps
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps, for A/B runs
 TREE_MAX = 128  # nodes per tree kernel call; more (prompt chunks) take the PyTorch steps
-TREE_WARPS, TREE_SLICE, TREE_CHUNK = 4, 32, 32  # the delta kernel's warps, d_v per program, d_k per product
+TREE_WARPS, TREE_SLICE, TREE_CHUNK = 8, 64, 32  # the delta kernel's warps, d_v per program, d_k per product
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
 
@@ -211,9 +211,9 @@ if triton is not None:
         gate_base = Work + n * HEADS * (DK + DV)
         beta = tl.load(gate_base + node, mask=valid, other=0.0)
         g = tl.load(gate_base + n * HEADS + node, mask=valid, other=0.0)
-        vis = tl.load(Vis + rows[:, None] * n + rows[None, :], mask=valid[:, None] & valid[None, :], other=0) != 0
+        pair = Vis + rows[:, None] * n + rows[None, :]
+        vis = tl.load(pair, mask=valid[:, None] & valid[None, :], other=0) != 0
         big_g = tl.sum(tl.where(vis, g[None, :], 0.0), 1)  # log decay from the committed state to each node
-        rel = tl.where(vis, tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
         kk = tl.zeros((BLOCK, BLOCK), tl.float32)
         ks = tl.zeros((BLOCK, SLICE), tl.float32)
         for lo in tl.static_range(0, DK, CHUNK):
@@ -222,18 +222,21 @@ if triton is not None:
             kk += tl.dot(k, tl.trans(k), input_precision=PRECISION)
             ks += tl.dot(k, s, input_precision=PRECISION)
         v = tl.load(Work + n * HEADS * DK + node[:, None] * DV + dv[None, :], mask=valid[:, None], other=0.0)
-        decayed = tl.exp(big_g)
-        lower = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk * rel, 0.0)
+        strict = vis & (rows[:, None] > rows[None, :])
+        lower = tl.where(strict, beta[:, None] * kk * tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
         system = gate_base + 2 * n * HEADS + ((h * tl.num_programs(1) + c) * n) * BLOCK
         tl.store(system + rows[:, None] * BLOCK + rows[None, :], lower, mask=valid[:, None])
         slots = node[:, None] * DV + dv[None, :]
-        tl.store(U + slots, beta[:, None] * (v - decayed[:, None] * ks), mask=valid[:, None])
+        tl.store(U + slots, beta[:, None] * (v - tl.exp(big_g)[:, None] * ks), mask=valid[:, None])
         tl.debug_barrier()  # the program's own stores, visible to all its threads
-        u = tl.zeros((BLOCK, SLICE), tl.float32)
-        for i in range(0, n):  # forward substitution: ancestors come before their descendants
+        # forward substitution (ancestors come before their descendants) on uᵀ [SLICE, BLOCK]: the sum over
+        # the nodes runs along the last axis, inside a warp, so a step needs no cross-warp exchange
+        u_t = tl.zeros((SLICE, BLOCK), tl.float32)
+        for i in range(0, n):
             row = tl.load(system + i * BLOCK + rows, mask=rows < i, other=0.0)
-            u_i = tl.load(U + (i * HEADS + h) * DV + dv) - tl.sum(row[:, None] * u, 0)
-            u = tl.where((rows == i)[:, None], u_i[None, :], u)
+            u_i = tl.load(U + (i * HEADS + h) * DV + dv) - tl.sum(row[None, :] * u_t, 1)
+            u_t = tl.where((rows == i)[None, :], u_i[:, None], u_t)
+        u = tl.trans(u_t)
         tl.store(U + slots, u, mask=valid[:, None])
         qk = tl.zeros((BLOCK, BLOCK), tl.float32)
         qs = tl.zeros((BLOCK, SLICE), tl.float32)
@@ -243,7 +246,9 @@ if triton is not None:
             s = tl.load(State + (h * DK + lo + ck[:, None]) * DV + dv[None, :])
             qk += tl.dot(q, tl.trans(k), input_precision=PRECISION)
             qs += tl.dot(q, s, input_precision=PRECISION)
-        o = decayed[:, None] * qs + tl.dot(qk * rel, u, input_precision=PRECISION)
+        vis = tl.load(pair, mask=valid[:, None] & valid[None, :], other=0) != 0  # reloaded: not kept over the loop
+        qk = tl.where(vis, qk * tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
+        o = tl.exp(big_g)[:, None] * qs + tl.dot(qk, u, input_precision=PRECISION)
         tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], o.to(Out.dtype.element_ty),
                  mask=valid[:, None])
         if c == 0:
