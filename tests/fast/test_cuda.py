@@ -500,11 +500,16 @@ def test_packed_grammar_masks_unpack_on_the_device_as_on_the_host():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
-def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dtype, arch):
+def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dtype, arch, monkeypatch):
     """A Qwen3.5 hybrid, and a Qwen3-Next one (experts and a shared expert in every layer): the closed-form
     Gated DeltaNet tree and its commit captured in the round's graphs (and Qwen3.5's AR steps through the
-    one-row kernel): the reference's tokens up to its own near-ties (graph_rounds_match_ar)."""
+    one-row kernel, its trees of up to TREE_MAX nodes through the tree kernels): the reference's tokens up to
+    its own near-ties (graph_rounds_match_ar)."""
+    from ddtree.fast import gdn
     from tiny import make_draft, make_hybrid_target
+
+    trees, tree_step = [], gdn.tree_step
+    monkeypatch.setattr(gdn, "tree_step", lambda *a: trees.append(a[1].shape[0]) or tree_step(*a))
 
     make_draft(tmp_path / "draft", taps=[1, 2])
     make_hybrid_target(tmp_path / "hybrid", arch, seed=0)
@@ -512,3 +517,4 @@ def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, 
                                   fast_capacity=512)
     assert bool(fast.fast.gdn_rows) == (arch == "qwen3_5")  # Qwen3.5's AR steps: the one-row Gated DeltaNet kernel
     graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(10, 80)) * 5], dtype)  # the second: two prompt chunks
+    assert bool(trees) == (arch == "qwen3_5") and max(trees, default=0) <= gdn.TREE_MAX

@@ -29,7 +29,9 @@ except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps, for A/B runs
-TREE_MAX = 128  # nodes per tree kernel call; more (prompt chunks) take the PyTorch steps
+TREE_MAX = 32  # nodes per tree kernel call; larger trees and prompt chunks take the PyTorch steps
+# (on an H200 at Qwen3.6-27B widths the delta kernel took ~20 µs a layer at 17 nodes, but 290-410 µs at 65,
+# where its 128-row padded tiles no longer fit its registers: benchmarks/RESULTS.md, v11)
 TREE_WARPS, TREE_SLICE, TREE_CHUNK = 8, 64, 32  # the delta kernel's warps, d_v per program, d_k per product
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
