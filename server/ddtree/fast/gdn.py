@@ -1,19 +1,29 @@
-"""A Gated DeltaNet layer's AR step (one row) in one Triton kernel, from its input projection to the gated norm.
+"""A Gated DeltaNet layer between its input projection and its output projection, in Triton kernels: one
+for an AR step (one row), two for a small tree.
 
-For one row the closed form of fast/delta.py needs no triangular solve: with S0 the committed state of a
-value head, k and q L2-normed (q scaled by 1/sqrt(d_k)), α = exp(g),
+Run as PyTorch steps the layer is some thirty small kernels there (the conv window's copies and gather, the
+conv and gates, the head split, the norms, batched products and a solve), and at batch 1 each costs a launch
+and a ramp.
+
+AR step. For one row the closed form of fast/delta.py needs no triangular solve: with S0 the committed state
+of a value head, k and q L2-normed (q scaled by 1/sqrt(d_k)), α = exp(g),
 
     u = β (v - α S0ᵀ k),        o = α S0ᵀ q + (qᵀ k) u
 
-But run as PyTorch steps the layer is some thirty small kernels between its two projections (the conv window's
-copies and gather, the conv and gates, the head split, the norms, three batched products and a solve), and at
-batch 1 each costs a launch and a ramp. Replacing them took the Qwen3.6-27B shape's AR step from 18.13 to
-16.05 ms (benchmarks/RESULTS.md, v10). Here one program per value head does all of it: the causal conv of its
-q, k and v channels over the committed columns and the new row (SiLU, rounded to the model dtype as the
-compiled step rounds it), the gates (β = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), the L2 norms, the
-two products with its state (read once), u and o, and Qwen3.5's gated RMSNorm of o. It also writes what the
-commit needs, into the same `Recurrent` buffers the PyTorch steps fill: the conv window's columns, the normed
-key, u and G (= g for one row). The commit is unchanged.
+One program per value head does all of it: the causal conv of its q, k and v channels over the committed
+columns and the new row (SiLU, rounded to the model dtype as the compiled step rounds it), the gates
+(β = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), the L2 norms, the two products with its state (read
+once), u and o, and Qwen3.5's gated RMSNorm of o. That took the Qwen3.6-27B shape's AR step from 18.13 to
+16.05 ms (benchmarks/RESULTS.md, v10).
+
+Tree (up to TREE_MAX nodes). The first kernel is the AR step's conv, gates and norms per (node, value head),
+each node's window read along its own path; the second, per (value head, slice of d_v), is fast/delta.py's
+closed form: K Kᵀ and the state products in d_k chunks on the tensor cores (tf32x3), the unit
+lower-triangular system solved by forward substitution, then o. The gated norm stays the fast path's compiled
+step. On the Qwen3.6-27B shape that took the B = 16 round from 22.31 to 19.43 ms (v11).
+
+Both write what the commit needs into the same `Recurrent` buffers the PyTorch steps fill (the conv window's
+columns, the normed keys, u and G), so the commit is unchanged.
 """
 
 from __future__ import annotations
@@ -28,10 +38,10 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
-ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps, for A/B runs
+ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps for AR steps and trees (A/B runs)
 TREE_MAX = 32  # nodes per tree kernel call; larger trees and prompt chunks take the PyTorch steps
-# (on an H200 at Qwen3.6-27B widths the delta kernel took ~20 µs a layer at 17 nodes, but 290-410 µs at 65,
-# where its 128-row padded tiles no longer fit its registers: benchmarks/RESULTS.md, v11)
+# (on an H200 at Qwen3.6-27B widths the delta kernel took about 20 µs a layer at 17 nodes but 290-410 µs at 65,
+# padded to 128 rows, which made a B = 64 round slower than the PyTorch steps: benchmarks/RESULTS.md, v11)
 TREE_WARPS, TREE_SLICE, TREE_CHUNK = 8, 64, 32  # the delta kernel's warps, d_v per program, d_k per product
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
