@@ -53,6 +53,28 @@ def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
+def test_tree_attention_takes_a_mask_that_is_a_view(kernels_on_cpu):
+    """A hybrid's later prompt chunk passes its rows of the whole prompt's causal mask, a view whose rows are
+    strided: the kernel must see the chunk's own causal mask, as SDPA does."""
+    from ddtree.fast.attention import tree_attention, tree_mask
+
+    gen = torch.Generator().manual_seed(0)
+    prompt, lo, heads, groups, d, capacity = 12, 7, 2, 2, 16, 32
+    causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
+    chunk = causal[lo:, lo:]
+    assert not chunk.is_contiguous()
+    n = prompt - lo
+    q, cache = torch.randn(heads, groups * n, d, generator=gen), torch.randn(2, heads, capacity, d, generator=gen)
+    got = tree_attention(q, cache, tree_mask(torch.tensor(lo), chunk, capacity, groups, d, torch.float32))
+    assert tree_mask(torch.tensor(lo), chunk, capacity, groups, d, torch.float32).visible is not None  # the kernel
+    columns = torch.arange(capacity)
+    allowed = (columns[None, :] <= lo + torch.arange(n)[:, None]).repeat(groups, 1)  # the chunk's causal rule
+    want = torch.nn.functional.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None],
+                                                            attn_mask=allowed[None, None])[0]
+    want = want.view(heads, groups, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
 @pytest.mark.parametrize(("heads", "k_heads", "d"), [(4, 2, 16), (2, 2, 16), (2, 1, 64)])  # 64: two d_v slices
 @pytest.mark.parametrize("nodes", [1, 2, 9, 24])
 def test_gated_deltanet_kernels_equal_the_pytorch_steps(heads, k_heads, d, nodes):
@@ -143,7 +165,10 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
     vocabulary top-k, the tree program, a Gated DeltaNet layer's AR step): the reference's tokens, acceptance,
     logprobs and prompt logprobs, for a dense target, a dense and an MoE hybrid, and a mixture-of-experts one."""
     from ddtree.fast import gdn, gemm
+    from ddtree.fast import hybrid as fast_hybrid
     from ddtree.fast.heads import attention_heads as heads_kernel
+
+    monkeypatch.setattr(fast_hybrid, "PROMPT_CHUNK", 7)  # a hybrid's 10-token prompt: chunks of 7 and 3 nodes
 
     make_draft(tmp_path / "draft", taps=[1, 2])
     make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)

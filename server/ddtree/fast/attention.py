@@ -48,7 +48,9 @@ def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups:
     """The rule above for `visible` [n, n] (bool), in the form the attention backend for this device takes."""
     n = visible.shape[0]
     if head_dim >= 16 and head_dim & (head_dim - 1) == 0 and triton_works(visible.device):
-        return TreeMask(start, n, window, visible=visible.view(torch.int8))  # bool is one byte: no copy
+        # bool is one byte: no copy, unless `visible` is a view (a later prompt chunk's rows of the whole
+        # prompt's mask), whose rows the kernel would read at the wrong stride
+        return TreeMask(start, n, window, visible=visible.contiguous().view(torch.int8))
     columns = torch.arange(capacity, device=visible.device)
     rel = columns - start
     new = visible.index_select(1, rel.clamp(0, n - 1)) & (rel >= 0) & (rel < n)

@@ -101,8 +101,9 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
         proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, inputs, sources, keys, work,
         d_k ** -0.5, n, proj.stride(0), CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim,
         HEADS=heads, GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, num_warps=1)
+    mask = visible.contiguous().view(torch.int8)  # a later prompt chunk's mask is a view into the whole prompt's
     _tree_delta_kernel[(heads, slices)](
-        state, visible.view(torch.int8), keys, u, decay, work, out, n, HEADS=heads, DK=d_k, DV=d_v,
+        state, mask, keys, u, decay, work, out, n, HEADS=heads, DK=d_k, DV=d_v,
         SLICE=slice_v, BLOCK=block, CHUNK=min(d_k, TREE_CHUNK), PRECISION=TREE_PRECISION, num_warps=TREE_WARPS)
     return out
 
