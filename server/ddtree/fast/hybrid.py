@@ -158,29 +158,28 @@ class HybridFastPath(FastPath):
     def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
         """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
         n = h.shape[0]
-        if n <= gdn.TREE_MAX and index in self.gdn_rows:  # one kernel after in_proj
+        if n <= gdn.TREE_MAX and index in self.gdn_rows:  # Triton kernels between the projections
             proj, state = module.ddtree_in_proj(h), (self.conv_state[index], self.recurrent_state[index])
             record = (rec.keys[index], rec.u[index], rec.decay[index])
             if n == 1:  # an AR step, gated norm included
                 return _project(module.out_proj, gdn.row_step(module, proj, *state, rec.inputs[index], *record))
             out = gdn.tree_step(module, proj, *state, rec.inputs[index], rec.sources, rec.visible, *record)
             z = proj[:, module.conv_dim:module.conv_dim + module.value_dim]
-            out = self._norm(module.norm, out.view(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-            return _project(module.out_proj, out.view(n, -1))
-        if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
-            qkv, z, b, a = module.ddtree_in_proj(h).split(
-                [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
-            z = z.reshape(n, -1, module.head_v_dim)
         else:
-            qkv, z, b, a = project(module, h)
-        inputs = rec.inputs[index]
-        inputs[:self.conv_width - 1] = self.conv_state[index]
-        inputs[self.conv_width - 1:] = qkv
-        window = inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
-        conv, beta, g = self.conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log, module.dt_bias)
-        q, k, v = split_heads(module, conv)
-        out, rec.keys[index], rec.u[index], rec.decay[index] = self.delta_rule(
-            q, k, v, g, beta, rec.visible, self.recurrent_state[index])
+            if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
+                qkv, z, b, a = module.ddtree_in_proj(h).split(
+                    [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
+            else:
+                qkv, z, b, a = project(module, h)
+            inputs = rec.inputs[index]
+            inputs[:self.conv_width - 1] = self.conv_state[index]
+            inputs[self.conv_width - 1:] = qkv
+            window = inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
+            conv, beta, g = self.conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log,
+                                                module.dt_bias)
+            q, k, v = split_heads(module, conv)
+            out, rec.keys[index], rec.u[index], rec.decay[index] = self.delta_rule(
+                q, k, v, g, beta, rec.visible, self.recurrent_state[index])
         out = self._norm(module.norm, out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return _project(module.out_proj, out.reshape(n, -1))
 
