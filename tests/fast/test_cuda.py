@@ -164,6 +164,7 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, 
     from ddtree.fast.fused import fuse
     from ddtree.fast.hybrid import conv_and_gates, gated_rms_norm
     from ddtree.hybrid import split_heads
+    from test_delta import ancestry, random_tree
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -178,12 +179,7 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, 
     fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a])
     assert gdn.takes(module)
     conv_dim, taps = module.conv_dim, module.conv_kernel_size
-    parents = [-1] + [int(torch.randint(0, i, ())) for i in range(1, nodes)]  # each node after its parent
-    visible = torch.eye(nodes, dtype=torch.bool)
-    depths = torch.zeros(nodes, dtype=torch.long)
-    for i in range(1, nodes):
-        visible[i] |= visible[parents[i]]
-        depths[i] = depths[parents[i]] + 1
+    visible, depths = ancestry(random_tree(nodes, torch.default_generator))  # (the seed above draws it)
     visible, sources = visible.to(device), conv_sources(visible, depths, taps).to(device)
     proj = torch.randn(nodes, conv_dim + module.value_dim + 2 * heads, device=device).to(dtype)
     conv_state = torch.randn(taps - 1, conv_dim, device=device).to(dtype)
