@@ -83,8 +83,8 @@ def main() -> None:
     print("\nGated DeltaNet, Qwen3.6-27B widths (48 value heads over 16 key heads, d 128)\n")
     print("| kernel | padded nodes | warps | launched | resources |\n|---|---|---|---|---|")
     for warps in (4, 8, 16):
-        print(f"| AR step (`_row_kernel`) | 1 | {warps} | {'yes' if warps == 8 else 'no'} | {gdn_row(warps)} |",
-              flush=True)
+        launched = "yes" if warps == gdn.ROW_WARPS else "no"
+        print(f"| AR step (`_row_kernel`) | 1 | {warps} | {launched} | {gdn_row(warps)} |", flush=True)
     for block in (32, 128):
         launched = "yes" if block <= gdn.TREE_MAX else "no (trees over TREE_MAX take the PyTorch steps)"
         print(f"| tree delta (`_tree_delta_kernel`) | {block} | {gdn.TREE_WARPS} | {launched} | "

@@ -39,6 +39,7 @@ except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps for AR steps and trees (A/B runs)
+ROW_WARPS = 8  # the AR-step kernel's warps (benchmarks/kernel_resources.py reports what they cost in registers)
 TREE_MAX = 32  # nodes per tree kernel call; larger trees and prompt chunks take the PyTorch steps
 # (on an H200 at Qwen3.6-27B widths the delta kernel took about 20 µs a layer at 17 nodes but 290-410 µs at 65,
 # padded to 128 rows, which made a B = 64 round slower than the PyTorch steps: benchmarks/RESULTS.md, v11)
@@ -72,7 +73,7 @@ def row_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Tens
         proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, state, module.norm.weight, out,
         inputs, keys, u, decay, module.norm.variance_epsilon, d_k ** -0.5,
         CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim, HEADS=heads,
-        GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, num_warps=8)
+        GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, num_warps=ROW_WARPS)
     return out
 
 
