@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--passes", type=int, default=2, help="times over the variants")
     args = ap.parse_args()
+    if args.passes < 1:
+        ap.error("--passes must be at least 1")
     fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
     path = fast.fast
     gdn_rows, tree_max = getattr(path, "gdn_rows", set()), gdn.TREE_MAX
