@@ -1,17 +1,25 @@
-"""The Gated DeltaNet tree kernels (ddtree/fast/gdn.py) on a GPU: µs per layer call by the delta kernel's warps,
-d_v slice and product precision.
+"""The Gated DeltaNet tree kernels (ddtree/fast/gdn.py): µs per layer call on a GPU, or registers and spills
+without one, by the delta kernel's warps, d_v slice, row tile, d_k chunk and product precision.
 
 A Qwen3.6-27B-shaped layer (48 value heads over 16 key heads, d 128, 4 conv taps, bf16) over random trees of
 17, 33, 65 and 128 nodes; each config runs 48 calls (the shape's Gated DeltaNet layers) as one CUDA graph,
 and its output is compared with the first config's (max |Δ|), so a config that computes something else shows.
 
-    PYTHONPATH=server python benchmarks/gdn_tune.py [--nodes 17 65] [--warps 4 8] [--slices 32 64] [--precisions ieee]
+--registers needs no GPU: it compiles the delta kernel for sm_90 (Triton's own ptxas) and prints the
+registers per thread and the bytes spilled to the stack (`cuobjdump -res-usage`). A kernel that spills in
+its node loop runs many times slower, so this screens configs before a GPU run.
+
+    PYTHONPATH=server python benchmarks/gdn_tune.py [--nodes 17 65] [--warps 4 8] [--slices 32 64] [--tiles 16]
+    PYTHONPATH=server python benchmarks/gdn_tune.py --registers
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import subprocess
+import tempfile
 
 import torch
 from ddtree.fast import gdn
@@ -35,13 +43,45 @@ def random_tree(nodes: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return visible.to(device), conv_sources(visible, depths, TAPS).to(device)
 
 
+def registers(block: int, warps: int, slice_v: int, tile: int, chunk: int, precision: str) -> str:
+    """The delta kernel compiled for sm_90 at this config: "REG:n STACK:bytes" from cuobjdump."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(HEADS=HEADS, DK=D, DV=D, SLICE=slice_v, BLOCK=block, TILE=min(tile, block), CHUNK=chunk,
+                  PRECISION=precision)
+    signature = {"State": "*fp32", "Vis": "*i8", "Keys": "*fp32", "U": "*fp32", "Decay": "*fp32", "Work": "*fp32",
+                 "Out": "*bf16", "n": "i32", **{name: "constexpr" for name in consts}}
+    source = ASTSource(fn=gdn._tree_delta_kernel, signature=signature, constexprs=consts)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in usage.splitlines() if "REG:" in line)
+    return " ".join(field for field in line.split() if field.startswith(("REG:", "STACK:")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[17, 33, 65, 128])
-    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--slices", type=int, nargs="+", default=[32, 64], help="d_v per program")
-    ap.add_argument("--precisions", nargs="+", default=["ieee", "tf32x3"], choices=["ieee", "tf32x3", "tf32"])
+    ap.add_argument("--tiles", type=int, nargs="+", default=[16, 32], help="rows per product")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[16, 32], help="d_k per product")
+    ap.add_argument("--precisions", nargs="+", default=["tf32x3"], choices=["ieee", "tf32x3", "tf32"])
+    ap.add_argument("--registers", action="store_true", help="compile for sm_90 and report registers (no GPU)")
     args = ap.parse_args()
+    configs = list(itertools.product(args.warps, args.slices, args.tiles, args.chunks, args.precisions))
+    if args.registers:
+        print("| nodes (padded) | warps | d_v slice | tile | chunk | precision | resources |\n"
+              "|---|---|---|---|---|---|---|")
+        for nodes, config in itertools.product(args.nodes, configs):
+            block = max(16, 1 << (nodes - 1).bit_length())
+            print(f"| {nodes} ({block}) | {' | '.join(map(str, config))} | {registers(block, *config)} |", flush=True)
+        return
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=K_HEADS, linear_num_value_heads=HEADS,
                                linear_key_head_dim=D, linear_value_head_dim=D, linear_conv_kernel_dim=TAPS)
@@ -51,8 +91,8 @@ def main() -> None:
     conv_dim = module.conv_dim
     conv_state = torch.randn(TAPS - 1, conv_dim, device="cuda").to(torch.bfloat16)
     state = torch.randn(HEADS, D, D, device="cuda") / D
-    print("| nodes | warps | d_v slice | precision | µs per layer | max abs diff to the first config |\n"
-          "|---|---|---|---|---|---|")
+    print("| nodes | warps | d_v slice | tile | chunk | precision | µs per layer | max abs diff to the first config |\n"
+          "|---|---|---|---|---|---|---|---|")
     for nodes in args.nodes:
         visible, sources = random_tree(nodes, "cuda")
         proj = torch.randn(nodes, conv_dim + module.value_dim + 2 * HEADS, device="cuda").to(torch.bfloat16)
@@ -60,9 +100,10 @@ def main() -> None:
                   sources, visible, torch.empty(nodes, HEADS, D, device="cuda"),
                   torch.empty(nodes, HEADS, D, device="cuda"), torch.empty(nodes, HEADS, device="cuda"))
         first = None
-        for warps, slice_v, precision in itertools.product(args.warps, args.slices, args.precisions):
-            gdn.TREE_WARPS, gdn.TREE_SLICE, gdn.TREE_PRECISION = warps, slice_v, precision
-            label = f"| {nodes} | {warps} | {slice_v} | {precision} |"
+        for warps, slice_v, tile, chunk, precision in configs:
+            gdn.TREE_WARPS, gdn.TREE_SLICE, gdn.TREE_TILE, gdn.TREE_CHUNK = warps, slice_v, tile, chunk
+            gdn.TREE_PRECISION = precision
+            label = f"| {nodes} | {warps} | {slice_v} | {tile} | {chunk} | {precision} |"
             try:
                 out = gdn.tree_step(module, proj, conv_state, state, *record)
             except Exception as exc:  # a config the compiler cannot fit (registers, shared memory)

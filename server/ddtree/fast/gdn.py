@@ -18,8 +18,8 @@ once), u and o, and Qwen3.5's gated RMSNorm of o. That took the Qwen3.6-27B shap
 
 Tree (up to TREE_MAX nodes). The first kernel is the AR step's conv, gates and norms per (node, value head),
 each node's window read along its own path; the second, per (value head, slice of d_v), is fast/delta.py's
-closed form: K Kᵀ and the state products in d_k chunks on the tensor cores (tf32x3), the unit
-lower-triangular system solved by forward substitution, then o. The gated norm stays the fast path's compiled
+closed form, TREE_TILE rows at a time: K Kᵀ and the state products in d_k chunks on the tensor cores
+(tf32x3), the unit lower-triangular system solved by forward substitution, then o. The gated norm stays the fast path's compiled
 step. On the Qwen3.6-27B shape that took the B = 16 round from 22.31 to 19.43 ms (v11).
 
 Both write what the commit needs into the same `Recurrent` buffers the PyTorch steps fill (the conv window's
@@ -40,10 +40,12 @@ except ImportError:  # CPU-only installs: the PyTorch steps
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps for AR steps and trees (A/B runs)
 ROW_WARPS = 8  # the AR-step kernel's warps (benchmarks/kernel_resources.py reports what they cost in registers)
-TREE_MAX = 32  # nodes per tree kernel call; larger trees and prompt chunks take the PyTorch steps
-# (on an H200 at Qwen3.6-27B widths the delta kernel took about 20 µs a layer at 17 nodes but 290-410 µs at 65,
-# padded to 128 rows, which made a B = 64 round slower than the PyTorch steps: benchmarks/RESULTS.md, v11)
-TREE_WARPS, TREE_SLICE, TREE_CHUNK = 8, 64, 32  # the delta kernel's warps, d_v per program, d_k per product
+TREE_MAX = 128  # nodes per tree kernel call; larger prompt chunks take the PyTorch steps
+# (UNMEASURED on this branch: main's untiled kernel took about 20 µs a layer at 17 nodes but 290-410 µs at 65,
+# spilling kilobytes per thread at 128 padded rows, so main stops at 32; this tiled one spills nothing)
+# the delta kernel's warps, d_v per program, rows per product, d_k per product: at Qwen3.6-27B's widths the
+# largest config that compiles for sm_90 without spilling at every padded size up to 128 (gdn_tune.py --registers)
+TREE_WARPS, TREE_SLICE, TREE_TILE, TREE_CHUNK = 8, 64, 16, 16
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
 
@@ -95,8 +97,8 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
     conv_dim, taps = conv_state.shape[1], module.conv1d.weight.shape[-1]
     block, slice_v = max(16, triton.next_power_of_2(n)), min(d_v, TREE_SLICE)
     slices = d_v // slice_v
-    work = torch.empty(n * heads * (d_k + d_v + 2) + heads * slices * n * block, dtype=torch.float32,
-                       device=proj.device)  # q, v, beta, g per node and head, then each program's system
+    work = torch.empty(n * heads * (d_k + d_v + 2) + heads * slices * (n + 1) * block, dtype=torch.float32,
+                       device=proj.device)  # q, v, β, g per node and head, then each program's system and G
     out = torch.empty((n, heads * d_v), dtype=proj.dtype, device=proj.device)
     _tree_prep_kernel[(n, heads)](
         proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, inputs, sources, keys, work,
@@ -105,7 +107,8 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
     mask = visible.contiguous().view(torch.int8)  # a later prompt chunk's mask is a view into the whole prompt's
     _tree_delta_kernel[(heads, slices)](
         state, mask, keys, u, decay, work, out, n, HEADS=heads, DK=d_k, DV=d_v,
-        SLICE=slice_v, BLOCK=block, CHUNK=min(d_k, TREE_CHUNK), PRECISION=TREE_PRECISION, num_warps=TREE_WARPS)
+        SLICE=slice_v, BLOCK=block, TILE=min(block, TREE_TILE), CHUNK=min(d_k, TREE_CHUNK),
+        PRECISION=TREE_PRECISION, num_warps=TREE_WARPS)
     return out
 
 
@@ -213,57 +216,77 @@ if triton is not None:
 
     @triton.jit
     def _tree_delta_kernel(State, Vis, Keys, U, Decay, Work, Out, n, HEADS: tl.constexpr, DK: tl.constexpr,
-                           DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                           PRECISION: tl.constexpr):
-        """Value head h, d_v slice c, over the n nodes (BLOCK rows, padded): G along each path, the system's
-        strict lower part L = β exp(G_i - G_j) k_iᵀk_j and right-hand side β (v - exp(G) S0ᵀ k) (through
-        memory, so forward substitution loads row i rather than cutting it out of registers), u, then o."""
+                           DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                           CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+        """Value head h, d_v slice c, over the n nodes (BLOCK columns, padded), TILE rows at a time so no
+        [BLOCK, BLOCK] product is ever held: G along each path; the system's strict lower part
+        L = β exp(G_i - G_j) k_iᵀk_j and right-hand side β (v - exp(G) S0ᵀ k), through memory; u by forward
+        substitution; then o = exp(G) S0ᵀ q + (exp(G_i - G_j) q_iᵀk_j over the ancestors) u."""
         h, c = tl.program_id(0), tl.program_id(1)
-        rows, dv, ck = tl.arange(0, BLOCK), c * SLICE + tl.arange(0, SLICE), tl.arange(0, CHUNK)
-        valid = rows < n
-        node = rows * HEADS + h
+        cols, tile, ck = tl.arange(0, BLOCK), tl.arange(0, TILE), tl.arange(0, CHUNK)
+        dv = c * SLICE + tl.arange(0, SLICE)
+        col_valid = cols < n
+        col_nodes = cols * HEADS + h
         gate_base = Work + n * HEADS * (DK + DV)
-        beta = tl.load(gate_base + node, mask=valid, other=0.0)
-        g = tl.load(gate_base + n * HEADS + node, mask=valid, other=0.0)
-        pair = Vis + rows[:, None] * n + rows[None, :]
-        vis = tl.load(pair, mask=valid[:, None] & valid[None, :], other=0) != 0
-        big_g = tl.sum(tl.where(vis, g[None, :], 0.0), 1)  # log decay from the committed state to each node
-        kk = tl.zeros((BLOCK, BLOCK), tl.float32)
-        ks = tl.zeros((BLOCK, SLICE), tl.float32)
-        for lo in tl.static_range(0, DK, CHUNK):
-            k = tl.load(Keys + node[:, None] * DK + lo + ck[None, :], mask=valid[:, None], other=0.0)
-            s = tl.load(State + (h * DK + lo + ck[:, None]) * DV + dv[None, :])
-            kk += tl.dot(k, tl.trans(k), input_precision=PRECISION)
-            ks += tl.dot(k, s, input_precision=PRECISION)
-        v = tl.load(Work + n * HEADS * DK + node[:, None] * DV + dv[None, :], mask=valid[:, None], other=0.0)
-        strict = vis & (rows[:, None] > rows[None, :])
-        lower = tl.where(strict, beta[:, None] * kk * tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
-        system = gate_base + 2 * n * HEADS + ((h * tl.num_programs(1) + c) * n) * BLOCK
-        tl.store(system + rows[:, None] * BLOCK + rows[None, :], lower, mask=valid[:, None])
-        slots = node[:, None] * DV + dv[None, :]
-        tl.store(U + slots, beta[:, None] * (v - tl.exp(big_g)[:, None] * ks), mask=valid[:, None])
+        scratch = gate_base + 2 * n * HEADS + (h * tl.num_programs(1) + c) * (n + 1) * BLOCK  # L rows, then G
+        g = tl.load(gate_base + n * HEADS + col_nodes, mask=col_valid, other=0.0)
+        for lo in range(0, n, TILE):  # G: the sum of g over each node's ancestors and itself
+            rows = lo + tile
+            vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=(rows < n)[:, None] & col_valid[None, :],
+                          other=0) != 0
+            big_g = tl.sum(tl.where(vis, g[None, :], 0.0), 1)
+            tl.store(scratch + n * BLOCK + rows, big_g, mask=rows < n)
+            if c == 0:
+                tl.store(Decay + rows * HEADS + h, big_g, mask=rows < n)
         tl.debug_barrier()  # the program's own stores, visible to all its threads
+        g_cols = tl.load(scratch + n * BLOCK + cols, mask=col_valid, other=0.0)
+        for lo in range(0, n, TILE):  # the system, TILE rows at a time
+            rows = lo + tile
+            valid = rows < n
+            nodes = rows * HEADS + h
+            kk = tl.zeros((TILE, BLOCK), tl.float32)
+            ks = tl.zeros((TILE, SLICE), tl.float32)
+            for d in range(0, DK, CHUNK):
+                k = tl.load(Keys + nodes[:, None] * DK + d + ck[None, :], mask=valid[:, None], other=0.0)
+                k_cols = tl.load(Keys + col_nodes[:, None] * DK + d + ck[None, :], mask=col_valid[:, None], other=0.0)
+                kk += tl.dot(k, tl.trans(k_cols), input_precision=PRECISION)
+                s = tl.load(State + (h * DK + d + ck[:, None]) * DV + dv[None, :])
+                ks += tl.dot(k, s, input_precision=PRECISION)
+            vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=valid[:, None] & col_valid[None, :], other=0)
+            g_rows = tl.load(scratch + n * BLOCK + rows, mask=valid, other=0.0)
+            beta = tl.load(gate_base + nodes, mask=valid, other=0.0)
+            strict = (vis != 0) & (rows[:, None] > cols[None, :])
+            lower = tl.where(strict, beta[:, None] * kk * tl.exp(g_rows[:, None] - g_cols[None, :]), 0.0)
+            tl.store(scratch + rows[:, None] * BLOCK + cols[None, :], lower, mask=valid[:, None])
+            v = tl.load(Work + n * HEADS * DK + nodes[:, None] * DV + dv[None, :], mask=valid[:, None], other=0.0)
+            tl.store(U + nodes[:, None] * DV + dv[None, :], beta[:, None] * (v - tl.exp(g_rows)[:, None] * ks),
+                     mask=valid[:, None])
+        tl.debug_barrier()
         # forward substitution (ancestors come before their descendants) on uᵀ [SLICE, BLOCK]: the sum over
         # the nodes runs along the last axis, inside a warp, so a step needs no cross-warp exchange
         u_t = tl.zeros((SLICE, BLOCK), tl.float32)
         for i in range(0, n):
-            row = tl.load(system + i * BLOCK + rows, mask=rows < i, other=0.0)
+            row = tl.load(scratch + i * BLOCK + cols, mask=cols < i, other=0.0)
             u_i = tl.load(U + (i * HEADS + h) * DV + dv) - tl.sum(row[None, :] * u_t, 1)
-            u_t = tl.where((rows == i)[None, :], u_i[:, None], u_t)
-        u = tl.trans(u_t)
-        tl.store(U + slots, u, mask=valid[:, None])
-        qk = tl.zeros((BLOCK, BLOCK), tl.float32)
-        qs = tl.zeros((BLOCK, SLICE), tl.float32)
-        for lo in tl.static_range(0, DK, CHUNK):
-            q = tl.load(Work + node[:, None] * DK + lo + ck[None, :], mask=valid[:, None], other=0.0)
-            k = tl.load(Keys + node[:, None] * DK + lo + ck[None, :], mask=valid[:, None], other=0.0)
-            s = tl.load(State + (h * DK + lo + ck[:, None]) * DV + dv[None, :])
-            qk += tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            qs += tl.dot(q, s, input_precision=PRECISION)
-        vis = tl.load(pair, mask=valid[:, None] & valid[None, :], other=0) != 0  # reloaded: not kept over the loop
-        qk = tl.where(vis, qk * tl.exp(big_g[:, None] - big_g[None, :]), 0.0)
-        o = tl.exp(big_g)[:, None] * qs + tl.dot(qk, u, input_precision=PRECISION)
-        tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], o.to(Out.dtype.element_ty),
-                 mask=valid[:, None])
-        if c == 0:
-            tl.store(Decay + node, big_g, mask=valid)
+            u_t = tl.where((cols == i)[None, :], u_i[:, None], u_t)
+        tl.store(U + col_nodes[:, None] * DV + dv[None, :], tl.trans(u_t), mask=col_valid[:, None])
+        tl.debug_barrier()
+        u = tl.load(U + col_nodes[:, None] * DV + dv[None, :], mask=col_valid[:, None], other=0.0)
+        for lo in range(0, n, TILE):  # o, TILE rows at a time
+            rows = lo + tile
+            valid = rows < n
+            nodes = rows * HEADS + h
+            qk = tl.zeros((TILE, BLOCK), tl.float32)
+            qs = tl.zeros((TILE, SLICE), tl.float32)
+            for d in range(0, DK, CHUNK):
+                q = tl.load(Work + nodes[:, None] * DK + d + ck[None, :], mask=valid[:, None], other=0.0)
+                k_cols = tl.load(Keys + col_nodes[:, None] * DK + d + ck[None, :], mask=col_valid[:, None], other=0.0)
+                qk += tl.dot(q, tl.trans(k_cols), input_precision=PRECISION)
+                s = tl.load(State + (h * DK + d + ck[:, None]) * DV + dv[None, :])
+                qs += tl.dot(q, s, input_precision=PRECISION)
+            vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=valid[:, None] & col_valid[None, :], other=0)
+            g_rows = tl.load(scratch + n * BLOCK + rows, mask=valid, other=0.0)
+            qk = tl.where(vis != 0, qk * tl.exp(g_rows[:, None] - g_cols[None, :]), 0.0)
+            o = tl.exp(g_rows)[:, None] * qs + tl.dot(qk, u, input_precision=PRECISION)
+            tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], o.to(Out.dtype.element_ty),
+                     mask=valid[:, None])
