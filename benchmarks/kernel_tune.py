@@ -27,7 +27,7 @@ from ddtree.fast.bench import graph_ms
 from triton.runtime.errors import OutOfResources
 
 LAYERS, KV, GROUPS, D, CAPACITY, START = 36, 8, 4, 128, 768, 560
-TREE_SHAPES = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))  # (block_m, num_warps)
+TREE_SHAPES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))  # (block_m, num_warps)
 TREE_SPLITS = (1, 2, 3, 4, 6, 8)
 PIPELINES = tuple((block_n, stages) for block_n in (32, 64, 128) for stages in (1, 2, 3))
 REFINED = 3  # stage-1 configs whose block_n and num_stages the sweep varies

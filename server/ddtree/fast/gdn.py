@@ -19,8 +19,8 @@ once), u and o, and Qwen3.5's gated RMSNorm of o. That took the Qwen3.6-27B shap
 Tree (up to TREE_MAX nodes). The first kernel is the AR step's conv, gates and norms per (node, value head),
 each node's window read along its own path; the second, per (value head, slice of d_v), is fast/delta.py's
 closed form, TREE_TILE rows at a time: K Kᵀ and the state products in d_k chunks on the tensor cores
-(tf32x3), the unit lower-triangular system solved by forward substitution, then o. The gated norm stays the fast path's compiled
-step. On the Qwen3.6-27B shape that took the B = 16 round from 22.31 to 19.43 ms (v11).
+(tf32x3), the unit lower-triangular system solved by forward substitution, then o. The gated norm stays the
+fast path's compiled step. On the Qwen3.6-27B shape that took the B = 16 round from 22.31 to 19.43 ms (v11).
 
 Both write what the commit needs into the same `Recurrent` buffers the PyTorch steps fill (the conv window's
 columns, the normed keys, u and G), so the commit is unchanged.
@@ -39,7 +39,9 @@ except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps for AR steps and trees (A/B runs)
-ROW_WARPS = 8  # the AR-step kernel's warps (benchmarks/kernel_resources.py reports what they cost in registers)
+# the AR-step kernel's warps: at 8 (measured in v10) its sm_90 build keeps 6.7 KB a thread on the stack, at 4
+# none (benchmarks/kernel_resources.py, Triton 3.6); 4 is UNMEASURED on a GPU
+ROW_WARPS = 4
 TREE_MAX = 128  # nodes per tree kernel call; larger prompt chunks take the PyTorch steps
 # (UNMEASURED on this branch: main's untiled kernel took about 20 µs a layer at 17 nodes but 290-410 µs at 65,
 # spilling kilobytes per thread at 128 padded rows, so main stops at 32; this tiled one spills nothing)
