@@ -62,8 +62,8 @@ def gdn_row(warps: int) -> str:
 def gdn_tree(block: int, warps: int) -> str:
     args = {"State": "*fp32", "Vis": "*i8", "Keys": "*fp32", "U": "*fp32", "Decay": "*fp32", "Work": "*fp32",
             "Out": "*bf16", "n": "i32"}
-    consts = dict(HEADS=HEADS, DK=D, DV=D, SLICE=min(D, gdn.TREE_SLICE), BLOCK=block, CHUNK=min(D, gdn.TREE_CHUNK),
-                  PRECISION=gdn.TREE_PRECISION)
+    consts = dict(HEADS=HEADS, DK=D, DV=D, SLICE=min(D, gdn.TREE_SLICE), BLOCK=block,
+                  TILE=min(block, gdn.TREE_TILE), CHUNK=min(D, gdn.TREE_CHUNK), PRECISION=gdn.TREE_PRECISION)
     return resources(gdn._tree_delta_kernel, args, consts, warps)
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     for warps in (4, 8, 16):
         launched = "yes" if warps == gdn.ROW_WARPS else "no"
         print(f"| AR step (`_row_kernel`) | 1 | {warps} | {launched} | {gdn_row(warps)} |", flush=True)
-    for block in (32, 128):
+    for block in (32, 64, 128):
         launched = "yes" if block <= gdn.TREE_MAX else "no (trees over TREE_MAX take the PyTorch steps)"
         print(f"| tree delta (`_tree_delta_kernel`) | {block} | {gdn.TREE_WARPS} | {launched} | "
               f"{gdn_tree(block, gdn.TREE_WARPS)} |", flush=True)
