@@ -46,7 +46,7 @@ TREE_MAX = 128  # nodes per tree kernel call; larger prompt chunks take the PyTo
 # (UNMEASURED on this branch: main's untiled kernel took about 20 µs a layer at 17 nodes but 290-410 µs at 65,
 # spilling kilobytes per thread at 128 padded rows, so main stops at 32; this tiled one spills nothing)
 # the delta kernel's warps, d_v per program, rows per product, d_k per product: at Qwen3.6-27B's widths the
-# largest config that compiles for sm_90 without spilling at every padded size up to 128 (gdn_tune.py --registers)
+# largest config that compiles for sm_90 without spilling at every padded size up to 128 (kernel_resources.py)
 TREE_WARPS, TREE_SLICE, TREE_TILE, TREE_CHUNK = 8, 64, 16, 16
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
