@@ -66,7 +66,8 @@ def main() -> None:
                   torch.empty(nodes, HEADS, D, device="cuda"), torch.empty(nodes, HEADS, device="cuda"))
         first = None
         for warps, slice_v, tile, chunk, precision in configs:
-            gdn.TREE_WARPS, gdn.TREE_SLICE, gdn.TREE_TILE, gdn.TREE_CHUNK = warps, slice_v, tile, chunk
+            gdn.TREE_CONFIGS = dict.fromkeys(gdn.TREE_CONFIGS, (warps, tile))
+            gdn.TREE_SLICE, gdn.TREE_CHUNK = slice_v, chunk
             gdn.TREE_PRECISION = precision
             label = f"| {nodes} | {warps} | {slice_v} | {tile} | {chunk} | {precision} |"
             try:

@@ -59,11 +59,11 @@ def gdn_row(warps: int) -> str:
     return resources(gdn._row_kernel, args, consts, warps)
 
 
-def gdn_tree(block: int, warps: int) -> str:
+def gdn_tree(block: int, warps: int, tile: int) -> str:
     args = {"State": "*fp32", "Vis": "*i8", "Keys": "*fp32", "U": "*fp32", "Decay": "*fp32", "Work": "*fp32",
             "Out": "*bf16", "n": "i32"}
     consts = dict(HEADS=HEADS, DK=D, DV=D, SLICE=min(D, gdn.TREE_SLICE), BLOCK=block,
-                  TILE=min(block, gdn.TREE_TILE), CHUNK=min(D, gdn.TREE_CHUNK), PRECISION=gdn.TREE_PRECISION)
+                  TILE=min(block, tile), CHUNK=min(D, gdn.TREE_CHUNK), PRECISION=gdn.TREE_PRECISION)
     return resources(gdn._tree_delta_kernel, args, consts, warps)
 
 
@@ -81,14 +81,14 @@ def main() -> None:
             print(f"| {rows} | {block_m} x {block_n} | {splits} | {warps} | {stages} | {launched} | "
                   f"{tree_attention(block_m, block_n, splits, warps, stages)} |", flush=True)
     print("\nGated DeltaNet, Qwen3.6-27B widths (48 value heads over 16 key heads, d 128)\n")
-    print("| kernel | padded nodes | warps | launched | resources |\n|---|---|---|---|---|")
+    print("| kernel | padded nodes | warps | row tile | launched | resources |\n|---|---|---|---|---|---|")
     for warps in (4, 8, 16):
         launched = "yes" if warps == gdn.ROW_WARPS else "no"
-        print(f"| AR step (`_row_kernel`) | 1 | {warps} | {launched} | {gdn_row(warps)} |", flush=True)
-    for block in (32, 64, 128):
+        print(f"| AR step (`_row_kernel`) | 1 | {warps} | - | {launched} | {gdn_row(warps)} |", flush=True)
+    for block, (warps, tile) in gdn.TREE_CONFIGS.items():
         launched = "yes" if block <= gdn.TREE_MAX else "no (trees over TREE_MAX take the PyTorch steps)"
-        print(f"| tree delta (`_tree_delta_kernel`) | {block} | {gdn.TREE_WARPS} | {launched} | "
-              f"{gdn_tree(block, gdn.TREE_WARPS)} |", flush=True)
+        print(f"| tree delta (`_tree_delta_kernel`) | {block} | {warps} | {tile} | {launched} | "
+              f"{gdn_tree(block, warps, tile)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ The last table is the fastest config per row count.
 
     PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep] [--part tree|attention] [--rows 4 64 260 516]
         # --sweep: attention launch configs; --part: only one of the two parts; --rows: only these row counts
+        # --warps 8: the sweep tries only the 8-warp tiles
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def config(block_m: int, num_warps: int, splits: int, block_n: int = 64, num_sta
     return dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages)
 
 
-def shape_grid(rows: int) -> list[dict[str, int]]:
+def shape_grid(rows: int, warps: list[int] | None = None) -> list[dict[str, int]]:
     """Sweep stage 1. One AR row only fills the GPU through splits; more rows also vary the tile height,
-    up to twice the rows (taller tiles only compute padding)."""
+    up to twice the rows (taller tiles only compute padding); `warps` keeps only tiles with those warps."""
     if rows <= AR_ROWS:
         return [config(16, 4, splits) for splits in (1, 2, 4, 8, 16, 32)]
-    return [config(bm, warps, splits) for bm, warps in TREE_SHAPES if bm <= 2 * rows for splits in TREE_SPLITS]
+    return [config(bm, nw, splits) for bm, nw in TREE_SHAPES
+            if bm <= 2 * rows and (warps is None or nw in warps) for splits in TREE_SPLITS]
 
 
 def pipeline_grid(fastest: list[dict[str, int]]) -> list[dict[str, int]]:
@@ -83,7 +85,7 @@ def check_and_time(q: torch.Tensor, caches: list[torch.Tensor], fast: TreeMask, 
 
 
 def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: int,
-              sweep: bool) -> tuple[dict[str, int], dict[str, float | str]]:
+              sweep: bool, warps: list[int] | None) -> tuple[dict[str, int], dict[str, float | str]]:
     """The default config for `rows` grouped query rows (a causal block of rows // GROUPS tokens), and every
     variant tried: name -> µs per layer call, or why it was not timed."""
     dev, n = start.device, rows // GROUPS
@@ -101,7 +103,7 @@ def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: i
             if str(cfg) not in results:
                 results[str(cfg)] = check_and_time(q, caches, fast, want, cfg)
 
-    grid = shape_grid(rows) if sweep else []
+    grid = shape_grid(rows, warps) if sweep else []
     measure([default, *grid])
     if sweep and rows > AR_ROWS:
         fastest = sorted((c for c in grid if isinstance(results[str(c)], float)), key=lambda c: results[str(c)])
@@ -109,7 +111,7 @@ def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: i
     return default, results
 
 
-def attention(sweep: bool, row_counts: list[int]) -> None:
+def attention(sweep: bool, row_counts: list[int], warps: list[int] | None) -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     caches = [torch.randn(2, KV, CAPACITY, D, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -117,7 +119,7 @@ def attention(sweep: bool, row_counts: list[int]) -> None:
     fastest = []
     print("| rows | variant | us per layer |\n|---|---|---|")
     for rows in row_counts:
-        default, results = row_count(rows, caches, start, sms, sweep)
+        default, results = row_count(rows, caches, start, sms, sweep, warps)
         timed = sorted((us, name) for name, us in results.items() if isinstance(us, float))
         for us, name in timed:
             print(f"| {rows} | {'default ' if name == str(default) else ''}{name} | {us:.1f} |")
@@ -169,8 +171,9 @@ if __name__ == "__main__":
     parser.add_argument("--part", choices=["tree", "attention"])
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 64, 260, 516],
                         help="grouped query rows (GROUPS x new tokens) for the attention part")
+    parser.add_argument("--warps", type=int, nargs="+", help="sweep only the tree tiles with these warps")
     args = parser.parse_args()
     if args.part != "attention":
         tree_ops()
     if args.part != "tree":
-        attention(args.sweep, args.rows)
+        attention(args.sweep, args.rows, args.warps)

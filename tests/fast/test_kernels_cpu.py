@@ -81,7 +81,8 @@ def test_tree_attention_takes_a_mask_that_is_a_view(kernels_on_cpu):
 def test_gated_deltanet_kernels_equal_the_pytorch_steps(heads, k_heads, d, nodes, monkeypatch):
     from ddtree.fast import gdn
 
-    monkeypatch.setattr(gdn, "TREE_SLICE", 32)  # at d 64: two d_v slices (and 24 nodes: two row tiles)
+    monkeypatch.setattr(gdn, "TREE_SLICE", 32)  # at d 64: two d_v slices
+    monkeypatch.setattr(gdn, "TREE_CONFIGS", dict.fromkeys(gdn.TREE_CONFIGS, (4, 16)))  # 24 nodes: two row tiles
     got, want = gdn_case(heads, k_heads, d, torch.float32, "cpu", nodes)
     assert torch.equal(got[1], want[1])  # the conv window's columns, copied
     for name, g, w in zip(("out", "keys", "u", "decay"), got[:1] + got[2:], want[:1] + want[2:], strict=True):

@@ -18,7 +18,7 @@ once), u and o, and Qwen3.5's gated RMSNorm of o. That took the Qwen3.6-27B shap
 
 Tree (up to TREE_MAX nodes). The first kernel is the AR step's conv, gates and norms per (node, value head),
 each node's window read along its own path; the second, per (value head, slice of d_v), is fast/delta.py's
-closed form, TREE_TILE rows at a time: K Kᵀ and the state products in d_k chunks on the tensor cores
+closed form, a tile of rows at a time: K Kᵀ and the state products in d_k chunks on the tensor cores
 (tf32x3), the unit lower-triangular system solved by forward substitution, then o. The gated norm stays the
 fast path's compiled step. On the Qwen3.6-27B shape that took the B = 16 round from 22.31 to 19.43 ms (v11).
 
@@ -39,15 +39,16 @@ except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
 ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps for AR steps and trees (A/B runs)
-# the AR-step kernel's warps: at 8 (measured in v10) its sm_90 build keeps 6.7 KB a thread on the stack, at 4
-# none (benchmarks/kernel_resources.py, Triton 3.6); 4 is UNMEASURED on a GPU
+# the AR-step kernel's warps: at 8 its sm_90 build keeps 6.7 KB a thread on the stack, at 4 none
+# (benchmarks/kernel_resources.py, Triton 3.6); the Qwen3.6-27B shape's AR step took 16.11 ms at 4, 16.12 at 8 (v12)
 ROW_WARPS = 4
-TREE_MAX = 128  # nodes per tree kernel call; larger prompt chunks take the PyTorch steps
-# (UNMEASURED on this branch: main's untiled kernel took about 20 µs a layer at 17 nodes but 290-410 µs at 65,
-# spilling kilobytes per thread at 128 padded rows, so main stops at 32; this tiled one spills nothing)
-# the delta kernel's warps, d_v per program, rows per product, d_k per product: at Qwen3.6-27B's widths the
-# largest config that compiles for sm_90 without spilling at every padded size up to 128 (kernel_resources.py)
-TREE_WARPS, TREE_SLICE, TREE_TILE, TREE_CHUNK = 8, 64, 16, 16
+# nodes per tree kernel call; larger trees and prompt chunks take the PyTorch steps. Measured on the Qwen3.6-27B
+# shape (v12): at 17-64 nodes the kernels beat the steps (B = 32 round 23.10 against 24.63 ms); 65 nodes pad to
+# 128 rows, where the delta kernel's serial solve costs more than the steps (B = 64 round 28.64 against 27.45)
+TREE_MAX = 64
+# the delta kernel's (warps, rows per product) by padded tree size: the fastest in benchmarks/gdn_tune.py (v12)
+TREE_CONFIGS = {16: (4, 16), 32: (4, 32), 64: (4, 16), 128: (8, 16)}
+TREE_SLICE, TREE_CHUNK = 64, 32  # d_v per program, d_k per product
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost
 GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm(x), times SiLU(gate)
 
@@ -98,6 +99,7 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
     heads, d_k, d_v = state.shape
     conv_dim, taps = conv_state.shape[1], module.conv1d.weight.shape[-1]
     block, slice_v = max(16, triton.next_power_of_2(n)), min(d_v, TREE_SLICE)
+    warps, tile = TREE_CONFIGS[block]
     slices = d_v // slice_v
     work = torch.empty(n * heads * (d_k + d_v + 2) + heads * slices * (n + 1) * block, dtype=torch.float32,
                        device=proj.device)  # q, v, β, g per node and head, then each program's system and G
@@ -109,8 +111,8 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
     mask = visible.contiguous().view(torch.int8)  # a later prompt chunk's mask is a view into the whole prompt's
     _tree_delta_kernel[(heads, slices)](
         state, mask, keys, u, decay, work, out, n, HEADS=heads, DK=d_k, DV=d_v,
-        SLICE=slice_v, BLOCK=block, TILE=min(block, TREE_TILE), CHUNK=min(d_k, TREE_CHUNK),
-        PRECISION=TREE_PRECISION, num_warps=TREE_WARPS)
+        SLICE=slice_v, BLOCK=block, TILE=min(block, tile), CHUNK=min(d_k, TREE_CHUNK),
+        PRECISION=TREE_PRECISION, num_warps=warps)
     return out
 
 
