@@ -48,6 +48,27 @@ def test_moe_hybrids_take_the_fast_path_with_the_reference_tokens(hybrid_pair, a
             rounds_agree(fast, reference, prompt, GREEDY, method, budget)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_norm_of_a_hybrid_runs_as_its_own_function_with_the_module_output(hybrid_pair, arch, dtype):
+    """The fast path runs a hybrid's norms (layer, final, q/k and gated norms) as functions of its own, compiled
+    on CUDA into one kernel each: every one of the model's norm types has one, and it gives the module's own
+    output bit for bit."""
+    import copy
+
+    _, _, root = hybrid_pair
+    fast = Engine.from_pretrained(root / arch, root / "draft", device="cpu", fast=True, fast_capacity=64)
+    norms = {type(m).__name__: m for m in fast.fast.model.modules() if "RMSNorm" in type(m).__name__}
+    assert set(norms) <= set(fast.fast.norm_ops) and any(name.endswith("Gated") for name in norms)
+    gen = torch.Generator().manual_seed(0)
+    for name, module in norms.items():
+        module = copy.deepcopy(module).to(dtype)
+        module.weight.data = torch.randn(module.weight.shape, generator=gen).to(dtype)
+        x = (3 * torch.randn(7, module.weight.numel(), generator=gen)).to(dtype)
+        gate = (torch.randn(x.shape, generator=gen).to(dtype),) if name.endswith("Gated") else ()
+        assert torch.equal(fast.fast._norm(module, x, *gate), module(x, *gate)), name
+
+
 def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):
     reference, fast, _ = hybrid_pair
     for prompt in PROMPTS:

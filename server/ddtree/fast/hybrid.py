@@ -60,7 +60,8 @@ def conv_and_gates(window: torch.Tensor, conv_weight: torch.Tensor, b: torch.Ten
     return conv, b.sigmoid(), -a_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 
-NORMS = {"Qwen3_5RMSNorm": offset_rms_norm, "Qwen3_5RMSNormGated": gated_rms_norm}  # modules whose math is here
+NORMS = {f"{arch}RMSNorm{kind}": fn for arch in ("Qwen3_5", "Qwen3_5Moe", "Qwen3Next")  # modules whose math is here
+         for kind, fn in (("", offset_rms_norm), ("Gated", gated_rms_norm))}
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,8 @@ class HybridFastPath(FastPath):
         K/V into the cache at `slots`, tree attention, the gate, the output projection."""
         n, d = h.shape[0], self.head_dim
         q, gate = torch.chunk(_project(module.q_proj, h).view(n, -1, 2 * d), 2, dim=-1)
-        q = module.q_norm(q)
-        k = module.k_norm(_project(module.k_proj, h).view(n, -1, d))
+        q = self._norm(module.q_norm, q)
+        k = self._norm(module.k_norm, _project(module.k_proj, h).view(n, -1, d))
         v = _project(module.v_proj, h).view(n, -1, d)
         q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
         cache[:, :, slots] = torch.stack([k, v]).transpose(1, 2)
