@@ -20,7 +20,8 @@ Tree (up to TREE_MAX nodes). The first kernel is the AR step's conv, gates and n
 each node's window read along its own path; the second, per (value head, slice of d_v), is fast/delta.py's
 closed form, a tile of rows at a time: K Kᵀ and the state products in d_k chunks on the tensor cores
 (tf32x3), the unit lower-triangular system solved by forward substitution, then o. The gated norm stays the
-fast path's compiled step. On the Qwen3.6-27B shape that took the B = 16 round from 22.31 to 19.43 ms (v11).
+fast path's compiled step. On the Qwen3.6-27B shape rounds took 19.49 against 22.43 ms at B = 16, 22.54
+against 24.54 at B = 32 (benchmarks/RESULTS.md, v12).
 
 Both write what the commit needs into the same `Recurrent` buffers the PyTorch steps fill (the conv window's
 columns, the normed keys, u and G), so the commit is unchanged.
