@@ -220,6 +220,23 @@ if triton is not None:
         tl.store(gate_base + n * HEADS + node, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus)
 
     @triton.jit
+    def _tile_products(Rows, Keys, State, nodes, valid, col_nodes, col_valid, h, dv, TILE: tl.constexpr,
+                       BLOCK: tl.constexpr, SLICE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+        """For a tile of rows x (Rows[nodes], d_k wide: keys or queries), x Kᵀ over the BLOCK columns' keys and
+        x S0 over the d_v slice `dv` of head h's state, in d_k chunks on the tensor cores."""
+        ck = tl.arange(0, CHUNK)
+        xk = tl.zeros((TILE, BLOCK), tl.float32)
+        xs = tl.zeros((TILE, SLICE), tl.float32)
+        for d in range(0, DK, CHUNK):
+            x = tl.load(Rows + nodes[:, None] * DK + d + ck[None, :], mask=valid[:, None], other=0.0)
+            k_cols = tl.load(Keys + col_nodes[:, None] * DK + d + ck[None, :], mask=col_valid[:, None], other=0.0)
+            xk += tl.dot(x, tl.trans(k_cols), input_precision=PRECISION)
+            s = tl.load(State + (h * DK + d + ck[:, None]) * DV + dv[None, :])
+            xs += tl.dot(x, s, input_precision=PRECISION)
+        return xk, xs
+
+    @triton.jit
     def _tree_delta_kernel(State, Vis, Keys, U, Decay, Work, Out, n, HEADS: tl.constexpr, DK: tl.constexpr,
                            DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
                            CHUNK: tl.constexpr, PRECISION: tl.constexpr):
@@ -228,7 +245,7 @@ if triton is not None:
         L = β exp(G_i - G_j) k_iᵀk_j and right-hand side β (v - exp(G) S0ᵀ k), through memory; u by forward
         substitution; then o = exp(G) S0ᵀ q + (exp(G_i - G_j) q_iᵀk_j over the ancestors) u."""
         h, c = tl.program_id(0), tl.program_id(1)
-        cols, tile, ck = tl.arange(0, BLOCK), tl.arange(0, TILE), tl.arange(0, CHUNK)
+        cols, tile = tl.arange(0, BLOCK), tl.arange(0, TILE)
         dv = c * SLICE + tl.arange(0, SLICE)
         col_valid = cols < n
         col_nodes = cols * HEADS + h
@@ -249,14 +266,8 @@ if triton is not None:
             rows = lo + tile
             valid = rows < n
             nodes = rows * HEADS + h
-            kk = tl.zeros((TILE, BLOCK), tl.float32)
-            ks = tl.zeros((TILE, SLICE), tl.float32)
-            for d in range(0, DK, CHUNK):
-                k = tl.load(Keys + nodes[:, None] * DK + d + ck[None, :], mask=valid[:, None], other=0.0)
-                k_cols = tl.load(Keys + col_nodes[:, None] * DK + d + ck[None, :], mask=col_valid[:, None], other=0.0)
-                kk += tl.dot(k, tl.trans(k_cols), input_precision=PRECISION)
-                s = tl.load(State + (h * DK + d + ck[:, None]) * DV + dv[None, :])
-                ks += tl.dot(k, s, input_precision=PRECISION)
+            kk, ks = _tile_products(Keys, Keys, State, nodes, valid, col_nodes, col_valid, h, dv, TILE=TILE,
+                                    BLOCK=BLOCK, SLICE=SLICE, DK=DK, DV=DV, CHUNK=CHUNK, PRECISION=PRECISION)
             vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=valid[:, None] & col_valid[None, :], other=0)
             g_rows = tl.load(scratch + n * BLOCK + rows, mask=valid, other=0.0)
             beta = tl.load(gate_base + nodes, mask=valid, other=0.0)
@@ -281,14 +292,8 @@ if triton is not None:
             rows = lo + tile
             valid = rows < n
             nodes = rows * HEADS + h
-            qk = tl.zeros((TILE, BLOCK), tl.float32)
-            qs = tl.zeros((TILE, SLICE), tl.float32)
-            for d in range(0, DK, CHUNK):
-                q = tl.load(Work + nodes[:, None] * DK + d + ck[None, :], mask=valid[:, None], other=0.0)
-                k_cols = tl.load(Keys + col_nodes[:, None] * DK + d + ck[None, :], mask=col_valid[:, None], other=0.0)
-                qk += tl.dot(q, tl.trans(k_cols), input_precision=PRECISION)
-                s = tl.load(State + (h * DK + d + ck[:, None]) * DV + dv[None, :])
-                qs += tl.dot(q, s, input_precision=PRECISION)
+            qk, qs = _tile_products(Work, Keys, State, nodes, valid, col_nodes, col_valid, h, dv, TILE=TILE,
+                                    BLOCK=BLOCK, SLICE=SLICE, DK=DK, DV=DV, CHUNK=CHUNK, PRECISION=PRECISION)
             vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=valid[:, None] & col_valid[None, :], other=0)
             g_rows = tl.load(scratch + n * BLOCK + rows, mask=valid, other=0.0)
             qk = tl.where(vis != 0, qk * tl.exp(g_rows[:, None] - g_cols[None, :]), 0.0)
