@@ -220,11 +220,14 @@ if triton is not None:
         tl.store(gate_base + n * HEADS + node, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus)
 
     @triton.jit
-    def _tile_products(Rows, Keys, State, nodes, valid, col_nodes, col_valid, h, dv, TILE: tl.constexpr,
-                       BLOCK: tl.constexpr, SLICE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       CHUNK: tl.constexpr, PRECISION: tl.constexpr):
-        """For a tile of rows x (Rows[nodes], d_k wide: keys or queries), x Kᵀ over the BLOCK columns' keys and
-        x S0 over the d_v slice `dv` of head h's state, in d_k chunks on the tensor cores."""
+    def _tile_products(Rows, Keys, State, Vis, GSums, rows, n, cols, col_valid, h, dv, HEADS: tl.constexpr,
+                       TILE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr, DK: tl.constexpr,
+                       DV: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+        """For a tile of node rows x (Rows per node, d_k wide: keys or queries): x Kᵀ over the BLOCK columns'
+        keys and x S0 over the d_v slice `dv` of head h's state, in d_k chunks on the tensor cores; with the
+        tile's rows of the ancestor mask (int8) and its G (from GSums)."""
+        valid = rows < n
+        nodes, col_nodes = rows * HEADS + h, cols * HEADS + h
         ck = tl.arange(0, CHUNK)
         xk = tl.zeros((TILE, BLOCK), tl.float32)
         xs = tl.zeros((TILE, SLICE), tl.float32)
@@ -234,7 +237,8 @@ if triton is not None:
             xk += tl.dot(x, tl.trans(k_cols), input_precision=PRECISION)
             s = tl.load(State + (h * DK + d + ck[:, None]) * DV + dv[None, :])
             xs += tl.dot(x, s, input_precision=PRECISION)
-        return xk, xs
+        vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=valid[:, None] & col_valid[None, :], other=0)
+        return xk, xs, vis, tl.load(GSums + rows, mask=valid, other=0.0)
 
     @triton.jit
     def _tree_delta_kernel(State, Vis, Keys, U, Decay, Work, Out, n, HEADS: tl.constexpr, DK: tl.constexpr,
@@ -266,10 +270,8 @@ if triton is not None:
             rows = lo + tile
             valid = rows < n
             nodes = rows * HEADS + h
-            kk, ks = _tile_products(Keys, Keys, State, nodes, valid, col_nodes, col_valid, h, dv, TILE=TILE,
-                                    BLOCK=BLOCK, SLICE=SLICE, DK=DK, DV=DV, CHUNK=CHUNK, PRECISION=PRECISION)
-            vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=valid[:, None] & col_valid[None, :], other=0)
-            g_rows = tl.load(scratch + n * BLOCK + rows, mask=valid, other=0.0)
+            kk, ks, vis, g_rows = _tile_products(Keys, Keys, State, Vis, scratch + n * BLOCK, rows, n, cols, col_valid,
+                                                 h, dv, HEADS, TILE, BLOCK, SLICE, DK, DV, CHUNK, PRECISION)
             beta = tl.load(gate_base + nodes, mask=valid, other=0.0)
             strict = (vis != 0) & (rows[:, None] > cols[None, :])
             lower = tl.where(strict, beta[:, None] * kk * tl.exp(g_rows[:, None] - g_cols[None, :]), 0.0)
@@ -292,10 +294,8 @@ if triton is not None:
             rows = lo + tile
             valid = rows < n
             nodes = rows * HEADS + h
-            qk, qs = _tile_products(Work, Keys, State, nodes, valid, col_nodes, col_valid, h, dv, TILE=TILE,
-                                    BLOCK=BLOCK, SLICE=SLICE, DK=DK, DV=DV, CHUNK=CHUNK, PRECISION=PRECISION)
-            vis = tl.load(Vis + rows[:, None] * n + cols[None, :], mask=valid[:, None] & col_valid[None, :], other=0)
-            g_rows = tl.load(scratch + n * BLOCK + rows, mask=valid, other=0.0)
+            qk, qs, vis, g_rows = _tile_products(Work, Keys, State, Vis, scratch + n * BLOCK, rows, n, cols, col_valid,
+                                                 h, dv, HEADS, TILE, BLOCK, SLICE, DK, DV, CHUNK, PRECISION)
             qk = tl.where(vis != 0, qk * tl.exp(g_rows[:, None] - g_cols[None, :]), 0.0)
             o = tl.exp(g_rows)[:, None] * qs + tl.dot(qk, u, input_precision=PRECISION)
             tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], o.to(Out.dtype.element_ty),
