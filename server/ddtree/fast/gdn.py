@@ -137,6 +137,21 @@ if triton is not None:
         return (acc / (1.0 + tl.exp(-acc))).to(Proj.dtype.element_ty).to(tl.float32)
 
     @triton.jit
+    def _l2_normed(x):
+        """x / |x| (with fla's 1e-6 inside the root), as the reference's use_qk_l2norm_in_kernel."""
+        return x / tl.sqrt(tl.sum(x * x, 0) + 1e-6)
+
+    @triton.jit
+    def _gates(Gates, ALog, DtBias, h, HEADS: tl.constexpr):
+        """Value head h's β = sigmoid(b) (rounded to the model dtype, as the reference's b.sigmoid()) and
+        log decay g = -exp(A_log) softplus(a + dt_bias), from a row's b [HEADS] then a [HEADS] at Gates."""
+        b = tl.load(Gates + h).to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-b))).to(Gates.dtype.element_ty).to(tl.float32)
+        a = tl.load(Gates + HEADS + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a))))
+        return beta, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
+
+    @triton.jit
     def _row_kernel(Proj, ConvState, ConvW, ALog, DtBias, State, NormW, Out, Inputs, Keys, U, Decay, eps, scale,
                     CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, HEADS: tl.constexpr,
                     GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, TAPS: tl.constexpr):
@@ -148,14 +163,9 @@ if triton is not None:
         q = _conv(Proj, ConvState, ConvW, Inputs, k_head * DK + dk, first, CONV_DIM, TAPS)
         k = _conv(Proj, ConvState, ConvW, Inputs, KEY_DIM + k_head * DK + dk, first, CONV_DIM, TAPS)
         v = _conv(Proj, ConvState, ConvW, Inputs, 2 * KEY_DIM + h * DV + dv, True, CONV_DIM, TAPS)
-        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-        gates = CONV_DIM + VALUE_DIM
-        b = tl.load(Proj + gates + h).to(tl.float32)
-        beta = (1.0 / (1.0 + tl.exp(-b))).to(Proj.dtype.element_ty).to(tl.float32)
-        a = tl.load(Proj + gates + HEADS + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
-        softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a))))
-        g = -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
+        q = _l2_normed(q) * scale
+        k = _l2_normed(k)
+        beta, g = _gates(Proj + CONV_DIM + VALUE_DIM, ALog, DtBias, h, HEADS)
         s = tl.load(State + h * DK * DV + dk[:, None] * DV + dv[None, :])
         alpha = tl.exp(g)
         u = beta * (v - alpha * tl.sum(k[:, None] * s, 0))
@@ -207,17 +217,14 @@ if triton is not None:
                        CONV_DIM, TAPS)
         v = _tree_conv(Proj, ConvState, ConvW, Inputs, Sources, i, stride_p, 2 * KEY_DIM + h * DV + dv, True,
                        CONV_DIM, TAPS)
-        gates = Proj + i * stride_p + CONV_DIM + VALUE_DIM
-        b = tl.load(gates + h).to(tl.float32)
-        a = tl.load(gates + HEADS + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
-        softplus = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a))))
+        beta, g = _gates(Proj + i * stride_p + CONV_DIM + VALUE_DIM, ALog, DtBias, h, HEADS)
         node = i * HEADS + h
-        tl.store(Keys + node * DK + dk, k / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
-        tl.store(Work + node * DK + dk, q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale)
+        tl.store(Keys + node * DK + dk, _l2_normed(k))
+        tl.store(Work + node * DK + dk, _l2_normed(q) * scale)
         tl.store(Work + n * HEADS * DK + node * DV + dv, v)
         gate_base = Work + n * HEADS * (DK + DV)
-        tl.store(gate_base + node, (1.0 / (1.0 + tl.exp(-b))).to(Proj.dtype.element_ty).to(tl.float32))
-        tl.store(gate_base + n * HEADS + node, -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus)
+        tl.store(gate_base + node, beta)
+        tl.store(gate_base + n * HEADS + node, g)
 
     @triton.jit
     def _tile_products(Rows, Keys, State, Vis, GSums, rows, n, cols, col_valid, h, dv, HEADS: tl.constexpr,
@@ -293,7 +300,6 @@ if triton is not None:
         for lo in range(0, n, TILE):  # o, TILE rows at a time
             rows = lo + tile
             valid = rows < n
-            nodes = rows * HEADS + h
             qk, qs, vis, g_rows = _tile_products(Work, Keys, State, Vis, scratch + n * BLOCK, rows, n, cols, col_valid,
                                                  h, dv, HEADS, TILE, BLOCK, SLICE, DK, DV, CHUNK, PRECISION)
             qk = tl.where(vis != 0, qk * tl.exp(g_rows[:, None] - g_cols[None, :]), 0.0)
