@@ -92,11 +92,12 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
     The first, one program per (node, value head), is `_row_kernel`'s conv, gates and norms, each node's conv
     window taken from `sources` [n, W] (rows of [committed columns ; the nodes' rows]). The second, one per
     (value head, slice of d_v), is fast/delta.py's closed form over `visible` [n, n] (ancestors, parents
-    before children): K Kᵀ and the state products over d_k in chunks, the unit lower-triangular system solved
-    by forward substitution. The commit's record (inputs [W-1+n, conv_dim], keys, u, decay) is filled as the
-    PyTorch steps fill it.
+    before children; contiguous, as HybridFastPath makes every tree and prompt chunk's mask): K Kᵀ and the
+    state products over d_k in chunks, the unit lower-triangular system solved by forward substitution. The
+    commit's record (inputs [W-1+n, conv_dim], keys, u, decay) is filled as the PyTorch steps fill it.
     """
     n = proj.shape[0]
+    assert visible.is_contiguous(), "the delta kernel reads the mask's rows at stride n"
     heads, d_k, d_v = state.shape
     conv_dim, taps = conv_state.shape[1], module.conv1d.weight.shape[-1]
     block, slice_v = max(16, triton.next_power_of_2(n)), min(d_v, TREE_SLICE)
@@ -109,9 +110,8 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
         proj, conv_state, module.conv1d.weight, module.A_log, module.dt_bias, inputs, sources, keys, work,
         d_k ** -0.5, n, proj.stride(0), CONV_DIM=conv_dim, KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim,
         HEADS=heads, GROUPS=heads // module.num_k_heads, DK=d_k, DV=d_v, TAPS=taps, num_warps=1)
-    mask = visible.contiguous().view(torch.int8)  # a later prompt chunk's mask is a view into the whole prompt's
     _tree_delta_kernel[(heads, slices)](
-        state, mask, keys, u, decay, work, out, n, HEADS=heads, DK=d_k, DV=d_v,
+        state, visible.view(torch.int8), keys, u, decay, work, out, n, HEADS=heads, DK=d_k, DV=d_v,
         SLICE=slice_v, BLOCK=block, TILE=min(block, tile), CHUNK=min(d_k, TREE_CHUNK),
         PRECISION=TREE_PRECISION, num_warps=warps)
     return out

@@ -210,7 +210,8 @@ class HybridFastPath(FastPath):
         taps, logits = [], []
         for lo in range(0, prompt.numel(), PROMPT_CHUNK):
             hi = min(lo + PROMPT_CHUNK, prompt.numel())
-            chunk_logits, chunk_taps, rec = self.forward(prompt[lo:hi], positions[lo:hi], causal[lo:hi, lo:hi],
+            visible = causal[lo:hi, lo:hi].contiguous()  # the kernels read a mask's rows at stride hi - lo
+            chunk_logits, chunk_taps, rec = self.forward(prompt[lo:hi], positions[lo:hi], visible,
                                                          last_only=not every_row)
             self._commit_recurrent(rec, torch.tensor(hi - lo - 1, device=self.device))
             self.start.fill_(hi)
