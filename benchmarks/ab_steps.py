@@ -9,7 +9,8 @@ DeltaNet step change (its forward uses neither the fused GEMV layers nor the hea
     no GEMV layers   the same with an AR step through the multi-row layer code (its projections still GEMVs)
     cuBLAS one-row   the same with cuBLAS for the single-row projections outside the fused GEMV layers (a
                      hybrid target's AR step, a one-row prompt's LM head)
-    cuBLAS few-row   the same with cuBLAS for every projection of more than one row
+    cuBLAS few-row   the same with cuBLAS for 2-32 rows (the skinny kernel's)
+    cuBLAS many-row  the same with cuBLAS, not cuBLASLt, for 33-128 rows (a tree of 32-127 nodes)
     compiled heads   one-row GEMVs, the heads step as torch.compile's kernels, cuBLAS for more rows
     PyTorch GDN tree all kernels but a hybrid's Gated DeltaNet tree kernel (ddtree/fast/gdn.py): its trees
                      through the compiled PyTorch steps, its AR steps still one kernel
@@ -33,12 +34,13 @@ from ddtree.fast.heads import attention_heads
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
-ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all")  # what the fast path runs
+ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
+            "cuBLAS many-row": {**ALL, "lt": False},
             "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN tree": {**ALL, "gdn": "row"},
             "PyTorch GDN step": {**ALL, "gdn": "none"},
-            "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none")}
+            "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False)}
 
 
 def main() -> None:
@@ -67,7 +69,7 @@ def main() -> None:
             gdn.TREE_MAX = tree_max if variant["gdn"] == "all" else 1
         else:
             path.row_gemv, path.ops.attention_heads = variant["row_gemv"], heads[variant["heads"]]
-        gemm.ENABLED, gemm.ROW_GEMV = variant["skinny"], variant["linear_gemv"]
+        gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)
         trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]

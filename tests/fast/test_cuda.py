@@ -246,6 +246,26 @@ def test_skinny_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [33, 65, 128, 129])
+def test_many_row_projections_go_through_cublaslt_and_equal_a_float64_product(monkeypatch, dtype, rows):
+    """`linear` hands half-precision rows past the skinny kernel's, up to LT_MAX_ROWS, to cuBLASLt by way of a
+    zero bias, and the product stays right; float32 and wider trees keep cuBLAS."""
+    import torch.nn.functional as F
+    from ddtree.fast import gemm
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(6144, 4096, generator=gen) / 32).to(dtype).cuda()
+    x = (torch.randn(rows, 4096, generator=gen) * 3).to(dtype).cuda()
+    biases = []
+    monkeypatch.setattr(gemm, "_zero_bias", lambda n, x: biases.append(n) or torch.zeros(n, dtype=x.dtype,
+                                                                                          device=x.device))
+    y = gemm.linear(x, weight)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(y.double(), F.linear(x.double(), weight.double()), atol=tolerance, rtol=tolerance)
+    assert biases == ([6144] if dtype == torch.bfloat16 and rows <= gemm.LT_MAX_ROWS else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "heads", "kv_heads", "d", "norm"),
                          [(1, 32, 8, 128, True), (65, 32, 8, 128, True), (16, 4, 2, 64, False), (3, 2, 2, 16, True)])
 def test_attention_heads_kernel_equals_the_reference_step(dtype, n, heads, kv_heads, d, norm):

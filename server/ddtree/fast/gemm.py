@@ -33,7 +33,10 @@ MAX_ROWS = 32  # measured: 65 rows run 1.2x slower than cuBLAS (compute-bound af
 ENABLED = os.environ.get("DDTREE_SKINNY", "1") != "0"
 ROW_GEMV = os.environ.get("DDTREE_ROW_GEMV", "1") != "0"
 ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
+LT = os.environ.get("DDTREE_CUBLASLT", "1") != "0"
+LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129 and 512 rows, no faster
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_ZERO_BIASES: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,14 +45,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     4096-row weights: 10.2 against cuBLAS' 13.2 µs for o, 25.6 against 30.1 for down; on the wide ones cuBLAS
     is as fast). That is every one-row projection outside the fused GEMV layers: a hybrid's AR step took 17.75
     against 18.25 ms, an MoE target's 3.78 against 3.92 (benchmarks/ab_steps.py). DDTREE_ROW_GEMV=0 keeps
-    cuBLAS for single rows, for A/B runs."""
+    cuBLAS for single rows, for A/B runs. Half-precision rows past the skinny kernel's, up to LT_MAX_ROWS (a tree
+    of 32-127 nodes), go to cuBLASLt, which cuBLAS' heuristics do not pick there: an 8B shape's B = 32 round took
+    6.44 against 6.59 ms, B = 64 6.77 against 6.84. DDTREE_CUBLASLT=0 keeps cuBLAS, for A/B runs."""
     if bias is None and x.dim() == 2 and x.dtype == weight.dtype:
         if (x.shape[0] == 1 and ROW_GEMV and weight.shape[0] <= ROW_GEMV_MAX_N and gemv_supported(weight)
                 and x.stride(1) == 1 and triton_works(x.device)):
             return gemv(x, weight)[0]
         if ENABLED and supported(x, weight) and triton_works(x.device):
             return skinny_linear(x, weight)
+        if LT and x.is_cuda and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            return F.linear(x, weight, _zero_bias(weight.shape[0], x))
     return F.linear(x, weight, bias)
+
+
+def _zero_bias(n: int, x: torch.Tensor) -> torch.Tensor:
+    """A zero bias of n entries: given a bias, torch's addmm runs cuBLASLt (bias epilogue), not cuBLAS, and adding
+    0.0 changes no value. (torch.backends.cuda.preferred_blas_library would switch every GEMM of the process,
+    prompts' included, where cuBLAS is the faster.) One buffer per device and dtype serves every call; a wider
+    weight gets a larger one, and the smaller ones stay allocated, since captured graphs still point at them."""
+    buffers = _ZERO_BIASES.setdefault((x.device, x.dtype), [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 1 << 18), dtype=x.dtype, device=x.device))
+    return buffers[-1][:n]
 
 
 def launch_config(n: int, k: int) -> dict[str, int]:
