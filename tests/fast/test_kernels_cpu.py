@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from ddtree.engine import Engine
+from ddtree.fast import jit
 from ddtree.sampling import SamplingParams
 from test_agreement import prompt_logprobs_agree
 from test_cuda import attention_case, distinct_logits, gdn_case, gemv_case
@@ -33,6 +34,52 @@ def test_skinny_gemm_equals_a_float64_product_and_resets_its_counters(rows, n, k
     assert torch.allclose(y.double(), x.double() @ weight.double().T, atol=1e-4, rtol=1e-4)
     assert torch.equal(gemm.skinny_linear(x, weight, config), y)  # the last arrival sums in a fixed order
     assert not gemm._COUNTERS[x.device][-1].any()  # ... and leaves every counter at zero
+
+
+class SmallGPU:
+    """A Triton kernel on a GPU with little shared memory: a launch whose constexpr tile or pipeline depth is
+    over `limits` fails as Triton's does (OutOfResources, before any work); the others run the real kernel."""
+
+    def __init__(self, kernel, limits: dict[str, int]) -> None:
+        self.kernel, self.limits, self.tried = kernel, limits, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.tried.append({name: kwargs[name] for name in self.limits})
+            if any(kwargs[name] > limit for name, limit in self.limits.items()):
+                raise jit.OutOfResources(1, 0, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_few_row_gemm_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_stays_right(monkeypatch):
+    from ddtree.fast import gemm
+
+    monkeypatch.setattr(jit, "_FITTED", {})
+    small = SmallGPU(gemm._skinny_kernel, {"num_stages": 1, "BLOCK_K": 64})
+    monkeypatch.setattr(gemm, "_skinny_kernel", small)
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(5, 512, generator=gen), torch.randn(40, 512, generator=gen)
+    config = dict(block_n=32, block_k=128, split_k=2, num_warps=4, num_stages=2)
+    y = gemm.skinny_linear(x, weight, config)
+    assert torch.allclose(y.double(), x.double() @ weight.double().T, atol=1e-4, rtol=1e-4)
+    assert small.tried == [{"num_stages": 2, "BLOCK_K": 128}, {"num_stages": 1, "BLOCK_K": 128},
+                           {"num_stages": 1, "BLOCK_K": 64}]
+
+
+def test_tree_attention_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_stays_right(monkeypatch):
+    from ddtree.fast import attention
+
+    monkeypatch.setattr(jit, "_FITTED", {})
+    small = SmallGPU(attention._split_kernel, {"num_stages": 1, "BLOCK_N": 16})
+    monkeypatch.setattr(attention, "_split_kernel", small)
+    n, groups, d, capacity, start = 7, 2, 16, 64, 20
+    q, cache, visible, want = attention_case(n, groups, d, capacity, start, None)
+    mask = attention.TreeMask(torch.tensor(start), n, None, visible=visible.view(torch.int8))
+    config = dict(block_m=16, block_n=64, splits=2, num_warps=4, num_stages=2)
+    got = attention._triton_attention(q, cache, mask, config)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert small.tried[-1] == {"num_stages": 1, "BLOCK_N": 16} and len(small.tried) == 4  # 2 stages, 64, 32, 16
 
 
 @pytest.mark.parametrize("mode", ["plain", "norm", "norm_first", "silu"])

@@ -17,25 +17,18 @@ whole capacity (the CPU reference).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ddtree.fast.jit import triton_works
+from ddtree.fast.jit import launch_fitting, triton_works
 
 try:
     import triton
     import triton.language as tl
-    from triton.runtime.errors import OutOfResources
 except ImportError:  # CPU-only installs: the SDPA path below
     triton = None
-
-    class OutOfResources(Exception):
-        """Stands in for Triton's error where Triton is missing (nothing raises it then)."""
-
-_FITTED: dict[tuple, dict[str, int]] = {}  # a launch config whose tiles outgrew the GPU's shared memory: the fit
 
 
 @dataclass(frozen=True)
@@ -126,7 +119,10 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
             WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=tiles["block_n"],
             IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=cfg["num_warps"], num_stages=tiles["num_stages"])
 
-    launch_fitting(launch, cfg, (d, q.dtype, q.device))
+    # the tuned tiles fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
+    # target's prompt chunk) needs narrower key tiles
+    launch_fitting(launch, {"num_stages": cfg["num_stages"], "block_n": cfg["block_n"]}, ("block_n", 16),
+                   ("attention", d, q.dtype, q.device, cfg["block_m"]))
     if direct:
         return out
     block_r = min(16, triton.next_power_of_2(rows))
@@ -136,28 +132,6 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
         acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
         num_warps=4 if block_d == d else 1)
     return out
-
-
-def launch_fitting(launch: Callable[[dict[str, int]], None], cfg: dict[str, int], where: tuple) -> dict[str, int]:
-    """launch(tiles) with cfg's key tile width and pipeline depth, or the largest that fit this GPU's shared
-    memory: fewer stages first, then narrower key tiles (Triton raises OutOfResources before it launches).
-    The tuned configs fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
-    target), or a GPU with less shared memory per block, needs less. The fit is remembered per head dim,
-    dtype and device, so later calls (and graph captures, which follow a warm-up) launch it at once."""
-    key = (*where, cfg["block_m"], cfg["block_n"], cfg["num_stages"])
-    tiles = _FITTED.get(key, {"block_n": cfg["block_n"], "num_stages": cfg["num_stages"]})
-    while True:
-        try:
-            launch(tiles)
-            return tiles
-        except OutOfResources:
-            if tiles["num_stages"] > 1:
-                tiles = {**tiles, "num_stages": tiles["num_stages"] - 1}
-            elif tiles["block_n"] > 16:
-                tiles = {**tiles, "block_n": tiles["block_n"] // 2}
-            else:
-                raise
-            _FITTED[key] = tiles
 
 
 if triton is not None:

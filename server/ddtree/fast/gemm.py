@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ddtree.fast.gemv import gemv
 from ddtree.fast.gemv import supported as gemv_supported
-from ddtree.fast.jit import triton_works
+from ddtree.fast.jit import launch_fitting, triton_works
 
 try:
     import triton
@@ -113,10 +113,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] 
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     split_k = cfg["split_k"]
     partials = torch.empty((split_k, rows, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
-    _skinny_kernel[(tiles, split_k)](
-        x, weight, y, partials, _counters(x.device, tiles), rows, n, x.stride(0), weight.stride(0), K=k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    counters = _counters(x.device, tiles)
+
+    def launch(fit: dict[str, int]) -> None:
+        _skinny_kernel[(tiles, split_k)](
+            x, weight, y, partials, counters, rows, n, x.stride(0), weight.stride(0), K=k,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
+            BLOCK_K=fit["block_k"], SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=fit["num_stages"])
+
+    # float32 rows need up to 147 KB at the tuned tiles: more than a consumer GPU's shared memory
+    launch_fitting(launch, {"num_stages": cfg["num_stages"], "block_k": cfg["block_k"]}, ("block_k", 64),
+                   ("skinny", x.dtype, x.device, block_m, cfg["block_n"], split_k))
     return y
 
 

@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
 try:
     import triton
+    from triton.runtime.errors import OutOfResources
 except ImportError:  # CPU-only installs
     triton = None
 
+    class OutOfResources(Exception):
+        """Stands in for Triton's error where Triton is missing (nothing raises it then)."""
+
 _WORKS: dict[torch.device, bool] = {}
+_FITTED: dict[tuple, dict[str, int]] = {}  # launch configs whose tiles outgrew a GPU's shared memory: their fit
 INTERPRETED_ON_CPU = False
 
 
@@ -72,3 +78,28 @@ def _probe(device: torch.device) -> None:
     attention_heads(row, row, row, ones, ones, 1e-6, row, row, 1, 16, torch.zeros(2, 1, 4, 16, device=device),
                     torch.zeros(1, dtype=torch.long, device=device))
     torch.cuda.synchronize(device)
+
+
+def launch_fitting(launch: Callable[[dict[str, int]], None], tiles: dict[str, int], shrink: tuple[str, int],
+                   where: tuple) -> dict[str, int]:
+    """launch(tiles), or launch with the largest tiles that fit this GPU's shared memory: Triton raises
+    OutOfResources before it launches anything, and then tiles["num_stages"] drops to one, then the tile
+    size shrink[0] halves, down to shrink[1]. Configs are tuned on an H200 (227 KB a block); float32
+    operands, wider heads or a GPU with less shared memory (about 100 KB on a consumer card) can need less.
+    The fit is remembered per `where` and starting tiles, so later calls (and graph captures, which follow
+    a warm-up) launch it at once. Returns the tiles that ran."""
+    key = (*where, *tiles.items())
+    tiles = _FITTED.get(key, tiles)
+    name, least = shrink
+    while True:
+        try:
+            launch(tiles)
+            return tiles
+        except OutOfResources:
+            if tiles["num_stages"] > 1:
+                tiles = {**tiles, "num_stages": tiles["num_stages"] - 1}
+            elif tiles[name] > least:
+                tiles = {**tiles, name: tiles[name] // 2}
+            else:
+                raise
+            _FITTED[key] = tiles
