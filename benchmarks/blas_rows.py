@@ -16,10 +16,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 from ddtree.fast.bench import cycled_us, weight_copies
+from skinny_tune import TARGET  # the Qwen3-8B projections, name: (N, K, calls per step)
 
-# name: (N, K, calls per step)
-TARGET = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36),
-          "down": (4096, 12288, 36), "lm_head": (151936, 4096, 1)}
 VARIANTS = ("cuBLAS", "cuBLASLt (zero bias)", "cuBLASLt (preferred library)")
 
 

@@ -33,7 +33,7 @@ def test_skinny_gemm_equals_a_float64_product_and_resets_its_counters(rows, n, k
     y = gemm.skinny_linear(x, weight, config)
     assert torch.allclose(y.double(), x.double() @ weight.double().T, atol=1e-4, rtol=1e-4)
     assert torch.equal(gemm.skinny_linear(x, weight, config), y)  # the last arrival sums in a fixed order
-    assert not gemm._COUNTERS[x.device][-1].any()  # ... and leaves every counter at zero
+    assert not gemm._counters(x.device, 1).any()  # ... and leaves every counter at zero
 
 
 class SmallGPU:

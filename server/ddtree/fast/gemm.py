@@ -35,8 +35,7 @@ ROW_GEMV = os.environ.get("DDTREE_ROW_GEMV", "1") != "0"
 ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
 LT = os.environ.get("DDTREE_CUBLASLT", "1") != "0"
 LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129 and 512 rows, no faster
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_ZERO_BIASES: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+_KEPT_ZEROS: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,12 +61,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _zero_bias(n: int, x: torch.Tensor) -> torch.Tensor:
     """A zero bias of n entries: given a bias, torch's addmm runs cuBLASLt (bias epilogue), not cuBLAS, and adding
     0.0 changes no value. (torch.backends.cuda.preferred_blas_library would switch every GEMM of the process,
-    prompts' included, where cuBLAS is the faster.) One buffer per device and dtype serves every call; a wider
-    weight gets a larger one, and the smaller ones stay allocated, since captured graphs still point at them."""
-    buffers = _ZERO_BIASES.setdefault((x.device, x.dtype), [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 1 << 18), dtype=x.dtype, device=x.device))
-    return buffers[-1][:n]
+    prompts' included, where cuBLAS is the faster.) One buffer per device and dtype serves every call."""
+    return _kept_zeros("bias", n, x.dtype, x.device, least=1 << 18)[:n]
 
 
 def launch_config(n: int, k: int) -> dict[str, int]:
@@ -129,11 +124,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Per-column-tile arrival counters, all zero between launches (the last arrival resets its own); one
-    buffer per device serves every launch, as launches on a stream run one after another. A wider weight
-    gets a larger buffer; the smaller ones stay allocated, since captured graphs still point at them."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < tiles:
-        buffers.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    buffer per device serves every launch, as launches on a stream run one after another."""
+    return _kept_zeros("counters", tiles, torch.int32, device, least=4096)
+
+
+def _kept_zeros(use: str, n: int, dtype: torch.dtype, device: torch.device, least: int) -> torch.Tensor:
+    """The current zero buffer for `use` on this device and dtype, at least n long (and at least `least`). A
+    larger n gets a larger buffer; the smaller ones stay allocated, since captured graphs still point at them."""
+    buffers = _KEPT_ZEROS.setdefault((use, device, dtype), [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, least), dtype=dtype, device=device))
     return buffers[-1]
 
 
