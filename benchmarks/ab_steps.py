@@ -1,8 +1,8 @@
 """The fast path's kernel choices A/B, in one process: whole AR steps and tree rounds of a random-weight shape.
 
 Variants, alternated (each recaptures its graphs), twice over, timing the AR step and rounds at B = 16
-and 64 (`--budgets`); on the hybrid shape only the few-row GEMM, the one-row projections and the Gated
-DeltaNet step change (its forward uses neither the fused GEMV layers nor the heads kernel):
+and 64 (`--budgets`); on the hybrid shape only the few-row GEMM, the one-row projections, the tree attention
+and the Gated DeltaNet step change (its forward uses neither the fused GEMV layers nor the heads kernel):
 
     all kernels      one-row GEMVs (ddtree/fast/gemv.py), the few-row GEMM (ddtree/fast/gemm.py) and the
                      attention-heads kernel (ddtree/fast/heads.py)
@@ -15,6 +15,8 @@ DeltaNet step change (its forward uses neither the fused GEMV layers nor the hea
     PyTorch GDN tree all kernels but a hybrid's Gated DeltaNet tree kernel (ddtree/fast/gdn.py): its trees
                      through the compiled PyTorch steps, its AR steps still one kernel
     PyTorch GDN step neither Gated DeltaNet kernel: AR steps and trees through the compiled PyTorch steps
+    v13 attention    all kernels but the tree attention as v13 launched it: one loop over every key block
+                     (visibility read throughout) and v13's tiles
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
@@ -27,20 +29,40 @@ import argparse
 import itertools
 
 import torch
-from ddtree.fast import gdn, gemm
+import triton
+from ddtree.fast import attention, gdn, gemm
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
 from ddtree.fast.heads import attention_heads
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
-ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True)  # what the fast path runs
+ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
+           attention="now")  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
             "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN tree": {**ALL, "gdn": "row"},
-            "PyTorch GDN step": {**ALL, "gdn": "none"},
-            "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False)}
+            "PyTorch GDN step": {**ALL, "gdn": "none"}, "v13 attention": {**ALL, "attention": "v13"},
+            "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
+                       attention="now")}
+
+
+def v13_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
+    """attention.launch_config as v13 had it: one loop, and its tiles (the same at every head dim)."""
+    if rows <= 16:
+        block_m, block_n, splits, stages = 16, 64, triton.cdiv(2 * sms, kv_heads), 2
+    elif rows <= 128:
+        block_m, block_n, splits, stages = 16, 32, 6, 3
+    elif rows <= 384:
+        block_m, block_n, splits, stages = 32, 128, 3, 1
+    else:
+        block_m, block_n, splits, stages = 16, 128, 1, 2
+    return dict(block_m=block_m, block_n=block_n, splits=max(1, min(splits, triton.cdiv(capacity, 64), 64)),
+                num_warps=4, num_stages=stages, two_loops=0)
+
+
+ATTENTION = {"now": attention.launch_config, "v13": v13_attention}
 
 
 def main() -> None:
@@ -70,6 +92,7 @@ def main() -> None:
         else:
             path.row_gemv, path.ops.attention_heads = variant["row_gemv"], heads[variant["heads"]]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
+        attention.launch_config = ATTENTION[variant["attention"]]
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)
         trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]

@@ -40,13 +40,14 @@ def resources(fn: Callable, args: dict[str, str], consts: dict, warps: int, stag
     return " ".join(field for field in line.split() if field.startswith(("REG:", "STACK:")))
 
 
-def tree_attention(block_m: int, block_n: int, splits: int, warps: int, stages: int) -> str:
+def tree_attention(block_m: int, block_n: int, splits: int, warps: int, stages: int, two_loops: int) -> str:
     args = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Vis": "*i8", "Start": "*i64", "Acc": "*fp32",
             "Stats": "*fp32", "Out": "*bf16", **{name: "i32" for name in ("stride_qh", "stride_qr", "stride_kh",
                                                                           "stride_kt", "stride_vh", "stride_vt",
                                                                           "rows", "n", "groups")},
             "scale": "fp32", "SPLITS": "i32"}
-    consts = dict(WINDOW=0, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=False, DIRECT=splits == 1)
+    consts = dict(WINDOW=0, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=False, DIRECT=splits == 1,
+                  TWO_LOOPS=two_loops)
     return resources(attention._split_kernel, args, consts, warps, stages)
 
 
@@ -79,7 +80,7 @@ def main() -> None:
         for i, (block_m, block_n, splits, warps, stages) in enumerate(tried):
             launched = f"yes ({what})" if i == 0 else "no"
             print(f"| {rows} | {block_m} x {block_n} | {splits} | {warps} | {stages} | {launched} | "
-                  f"{tree_attention(block_m, block_n, splits, warps, stages)} |", flush=True)
+                  f"{tree_attention(block_m, block_n, splits, warps, stages, cfg['two_loops'])} |", flush=True)
     print("\nGated DeltaNet, Qwen3.6-27B widths (48 value heads over 16 key heads, d 128)\n")
     print("| kernel | padded nodes | warps | row tile | launched | resources |\n|---|---|---|---|---|---|")
     for warps in (4, 8, 16):

@@ -8,14 +8,15 @@ at a 560-token context in a 768-row cache. Each variant is checked against SDPA,
 layer caches (more than L2 holds) as one CUDA graph; the time is per layer call, median of replays.
 --sweep tries, for the AR row, 1 to 32 splits; for the draft block and the trees, at most 54 configs in two
 stages: tile height x warps x splits (1/2/3/4/6/8) at block_n 64 and 2 pipeline stages, then block_n
-32/64/128 x num_stages 1/2/3 around the 3 fastest of those. splits 1 is the kernel without the merge pass.
-The last table is the fastest config per row count.
+32/64/128 x num_stages 1/2/3 around the 3 fastest of those. splits 1 is the kernel without the merge pass;
+the trees' configs take the kernel's two-loop form (committed keys without visibility reads), the AR row's
+one loop. The last table is the fastest config per row count.
 2. Tree build: `top_prefixes` at each budget over the demo's 8192-token and Qwen3's 151936-token vocabulary,
    and its parts: the vocabulary top-k + log-partition (Triton vs torch) and the tree kernel at 4/8/16 warps.
 
     PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep] [--part tree|attention] [--rows 4 64 260 516]
         # --sweep: attention launch configs; --part: only one of the two parts; --rows: only these row counts
-        # --warps 8: the sweep tries only the 8-warp tiles
+        # --warps 8: the sweep tries only the 8-warp tiles; --heads 4 6 256: another head layout
 """
 
 from __future__ import annotations
@@ -52,15 +53,17 @@ def layer_calls(q: torch.Tensor, caches: list[torch.Tensor], mask: TreeMask, cfg
     return run
 
 
-def config(block_m: int, num_warps: int, splits: int, block_n: int = 64, num_stages: int = 2) -> dict[str, int]:
-    return dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages)
+def config(block_m: int, num_warps: int, splits: int, block_n: int = 64, num_stages: int = 2,
+           two_loops: int = 1) -> dict[str, int]:
+    return dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages,
+                two_loops=two_loops)
 
 
 def shape_grid(rows: int, warps: list[int] | None = None) -> list[dict[str, int]]:
     """Sweep stage 1. One AR row only fills the GPU through splits; more rows also vary the tile height,
     up to twice the rows (taller tiles only compute padding); `warps` keeps only tiles with those warps."""
     if rows <= AR_ROWS:
-        return [config(16, 4, splits) for splits in (1, 2, 4, 8, 16, 32)]
+        return [config(16, 4, splits, two_loops=0) for splits in (1, 2, 4, 8, 16, 32)]
     return [config(bm, nw, splits) for bm, nw in TREE_SHAPES
             if bm <= 2 * rows and (warps is None or nw in warps) for splits in TREE_SPLITS]
 
@@ -95,7 +98,7 @@ def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: i
     slow = tree_mask(start.cpu(), visible.cpu(), CAPACITY, GROUPS, D, torch.bfloat16)
     sdpa = TreeMask(start, n, None, additive=slow.additive.to(dev))
     want = tree_attention(q, caches[0], sdpa).float()
-    default = launch_config(rows, CAPACITY, KV, sms)
+    default = launch_config(rows, CAPACITY, KV, sms, D)
     results: dict[str, float | str] = {SDPA: per_call_us(layer_calls(q, caches, sdpa, None))}
 
     def measure(configs: list[dict[str, int]]) -> None:
@@ -172,7 +175,10 @@ if __name__ == "__main__":
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 64, 260, 516],
                         help="grouped query rows (GROUPS x new tokens) for the attention part")
     parser.add_argument("--warps", type=int, nargs="+", help="sweep only the tree tiles with these warps")
+    parser.add_argument("--heads", type=int, nargs=3, metavar=("KV", "GROUPS", "D"), default=[KV, GROUPS, D],
+                        help="K/V heads, query heads per K/V head, head dim (Qwen3.6-27B: 4 6 256)")
     args = parser.parse_args()
+    KV, GROUPS, D = args.heads
     if args.part != "attention":
         tree_ops()
     if args.part != "tree":

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from ddtree.cli import main
 from ddtree.engine import Engine
@@ -94,6 +95,35 @@ def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
     recurrent = 4 * 16 * 16 * 4  # value heads x key dim x value dim, fp32
     conv = (2 * 2 * 16 + 4 * 16) * 3 * 4  # (q, k, v channels) x (kernel - 1) x fp32
     assert weight_bytes(fast, 100) == 4 * params + 100 * kv_per_token + 2 * 3 * (recurrent + conv)
+
+
+def test_a_rounds_floor_adds_the_draft_its_commit_and_the_lm_head_to_the_target_step(tmp_path):
+    """The draft's bytes: its parameters, its K/V projections again (the commit), the LM head, its context K/V;
+    the report's round floor and draft share follow from them, and every run is timed against its floor."""
+    from ddtree.fast.bench import SHAPES, build_shape, draft_bytes, weight_bytes
+
+    fast, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
+    t, d = SHAPES["tiny"]["target"], SHAPES["tiny"]["draft"]
+    hidden, kv_width = t["hidden_size"], d["num_kv_heads"] * d["head_dim"]
+    layer = (hidden * d["num_heads"] * d["head_dim"] * 2 + hidden * kv_width * 2 + 3 * hidden * d["intermediate_size"]
+             + 2 * hidden + 2 * d["head_dim"])  # q, o, k, v, the MLP, two norms, q/k norms
+    params = len(d["target_layer_ids"]) * hidden * hidden + hidden + d["num_layers"] * layer + hidden  # fc, norms
+    again = d["num_layers"] * 2 * hidden * kv_width
+    head = t["vocab_size"] * hidden
+    context_kv = 2 * d["num_layers"] * kv_width * 100
+    assert draft_bytes(fast, 100) == 4 * (params + again + head + context_kv)
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar", "dflash", "--paths", "fast",
+                 "--prompts", "1", "--prompt-tokens", "12", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    step, draft = weight_bytes(fast, 16), draft_bytes(fast, 16)  # context: the prompt and half the new tokens
+    assert report["step_bytes"] == step and report["round_bytes"] == step + draft
+    assert report["draft_share_of_round_floor"] == pytest.approx(draft / (step + draft))
+    assert report["round_vs_floor_at"] == "spec"  # no copy bandwidth measured on a CPU
+    ar, dflash = report["results"]
+    assert ar["round_vs_floor"] == pytest.approx(ar["round_ms"] / report["floor_ms"]["spec"])
+    assert dflash["round_vs_floor"] == pytest.approx(dflash["round_ms"] / report["round_floor_ms"]["spec"])
 
 
 def test_bench_runs_a_moe_shape_on_the_fast_path_and_counts_only_the_picked_experts(capsys):

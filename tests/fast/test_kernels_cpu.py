@@ -76,7 +76,7 @@ def test_tree_attention_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_st
     n, groups, d, capacity, start = 7, 2, 16, 64, 20
     q, cache, visible, want = attention_case(n, groups, d, capacity, start, None)
     mask = attention.TreeMask(torch.tensor(start), n, None, visible=visible.view(torch.int8))
-    config = dict(block_m=16, block_n=64, splits=2, num_warps=4, num_stages=2)
+    config = dict(block_m=16, block_n=64, splits=2, num_warps=4, num_stages=2, two_loops=1)
     got = attention._triton_attention(q, cache, mask, config)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
     assert small.tried[-1] == {"num_stages": 1, "BLOCK_N": 16} and len(small.tried) == 4  # 2 stages, 64, 32, 16
@@ -90,13 +90,16 @@ def test_one_row_gemv_equals_its_unfused_steps(mode):
 
 @pytest.mark.parametrize(("n", "groups", "window"), [(1, 4, None), (7, 2, None), (7, 2, 5)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits):
+@pytest.mark.parametrize("two_loops", [0, 1])
+def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits, two_loops):
+    """Both loop forms; with 3 splits of 16 keys one split holds both committed keys (up to 20) and new ones."""
     from ddtree.fast.attention import TreeMask, _triton_attention
 
     d, capacity, start = 16, 64, 20
     q, cache, visible, want = attention_case(n, groups, d, capacity, start, window)
     mask = TreeMask(torch.tensor(start), n, window, visible=visible.view(torch.int8))
-    got = _triton_attention(q, cache, mask, dict(block_m=16, block_n=16, splits=splits, num_warps=4, num_stages=1))
+    config = dict(block_m=16, block_n=16, splits=splits, num_warps=4, num_stages=1, two_loops=two_loops)
+    got = _triton_attention(q, cache, mask, config)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 

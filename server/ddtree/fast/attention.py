@@ -9,7 +9,8 @@ On CUDA a Triton split-K kernel (flash decoding) reads only the rows [0, start +
 whole capacity) and spreads them over enough programs to fill the GPU, even for a single query row; a
 second kernel merges the splits straight into the [n, H * d] layout the output projection reads. With one
 split there is nothing to merge: the split kernel normalises and writes that layout itself (one launch, and
-no float32 partials through global memory). `start` stays on the device, so a CUDA graph replays the same
+no float32 partials through global memory). Past a single query row the kernel reads the committed keys in
+a loop of their own, which needs no visibility and so pipelines, then the new rows' keys. `start` stays on the device, so a CUDA graph replays the same
 launch as the cache grows. Elsewhere the same function is PyTorch's SDPA with an additive mask over the
 whole capacity (the CPU reference).
 """
@@ -73,24 +74,31 @@ def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torc
     return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)
 
 
-def launch_config(rows: int, capacity: int, kv_heads: int, sms: int) -> dict[str, int]:
-    """Tile height and width, key-range splits and pipeline depth for `rows` grouped query rows per K/V head.
+def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
+    """Tile height and width, key-range splits, pipeline depth and loop form for `rows` grouped query rows per
+    K/V head.
 
     From benchmarks/kernel_tune.py --sweep on an H200 (8 K/V heads, d 128, 560-token context): one AR row
-    wants many splits to fill the GPU; a draft block or a small tree (up to 128 rows), short and narrow
-    tiles over 6 splits; a 65-node tree, wide tiles over 3 splits; larger trees, wide tiles and one split
-    (no merge: their query rows already make enough programs).
+    wants many splits to fill the GPU, and one loop over its few keys; a draft block or a small tree (up to
+    128 rows), short and narrow tiles over 4 splits; trees up to 256 nodes, 64-row tiles over 3 splits.
+    Past a single row the committed keys get a loop of their own, without the visibility reads, which
+    pipelines (12.6 against 16.3 µs a layer at 260 rows). At head dim 256 (Qwen3.5/3.6) the trees' key
+    tiles are half as wide and three deep (17.3 against 22.9 µs at 390 rows, 4 K/V heads). Larger blocks
+    (prompt chunks): wide tiles and one split (no merge: their query rows already make enough programs), in
+    one loop.
     """
     if rows <= 16:
-        block_m, block_n, splits, stages = 16, 64, triton.cdiv(2 * sms, kv_heads), 2
+        block_m, block_n, splits, stages, two_loops = 16, 64, triton.cdiv(2 * sms, kv_heads), 2, 0
     elif rows <= 128:
-        block_m, block_n, splits, stages = 16, 32, 6, 3
-    elif rows <= 384:
-        block_m, block_n, splits, stages = 32, 128, 3, 1
+        block_m, block_n, splits, stages, two_loops = 16, 32, 4, 3, 1
+    elif rows <= 1024 and head_dim > 128:
+        block_m, block_n, splits, stages, two_loops = 64, 32, 3, 3, 1
+    elif rows <= 1024:
+        block_m, block_n, splits, stages, two_loops = 64, 64, 3, 3 if rows <= 384 else 2, 1
     else:
-        block_m, block_n, splits, stages = 16, 128, 1, 2
+        block_m, block_n, splits, stages, two_loops = 16, 128, 1, 2, 0
     return dict(block_m=block_m, block_n=block_n, splits=max(1, min(splits, triton.cdiv(capacity, 64), 64)),
-                num_warps=4, num_stages=stages)
+                num_warps=4, num_stages=stages, two_loops=two_loops)
 
 
 def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
@@ -100,7 +108,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
     cfg = config
     if cfg is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4  # 4: interpreted
-        cfg = launch_config(rows, capacity, kv_heads, sms)
+        cfg = launch_config(rows, capacity, kv_heads, sms, d)
     splits = cfg["splits"]
     out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)
     direct = splits == 1
@@ -117,7 +125,8 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, n, rows // n, 1.0 / math.sqrt(d), splits,
             WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=tiles["block_n"],
-            IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=cfg["num_warps"], num_stages=tiles["num_stages"])
+            IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=cfg["two_loops"],
+            num_warps=cfg["num_warps"], num_stages=tiles["num_stages"])
 
     # the tuned tiles fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
     # target's prompt chunk) needs narrower key tiles
@@ -144,9 +153,28 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
+    def _attend(q, k_rows, v_rows, stride_kt, stride_vt, cols, in_range, allowed, start, t, acc, m_i, l_i, scale,
+                WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+        """One key block `cols` into the running softmax (acc, m_i, l_i) of the query rows, where `allowed`."""
+        dims = tl.arange(0, HEAD_DIM)
+        k = tl.load(k_rows + cols[:, None] * stride_kt + dims[None, :], mask=in_range[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        if WINDOW > 0:
+            allowed = allowed & ((start + t)[:, None] - cols[None, :] < WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        v = tl.load(v_rows + cols[:, None] * stride_vt + dims[None, :], mask=in_range[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+    @triton.jit
     def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, Out, stride_qh, stride_qr, stride_kh, stride_kt, stride_vh,
                       stride_vt, rows, n, groups, scale, SPLITS, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
+                      TWO_LOOPS: tl.constexpr):
         """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats
         for _merge_kernel, or, when DIRECT (one split, the whole key range), the finished output in its layout."""
         head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -162,28 +190,26 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        k_rows, v_rows = K + head * stride_kh, V + head * stride_vh
+        if TWO_LOOPS:
+            # committed keys first: every row sees them (no visibility to read), then the new rows' keys
+            committed_hi = tl.minimum(hi, start)
+            for j0 in range(lo, committed_hi, BLOCK_N):
+                cols = j0 + tl.arange(0, BLOCK_N)
+                in_range = cols < committed_hi
+                allowed = tl.broadcast_to(in_range[None, :], (BLOCK_M, BLOCK_N))
+                acc, m_i, l_i = _attend(q, k_rows, v_rows, stride_kt, stride_vt, cols, in_range, allowed, start, t,
+                                        acc, m_i, l_i, scale, WINDOW, HEAD_DIM, IEEE)
+            lo = tl.maximum(lo, start)
         for j0 in range(lo, hi, BLOCK_N):
             cols = j0 + tl.arange(0, BLOCK_N)
             in_range = cols < hi
-            k = tl.load(K + head * stride_kh + cols[:, None] * stride_kt + dims[None, :], mask=in_range[:, None],
-                        other=0.0)
-            s = _dot(q, tl.trans(k), IEEE) * scale
             rel = cols - start
             is_new = (rel >= 0) & in_range
             vis = tl.load(Vis + t[:, None] * n + rel[None, :], mask=is_new[None, :] & (r < rows)[:, None], other=0)
             allowed = ((rel < 0)[None, :] | (vis != 0)) & in_range[None, :]
-            if WINDOW > 0:
-                allowed = allowed & ((start + t)[:, None] - cols[None, :] < WINDOW)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            v = tl.load(V + head * stride_vh + cols[:, None] * stride_vt + dims[None, :], mask=in_range[:, None],
-                        other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            acc, m_i, l_i = _attend(q, k_rows, v_rows, stride_kt, stride_vt, cols, in_range, allowed, start, t,
+                                    acc, m_i, l_i, scale, WINDOW, HEAD_DIM, IEEE)
         heads = tl.num_programs(0)
         if DIRECT:  # every real row sees itself, so l_i > 0; padded rows (r >= rows) are not stored
             dst = t * (heads * groups * HEAD_DIM) + (head * groups + r // n) * HEAD_DIM

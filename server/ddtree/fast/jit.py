@@ -54,9 +54,9 @@ def triton_works(device: torch.device) -> bool:
 
 
 def _probe(device: torch.device) -> None:
-    """Every kernel on tiny inputs: a 2-row tree over an empty cache (with and without a merge), a vocabulary
-    top-2, a budget-2 tree, a normed one-row GEMV, a two-row GEMM (with and without split K), one row's
-    attention heads."""
+    """Every kernel on tiny inputs: a 2-row tree over an empty cache (in both loop forms, with and without a
+    merge), a vocabulary top-2, a budget-2 tree, a normed one-row GEMV, a two-row GEMM (with and without split
+    K), one row's attention heads."""
     from ddtree.fast.attention import TreeMask, _triton_attention
     from ddtree.fast.gemm import skinny_linear
     from ddtree.fast.gemv import NORM, gemv
@@ -66,8 +66,9 @@ def _probe(device: torch.device) -> None:
     start = torch.zeros((), dtype=torch.long, device=device)
     mask = TreeMask(start, 2, None, visible=torch.ones(2, 2, dtype=torch.int8, device=device))
     q, cache = torch.zeros(1, 2, 16, device=device), torch.zeros(2, 1, 128, 16, device=device)
-    for splits in (1, 2):  # one split writes the output itself; more go through the merge kernel
-        _triton_attention(q, cache, mask, dict(block_m=16, block_n=64, splits=splits, num_warps=4, num_stages=2))
+    for splits, two_loops in ((1, 0), (2, 1)):  # one split writes the output itself; more go through the merge
+        _triton_attention(q, cache, mask, dict(block_m=16, block_n=64, splits=splits, num_warps=4, num_stages=2,
+                                               two_loops=two_loops))
     logp, tokens = _vocab_top_on_gpu(torch.zeros(3, 20, device=device), 2)
     _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
     row, ones = torch.zeros(1, 16, device=device), torch.ones(16, device=device)
