@@ -10,9 +10,9 @@ whole capacity) and spreads them over enough programs to fill the GPU, even for 
 second kernel merges the splits straight into the [n, H * d] layout the output projection reads. With one
 split there is nothing to merge: the split kernel normalises and writes that layout itself (one launch, and
 no float32 partials through global memory). Past a single query row the kernel reads the committed keys in
-a loop of their own, which needs no visibility and so pipelines, then the new rows' keys. `start` stays on the device, so a CUDA graph replays the same
-launch as the cache grows. Elsewhere the same function is PyTorch's SDPA with an additive mask over the
-whole capacity (the CPU reference).
+a loop of their own, which needs no visibility and so pipelines, then the new rows' keys. `start` stays on
+the device, so a CUDA graph replays the same launch as the cache grows. Elsewhere the same function is
+PyTorch's SDPA with an additive mask over the whole capacity (the CPU reference).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
     wants many splits to fill the GPU, and one loop over its few keys; a draft block or a small tree (up to
     128 rows), short and narrow tiles over 4 splits; trees up to 256 nodes, 64-row tiles over 3 splits.
     Past a single row the committed keys get a loop of their own, without the visibility reads, which
-    pipelines (12.6 against 16.3 µs a layer at 260 rows). At head dim 256 (Qwen3.5/3.6) the trees' key
+    pipelines (12.9 against 16.3 µs a layer at 260 rows). At head dim 256 (Qwen3.5/3.6) the trees' key
     tiles are half as wide and three deep (17.3 against 22.9 µs at 390 rows, 4 K/V heads). Larger blocks
     (prompt chunks): wide tiles and one split (no merge: their query rows already make enough programs), in
     one loop.
