@@ -219,7 +219,7 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
     """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the
     vocabulary top-k, the tree program, a Gated DeltaNet layer's AR step): the reference's tokens, acceptance,
     logprobs and prompt logprobs, for a dense target, a dense and an MoE hybrid, and a mixture-of-experts one."""
-    from ddtree.fast import gdn, gemm
+    from ddtree.fast import attention, gdn, gemm
     from ddtree.fast import hybrid as fast_hybrid
     from ddtree.fast.heads import attention_heads as heads_kernel
 
@@ -229,14 +229,22 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
     make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
     make_hybrid_target(tmp_path / "hybrid_moe", "qwen3_5_moe", seed=1)
     make_target(tmp_path / "moe", "qwen3_moe", seed=4)
-    runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24)],
-            "hybrid": [("ar", None), ("ddtree", 24)], "hybrid_moe": [("ar", None)],
+    runs = {"qwen3": [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 24), ("ddtree", 64)],
+            "hybrid": [("ar", None), ("ddtree", 24), ("ddtree", 64)], "hybrid_moe": [("ar", None)],
             "moe": [("ar", None), ("ddtree", 24)]}
     pairs = [(fast_ckpt / "qwen3", fast_ckpt / "draft"), (tmp_path / "hybrid", tmp_path / "draft"),
              (tmp_path / "hybrid_moe", tmp_path / "draft"), (tmp_path / "moe", fast_ckpt / "draft")]
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
-    launches, gdn_steps = [], []
+    launches, gdn_steps, attention_forms = [], [], set()
     real, real_row, real_tree = gemm.skinny_linear, gdn.row_step, gdn.tree_step
+    real_config = attention.launch_config
+
+    def launch_config(*args: int) -> dict[str, int]:
+        cfg = real_config(*args)
+        attention_forms.add((cfg["block_m"], cfg["two_loops"]))
+        return cfg
+
+    monkeypatch.setattr(attention, "launch_config", launch_config)
     monkeypatch.setattr(gdn, "row_step", lambda *a: gdn_steps.append((target.name, "row")) or real_row(*a))
     monkeypatch.setattr(gdn, "tree_step", lambda *a: gdn_steps.append((target.name, "tree")) or real_tree(*a))
     for target, draft in pairs:
@@ -263,5 +271,8 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(fast_ck
             assert got == pytest.approx([lp.logprob for r in ref_rounds for lp in r.logprobs], abs=1e-4)
             prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs, tolerance=1e-4)
     assert launches  # the few-row GEMM ran (draft blocks, small trees)
+    # tree attention in each form: one loop (AR rows), two loops with short tiles (up to 128 grouped rows) and
+    # with tall ones (a 65-node tree)
+    assert {(16, 0), (16, 1), (64, 1)} <= attention_forms
     # the hybrids' Gated DeltaNet layers: AR steps through the row kernel, trees and prompts through the tree kernel
     assert set(gdn_steps) == {(name, kind) for name in ("hybrid", "hybrid_moe") for kind in ("row", "tree")}
