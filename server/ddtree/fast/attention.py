@@ -129,9 +129,10 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
             num_warps=cfg["num_warps"], num_stages=tiles["num_stages"])
 
     # the tuned tiles fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
-    # target's prompt chunk) needs narrower key tiles
+    # target's prompt chunk) needs narrower key tiles. The fit is kept per kernel build: the loop form and
+    # the direct store are part of it.
     launch_fitting(launch, {"num_stages": cfg["num_stages"], "block_n": cfg["block_n"]}, ("block_n", 16),
-                   ("attention", d, q.dtype, q.device, cfg["block_m"]))
+                   ("attention", d, q.dtype, q.device, cfg["block_m"], cfg["two_loops"], direct))
     if direct:
         return out
     block_r = min(16, triton.next_power_of_2(rows))
