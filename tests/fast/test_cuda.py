@@ -4,6 +4,7 @@ These run where CUDA is (the GPU machine: `pytest tests/fast/test_cuda.py`); CI 
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -421,7 +422,7 @@ def test_moe_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dty
                                   fast_capacity=256)
     experts = fast.fast.layers[0].experts
     assert experts.kernels_take(torch.zeros(65, experts.router.shape[1], device="cuda", dtype=experts.router.dtype))
-    graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(60, 90))], dtype)
+    graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(60, 90))], dtype, (tmp_path / "moe", tmp_path / "draft"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -454,13 +455,19 @@ def test_triton_experts_equal_the_sparse_block_at_real_widths(dtype):
                 assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=2e-2), (rows, (got - want).abs().max())
 
 
-def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str) -> None:
+def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str, checkpoints: tuple[Path, Path]) -> None:
     """Every method's rounds replay from graphs and give the reference's `ar` tokens. Rounding can flip a
     near-tie in bf16, so there the tokens may part from `ar`'s, but only where the reference itself is unsure:
     at the first token that differs, the reference's logit for its own token exceeds the fast path's token's
     by less than NEAR_TIE (these tiny random models' bf16 logits stray from float32's by up to ~0.5, a wrong
-    forward's by whole units). In float32 the tokens are `ar`'s."""
-    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    forward's by whole units). In float32 the tokens are `ar`'s on the CPU (the `checkpoints`, target and
+    draft): on CUDA, transformers' Gated DeltaNet layers run fla's Triton kernels, whose float32 products go
+    through TF32, so the GPU's own eager forward is no float32 reference (on the Qwen3-Next target its logits
+    stray 0.13 from the CPU's, and its `ar` parts from the CPU's where the top two are 0.0097 apart)."""
+    if dtype == "float32":
+        reference = Engine.from_pretrained(*checkpoints, device="cpu", dtype="float32")
+    else:
+        reference = Engine(fast.target, fast.draft, fast.tokenizer)
     for prompt in prompts:
         ar = reference.generate(prompt, GREEDY, method="ar").token_ids
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
@@ -533,5 +540,7 @@ def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, 
     fast = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cuda", dtype=dtype, fast=True,
                                   fast_capacity=512)
     assert bool(fast.fast.gdn_rows) == (arch == "qwen3_5")  # Qwen3.5's AR steps: the one-row Gated DeltaNet kernel
-    graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(10, 80)) * 5], dtype)  # the second: two prompt chunks
+    # the second prompt: two prompt chunks
+    graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(10, 80)) * 5], dtype,
+                          (tmp_path / "hybrid", tmp_path / "draft"))
     assert bool(trees) == (arch == "qwen3_5") and max(trees, default=0) <= gdn.TREE_MAX
