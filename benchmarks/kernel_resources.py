@@ -1,5 +1,5 @@
 """Registers and stack per thread of the fast path's latency-bound Triton kernels, compiled for sm_90 (H100 /
-H200) without a GPU.
+H200) without a GPU; and the shared memory per block of its pipelined kernels, against a consumer GPU's.
 
 A kernel whose build keeps values on the stack (spills, or arrays the compiler could not keep in registers)
 reloads them from local memory inside its loops, which can make it many times slower; at batch 1 these
@@ -7,11 +7,18 @@ kernels are latency-bound, so that shows directly in a round. This compiles each
 fast path launches (and a few alternatives) with Triton's own ptxas and reads `cuobjdump -res-usage`. Run it
 with the Triton the GPU machine has: register allocation changes between versions.
 
-    PYTHONPATH=server python benchmarks/kernel_resources.py
+The kernels that pipeline `tl.dot` tiles (tree attention, the few-row GEMM, the MoE experts, the Gated
+DeltaNet tree) are compiled again, for sm_86 (RTX 30-class; sm_89 allows the same 99 KB a block) and sm_90,
+at the configs the fast path launches on real shapes, in bf16 and float32. Their tiles are tuned on an H200
+(227 KB a block); a config over a GPU's limit fails to launch (OutOfResources), so each kernel that can
+exceed 99 KB shrinks its tiles until it fits (`jit.launch_fitting`).
+
+    PYTHONPATH=server python benchmarks/kernel_resources.py [--part registers|shared]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import tempfile
@@ -19,6 +26,8 @@ from collections.abc import Callable
 
 import triton
 from ddtree.fast import attention, gdn
+from ddtree.fast import gemm as gemm_module
+from ddtree.fast import moe as moe_module
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -26,11 +35,20 @@ HEADS, K_HEADS, D, TAPS = 48, 16, 128, 4  # Qwen3.6-27B's Gated DeltaNet layers
 ATTENTION_ROWS = {4: "an AR step", 64: "a draft block, a dflash verify", 260: "a B = 64 tree", 516: "a B = 128 tree"}
 
 
+SHARED_LIMITS = {86: 101376, 90: 232448}  # bytes a block may use: RTX 30/40-class (sm_86, sm_89), H100/H200
+CONSUMER = 86
+
+
+def compiled(fn: Callable, args: dict[str, str], consts: dict, warps: int, stages: int, arch: int = 90):
+    """`fn` compiled for sm_`arch` with these argument types and constants."""
+    source = ASTSource(fn=fn, signature={**args, **{name: "constexpr" for name in consts}}, constexprs=consts)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps,
+                                                                               "num_stages": stages})
+
+
 def resources(fn: Callable, args: dict[str, str], consts: dict, warps: int, stages: int = 3) -> str:
     """`fn` compiled for sm_90 with these argument types and constants: "REG:n STACK:bytes"."""
-    source = ASTSource(fn=fn, signature={**args, **{name: "constexpr" for name in consts}}, constexprs=consts)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,
-                                                                               "num_stages": stages})
+    kernel = compiled(fn, args, consts, warps, stages)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
@@ -40,15 +58,21 @@ def resources(fn: Callable, args: dict[str, str], consts: dict, warps: int, stag
     return " ".join(field for field in line.split() if field.startswith(("REG:", "STACK:")))
 
 
-def tree_attention(block_m: int, block_n: int, splits: int, warps: int, stages: int, two_loops: int) -> str:
-    args = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Vis": "*i8", "Start": "*i64", "Acc": "*fp32",
-            "Stats": "*fp32", "Out": "*bf16", **{name: "i32" for name in ("stride_qh", "stride_qr", "stride_kh",
-                                                                          "stride_kt", "stride_vh", "stride_vt",
-                                                                          "rows", "n", "groups")},
+def attention_build(block_m: int, block_n: int, splits: int, two_loops: int, dtype: str = "bf16",
+                    head_dim: int = 128) -> tuple[Callable, dict[str, str], dict]:
+    """The split kernel's argument types and constants at this config."""
+    args = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Vis": "*i8", "Start": "*i64", "Acc": "*fp32",
+            "Stats": "*fp32", "Out": f"*{dtype}", **{name: "i32" for name in ("stride_qh", "stride_qr", "stride_kh",
+                                                                              "stride_kt", "stride_vh", "stride_vt",
+                                                                              "rows", "n", "groups")},
             "scale": "fp32", "SPLITS": "i32"}
-    consts = dict(WINDOW=0, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=False, DIRECT=splits == 1,
-                  TWO_LOOPS=two_loops)
-    return resources(attention._split_kernel, args, consts, warps, stages)
+    consts = dict(WINDOW=0, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=dtype == "fp32",
+                  DIRECT=splits == 1, TWO_LOOPS=two_loops)
+    return attention._split_kernel, args, consts
+
+
+def tree_attention(block_m: int, block_n: int, splits: int, warps: int, stages: int, two_loops: int) -> str:
+    return resources(*attention_build(block_m, block_n, splits, two_loops), warps, stages)
 
 
 def gdn_row(warps: int) -> str:
@@ -60,16 +84,81 @@ def gdn_row(warps: int) -> str:
     return resources(gdn._row_kernel, args, consts, warps)
 
 
-def gdn_tree(block: int, warps: int, tile: int) -> str:
+def gdn_tree_build(block: int, tile: int, dtype: str = "bf16") -> tuple[Callable, dict[str, str], dict]:
     args = {"State": "*fp32", "Vis": "*i8", "Keys": "*fp32", "U": "*fp32", "Decay": "*fp32", "Work": "*fp32",
-            "Out": "*bf16", "n": "i32"}
+            "Out": f"*{dtype}", "n": "i32"}
     consts = dict(HEADS=HEADS, DK=D, DV=D, SLICE=min(D, gdn.TREE_SLICE), BLOCK=block,
                   TILE=min(block, tile), CHUNK=min(D, gdn.TREE_CHUNK), PRECISION=gdn.TREE_PRECISION)
-    return resources(gdn._tree_delta_kernel, args, consts, warps)
+    return gdn._tree_delta_kernel, args, consts
 
 
-def main() -> None:
-    print(f"Triton {triton.__version__}, sm_90\n")
+def gdn_tree(block: int, warps: int, tile: int) -> str:
+    return resources(*gdn_tree_build(block, tile), warps)
+
+
+def gemm_build(rows: int, n: int, k: int, dtype: str) -> tuple[Callable, dict[str, str], dict, dict[str, int]]:
+    """The few-row GEMM at `launch_config`'s tiles for an [n, k] weight and `rows` rows."""
+    cfg = gemm_module.launch_config(n, k)
+    args = {"X": f"*{dtype}", "W": f"*{dtype}", "Y": f"*{dtype}", "Part": "*fp32", "Count": "*i32", "M": "i32",
+            "N": "i32", "stride_x": "i32", "stride_w": "i32"}
+    consts = dict(K=k, PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=max(16, triton.next_power_of_2(rows)),
+                  BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=cfg["split_k"])
+    return gemm_module._skinny_kernel, args, consts, cfg
+
+
+def experts_build(part: str, pairs: int, hidden: int, inter: int, experts: int, top_k: int,
+                  dtype: str) -> tuple[Callable, dict[str, str], dict, dict[str, int]]:
+    """An MoE expert kernel (gate/up or down) at its tuned tiles, for `pairs` (row, expert) pairs."""
+    up = part == "up"
+    cfg = moe_module.UP_CONFIG if up else moe_module.DOWN_CONFIG
+    first, out = ("X", "Act") if up else ("A", "Out")
+    args = {first: f"*{dtype}", "W": f"*{dtype}", "Owners": "*i32", "Order": "*i64", out: f"*{dtype}", "N": "i32",
+            "stride_we": "i32"}
+    k = hidden if up else inter
+    consts = dict(K=k, PAIRS=pairs, EXPERTS=experts, TOP_K=top_k, BY_EXPERT=pairs > experts,
+                  BLOCK_P=triton.next_power_of_2(pairs), BLOCK_M=16, SORTED=pairs == top_k, BLOCK_N=cfg["block_n"],
+                  BLOCK_K=moe_module._block_k(k), PRECISION="ieee" if dtype == "fp32" else "tf32")
+    return (moe_module._up_kernel if up else moe_module._down_kernel), args, consts, cfg
+
+
+def shared_table() -> None:
+    """Shared memory per block of the pipelined kernels at their launched configs, sm_86 and sm_90."""
+    builds: list[tuple[str, str, Callable, dict, dict, int, int, bool]] = []
+    for dtype in ("bf16", "fp32"):
+        for rows, kv, d, what in ((4, 8, 128, "8B AR step"), (64, 8, 128, "8B draft block"),
+                                  (260, 8, 128, "8B B = 64 tree"), (516, 8, 128, "8B B = 128 tree"),
+                                  (2048, 8, 128, "8B 512-token prompt chunk"), (390, 4, 256, "27B B = 64 tree"),
+                                  (2048, 4, 256, "27B prompt chunk")):
+            cfg = attention.launch_config(rows, 1024, kv, 132, d)
+            fn, args, consts = attention_build(cfg["block_m"], cfg["block_n"], cfg["splits"], cfg["two_loops"],
+                                               dtype, d)
+            builds.append((f"tree attention, {what} ({rows} rows, d {d})", dtype, fn, args, consts,
+                           cfg["num_warps"], cfg["num_stages"], True))
+        for rows, n, k, what in ((16, 4096, 4096, "8B draft q/o"), (16, 24576, 4096, "8B draft gate/up"),
+                                 (32, 4096, 12288, "8B draft down, 32 rows"), (16, 151936, 4096, "8B LM head")):
+            fn, args, consts, cfg = gemm_build(rows, n, k, dtype)
+            builds.append((f"few-row GEMM, {what}", dtype, fn, args, consts, cfg["num_warps"], cfg["num_stages"],
+                           True))
+        for part in ("up", "down"):
+            for pairs, what in ((8, "AR step"), (520, "B = 64 tree")):
+                fn, args, consts, cfg = experts_build(part, pairs, 2048, 768, 128, 8, dtype)
+                builds.append((f"MoE {part}, 30B-A3B {what}", dtype, fn, args, consts, 4, cfg["num_stages"], True))
+        for block, (warps, tile) in gdn.TREE_CONFIGS.items():
+            if block <= gdn.TREE_MAX:
+                fn, args, consts = gdn_tree_build(block, tile, dtype)
+                builds.append((f"Gated DeltaNet tree, {block} nodes", dtype, fn, args, consts, warps, 3, False))
+    limit = SHARED_LIMITS[CONSUMER] // 1024
+    print(f"\nShared memory per block at the launched configs (KB; a consumer GPU allows {limit} KB, an H200 "
+          f"{SHARED_LIMITS[90] // 1024})\n")
+    print("| kernel | dtype | sm_86 | sm_90 | over a consumer GPU's | shrinks to fit |\n|---|---|---|---|---|---|")
+    for name, dtype, fn, args, consts, warps, stages, fits in builds:
+        kb = {arch: compiled(fn, args, consts, warps, stages, arch).metadata.shared / 1024 for arch in SHARED_LIMITS}
+        over = "**yes**" if kb[CONSUMER] * 1024 > SHARED_LIMITS[CONSUMER] else "no"
+        print(f"| {name} | {dtype} | {kb[86]:.1f} | {kb[90]:.1f} | {over} | {'yes' if fits else 'no'} |", flush=True)
+
+
+def registers_table() -> None:
+    """Registers and stack of the latency-bound kernels, sm_90."""
     print("Tree attention (`_split_kernel`, 8 K/V heads, d 128, bf16)\n")
     print("| grouped rows | block_m x block_n | splits | warps | stages | launched | resources |\n"
           "|---|---|---|---|---|---|---|")
@@ -90,6 +179,17 @@ def main() -> None:
         launched = "yes" if block <= gdn.TREE_MAX else "no (trees over TREE_MAX take the PyTorch steps)"
         print(f"| tree delta (`_tree_delta_kernel`) | {block} | {warps} | {tile} | {launched} | "
               f"{gdn_tree(block, warps, tile)} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["registers", "shared"], help="only one of the two tables")
+    part = parser.parse_args().part
+    print(f"Triton {triton.__version__}\n")
+    if part != "shared":
+        registers_table()
+    if part != "registers":
+        shared_table()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,35 @@ def test_tree_attention_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_st
     assert small.tried[-1] == {"num_stages": 1, "BLOCK_N": 16} and len(small.tried) == 4  # 2 stages, 64, 32, 16
 
 
+def test_moe_experts_on_a_gpu_with_little_shared_memory_fit_their_tiles_and_stay_right(tmp_path, monkeypatch):
+    """In float32 the gate/up kernel's tuned tiles need 144 KB of shared memory, more than a consumer GPU has
+    (benchmarks/kernel_resources.py): both expert kernels shrink their tiles rather than fail."""
+    from ddtree.fast import moe
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(jit, "_FITTED", {})
+    monkeypatch.setattr(jit, "INTERPRETED_ON_CPU", True)
+    small_up = SmallGPU(moe._up_kernel, {"num_stages": 1, "BLOCK_N": 32})
+    small_down = SmallGPU(moe._down_kernel, {"num_stages": 2, "BLOCK_N": 64})
+    monkeypatch.setattr(moe, "_up_kernel", small_up)
+    monkeypatch.setattr(moe, "_down_kernel", small_down)
+    make_target(tmp_path / "moe", "qwen3_moe", seed=4)
+    mlp = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).model.layers[0].mlp
+    experts = moe.Experts.of(mlp)
+    h = torch.randn(3, mlp.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    assert experts.kernels_take(h)
+    with torch.no_grad():
+        want = mlp(h[None])[0]
+        got = experts.routed_by_kernels(h)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6), (got - want).abs().max()
+    assert small_up.tried == [{"num_stages": 3, "BLOCK_N": 64}, {"num_stages": 2, "BLOCK_N": 64},
+                              {"num_stages": 1, "BLOCK_N": 64}, {"num_stages": 1, "BLOCK_N": 32}]
+    assert small_down.tried == [{"num_stages": 3, "BLOCK_N": 64}, {"num_stages": 2, "BLOCK_N": 64}]
+    small_up.tried.clear()  # the next call (a graph capture after its warm-up) launches the fit at once
+    experts.routed_by_kernels(h)
+    assert small_up.tried == [{"num_stages": 1, "BLOCK_N": 32}]
+
+
 @pytest.mark.parametrize("mode", ["plain", "norm", "norm_first", "silu"])
 def test_one_row_gemv_equals_its_unfused_steps(mode):
     y, want = gemv_case(40, 64, mode, torch.float32, "cpu")

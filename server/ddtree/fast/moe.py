@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.fast.gemm import linear
-from ddtree.fast.jit import triton_works
+from ddtree.fast.jit import launch_fitting, triton_works
 
 try:
     import triton
@@ -129,15 +129,23 @@ class Experts:
                       BLOCK_P=triton.next_power_of_2(pairs), BLOCK_M=16, SORTED=n == 1,
                       PRECISION="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4)
         act = torch.empty((pairs, inter), dtype=h.dtype, device=h.device)
-        cfg = UP_CONFIG
-        _up_kernel[(runs, triton.cdiv(inter, cfg["block_n"]))](
-            h, self.gate_up, owners, order, act, inter, self.gate_up.stride(0), K=hidden, BLOCK_N=cfg["block_n"],
-            BLOCK_K=_block_k(hidden), num_stages=cfg["num_stages"], **common)
+
+        def up(tiles: dict[str, int]) -> None:
+            _up_kernel[(runs, triton.cdiv(inter, tiles["block_n"]))](
+                h, self.gate_up, owners, order, act, inter, self.gate_up.stride(0), K=hidden,
+                BLOCK_N=tiles["block_n"], BLOCK_K=_block_k(hidden), num_stages=tiles["num_stages"], **common)
+
         out = torch.empty((pairs, hidden), dtype=h.dtype, device=h.device)
-        cfg = DOWN_CONFIG
-        _down_kernel[(runs, triton.cdiv(hidden, cfg["block_n"]))](
-            act, self.down, owners, order, out, hidden, self.down.stride(0), K=inter, BLOCK_N=cfg["block_n"],
-            BLOCK_K=_block_k(inter), num_stages=cfg["num_stages"], **common)
+
+        def down(tiles: dict[str, int]) -> None:
+            _down_kernel[(runs, triton.cdiv(hidden, tiles["block_n"]))](
+                act, self.down, owners, order, out, hidden, self.down.stride(0), K=inter,
+                BLOCK_N=tiles["block_n"], BLOCK_K=_block_k(inter), num_stages=tiles["num_stages"], **common)
+
+        # the tuned tiles fit an H200 in either dtype and a consumer GPU (about 100 KB a block) in bf16; in
+        # float32 gate/up's take 144 KB (compiled for sm_86 and sm_90: benchmarks/kernel_resources.py)
+        launch_fitting(up, UP_CONFIG, ("block_n", 16), ("moe up", h.dtype, h.device, _block_k(hidden)))
+        launch_fitting(down, DOWN_CONFIG, ("block_n", 16), ("moe down", h.dtype, h.device, _block_k(inter)))
         total = torch.empty_like(h)
         _combine_kernel[(n, triton.cdiv(hidden, 256))](out, weights, total, hidden, TOP_K=k, BLOCK=256)
         return total
