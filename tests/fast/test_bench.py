@@ -120,10 +120,34 @@ def test_a_rounds_floor_adds_the_draft_its_commit_and_the_lm_head_to_the_target_
     step, draft = weight_bytes(fast, 16), draft_bytes(fast, 16)  # context: the prompt and half the new tokens
     assert report["step_bytes"] == step and report["round_bytes"] == step + draft
     assert report["draft_share_of_round_floor"] == pytest.approx(draft / (step + draft))
-    assert report["round_vs_floor_at"] == "spec"  # no copy bandwidth measured on a CPU
+    assert report["round_vs_floor_at"] == "spec"  # no bandwidth measured on a CPU
+    assert report["copy_bandwidth"] is None and report["read_bandwidth"] is None
     ar, dflash = report["results"]
     assert ar["round_vs_floor"] == pytest.approx(ar["round_ms"] / report["floor_ms"]["spec"])
     assert dflash["round_vs_floor"] == pytest.approx(dflash["round_ms"] / report["round_floor_ms"]["spec"])
+
+
+def test_runs_are_timed_against_the_best_measured_read_bandwidth(tmp_path, monkeypatch):
+    """Where the device's copy and read bandwidth are measured (before and after the runs), the floors at both
+    are reported, and each run's round/floor is against the best read bandwidth: the tightest floor."""
+    from ddtree.fast import bench
+
+    measured = iter([(3.9e12, 4.6e12), (4.2e12, 4.5e12)])  # before the runs, after them
+    monkeypatch.setattr(bench, "measured_ceilings", lambda device: next(measured))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar", "dflash", "--paths", "fast",
+                 "--prompts", "1", "--prompt-tokens", "12", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["copy_bandwidth"], report["read_bandwidth"]) == (4.2e12, 4.6e12)
+    assert report["round_vs_floor_at"] == "measured_read"
+    step, round_bytes = report["step_bytes"], report["round_bytes"]
+    assert report["floor_ms"] == pytest.approx(dict(spec=1e3 * step / bench.SPEC_BANDWIDTH,
+                                                    measured_copy=1e3 * step / 4.2e12,
+                                                    measured_read=1e3 * step / 4.6e12))
+    assert report["round_floor_ms"]["measured_read"] == pytest.approx(1e3 * round_bytes / 4.6e12)
+    ar, dflash = report["results"]
+    assert ar["round_vs_floor"] == pytest.approx(ar["round_ms"] * 4.6e12 / (1e3 * step))
+    assert dflash["round_vs_floor"] == pytest.approx(dflash["round_ms"] * 4.6e12 / (1e3 * round_bytes))
 
 
 def test_bench_runs_a_moe_shape_on_the_fast_path_and_counts_only_the_picked_experts(capsys):

@@ -200,6 +200,15 @@ def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k):
     assert torch.allclose(logp, top - logits.logsumexp(dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
 
 
+def test_the_read_bandwidth_kernel_reads_every_element_once():
+    """`ddtree bench` times its read floor with this kernel: its sums prove it read all the bytes it counts."""
+    from ddtree.fast.bench import READ_BLOCK, read_sums
+
+    data = torch.randn(3 * READ_BLOCK, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    sums = read_sums(data, torch.empty(3))
+    assert torch.allclose(sums, data.float().view(3, READ_BLOCK).sum(dim=1), atol=1e-3, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("budget", "vocab"), [(1, 50), (5, 50), (16, 50), (24, 300)])
 def test_the_one_program_tree_build_equals_the_pytorch_loop(budget, vocab):
     from ddtree.fast.tree import _build_on_gpu, _frontier, top_prefixes, tree_size, vocab_top
