@@ -13,9 +13,11 @@ the trees' configs take the kernel's two-loop form (committed keys without visib
 one loop. The last table is the fastest config per row count.
 2. Tree build: `top_prefixes` at each budget over the demo's 8192-token and Qwen3's 151936-token vocabulary,
    and its parts: the vocabulary top-k + log-partition (Triton vs torch) and the tree kernel at 4/8/16 warps.
+   --sweep adds the vocabulary top-k's chunk width (1024..16384) x warps (4/8/16) at 151936 tokens, each
+   checked against the default launch's tokens.
 
     PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep] [--part tree|attention] [--rows 4 64 260 516]
-        # --sweep: attention launch configs; --part: only one of the two parts; --rows: only these row counts
+        # --sweep: launch configs; --part: only one of the two parts; --rows: only these row counts
         # --warps 8: the sweep tries only the 8-warp tiles; --heads 4 6 256: another head layout
 """
 
@@ -137,13 +139,39 @@ def attention(sweep: bool, row_counts: list[int], warps: list[int] | None) -> No
         print(f"| {rows} | {name} | {us:.1f} | {shown} | {sdpa_us:.1f} |")
 
 
-def tree_ops() -> None:
+def tree_ops(sweep: bool) -> None:
     dev = torch.device("cuda")
     print("\n| vocab | budget | what | us per call |\n|---|---|---|---|")
     for vocab in (8192, 151936):
         logits = torch.randn(15, vocab, device=dev, dtype=torch.bfloat16) * 4
         for budget in (16, 32, 64, 128):
             tree_phase(logits, budget)
+    if sweep:
+        vocab_top_sweep(logits)
+
+
+def vocab_top_sweep(logits: torch.Tensor) -> None:
+    """The vocabulary top-k + log-partition at each chunk width and warp count; tokens against the default's."""
+    from ddtree.fast import tree
+
+    width, warps_of = tree._chunk_width, tree._chunk_warps
+    print("\n| k | chunk | warps | us per call | tokens as the default's |\n|---|---|---|---|---|")
+    for k in (16, 32, 64, 128):
+        want = tree._vocab_top_on_gpu(logits, k)[1]
+        default = width(logits.shape[1], k)
+        us = per_call_us(lambda k=k: [tree._vocab_top_on_gpu(logits, k) for _ in range(LAYERS)])
+        print(f"| {k} | {default} (default) | {warps_of(default)} | {us:.1f} | yes |")
+        for chunk in (c for c in (1024, 2048, 4096, 8192, 16384) if c >= k):
+            for warps in (4, 8, 16):
+                tree._chunk_width, tree._chunk_warps = (lambda *_, c=chunk: c), (lambda _, w=warps: w)
+                try:
+                    same = torch.equal(tree._vocab_top_on_gpu(logits, k)[1], want)
+                    us = per_call_us(lambda k=k: [tree._vocab_top_on_gpu(logits, k) for _ in range(LAYERS)])
+                    print(f"| {k} | {chunk} | {warps} | {us:.1f} | {'yes' if same else 'NO'} |")
+                except OutOfResources:
+                    print(f"| {k} | {chunk} | {warps} | out of resources | |")
+                finally:
+                    tree._chunk_width, tree._chunk_warps = width, warps_of
 
 
 def tree_phase(logits: torch.Tensor, budget: int) -> None:
@@ -180,6 +208,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     KV, GROUPS, D = args.heads
     if args.part != "attention":
-        tree_ops()
+        tree_ops(args.sweep)
     if args.part != "tree":
         attention(args.sweep, args.rows, args.warps)

@@ -189,15 +189,24 @@ def test_attention_heads_kernel_equals_the_reference_step(norm):
     assert torch.allclose(got_cache, want_cache, atol=1e-5, rtol=1e-5) and torch.equal(got_cache[1], want_cache[1])
 
 
-@pytest.mark.parametrize(("vocab", "k"), [(20, 2), (300, 16), (5000, 40)])
-def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k):
+@pytest.mark.parametrize(("vocab", "k", "dtype"), [(20, 2, torch.float32), (300, 16, torch.float32),
+                                                   (5000, 40, torch.float32), (20, 2, torch.bfloat16),
+                                                   (5000, 40, torch.bfloat16)])
+def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k, dtype):
+    """bf16 logits take the kernel's int32 keys; among tied logits the lower token comes first."""
     from ddtree.fast.tree import _vocab_top_on_gpu
 
     logits = distinct_logits(4, vocab, seed=k)
+    if dtype == torch.bfloat16:
+        logits = logits.div(2).round()  # 7 values: every top-k crosses ties, within chunks and between them
+    logits = logits.to(dtype)
     logp, tokens = _vocab_top_on_gpu(logits, k)
-    top, want_tokens = logits.topk(k, dim=-1)
+    wide = logits.float()
+    top, want_tokens = wide.topk(k, dim=-1)
+    if dtype == torch.bfloat16:
+        want_tokens = wide.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     assert torch.equal(tokens, want_tokens)
-    assert torch.allclose(logp, top - logits.logsumexp(dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
+    assert torch.allclose(logp, top - wide.logsumexp(dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
 
 
 def test_the_read_bandwidth_kernel_reads_every_element_once():

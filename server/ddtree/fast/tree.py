@@ -130,18 +130,28 @@ def _pow2(n: int, least: int = 16) -> int:
 def _vocab_top_on_gpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
     top = _pow2(k)
-    # ~2048 candidates a row, chunks of 1024..16384 logits (and never much wider than the vocabulary)
-    chunk = min(max(1024, min(_pow2(vocab * top // 2048), 16384), top), max(_pow2(vocab), top))
+    chunk = _chunk_width(vocab, top)
     chunks = -(-vocab // chunk)
     candidates = torch.empty((rows, chunks * top), dtype=torch.int64, device=logits.device)
     stats = torch.empty((rows, 2, chunks), dtype=torch.float32, device=logits.device)  # chunk max, sum of exp
     _chunk_top_kernel[(rows, chunks)](logits, logits.stride(0), vocab, candidates, stats, chunks, CHUNK=chunk,
-                                      TOP=top, num_warps=8 if chunk <= 4096 else 16)
+                                      TOP=top, HALF=logits.element_size() == 2, num_warps=_chunk_warps(chunk))
     logp = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
     tokens = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
     _merge_top_kernel[(rows,)](candidates, stats, logp, tokens, chunks, k, SPAN=_pow2(chunks * top),
                                CHUNKS=_pow2(chunks), TOP=top, num_warps=4)
     return logp, tokens
+
+
+def _chunk_width(vocab: int, top: int) -> int:
+    """Logits per chunk program: ~2048 candidates a row, chunks of 1024..16384 logits (and never much wider
+    than the vocabulary)."""
+    return min(max(1024, min(_pow2(vocab * top // 2048), 16384), top), max(_pow2(vocab), top))
+
+
+def _chunk_warps(chunk: int) -> int:
+    """Launch width of the chunk top-k: from a sweep on an H200 (bf16, vocabulary 151936; RESULTS v16)."""
+    return 4 if chunk <= 2048 else 8 if chunk <= 8192 else 16
 
 
 def _tree_warps(budget: int) -> int:
@@ -184,14 +194,31 @@ if triton is not None:
         return (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _chunk_top_kernel(Logits, stride, vocab, Candidates, Stats, chunks, CHUNK: tl.constexpr, TOP: tl.constexpr):
-        """One vocabulary chunk of one row: its TOP best (score, token) keys, its max and sum of exp."""
+    def _chunk_top_kernel(Logits, stride, vocab, Candidates, Stats, chunks, CHUNK: tl.constexpr, TOP: tl.constexpr,
+                          HALF: tl.constexpr):
+        """One vocabulary chunk of one row: its TOP best (score, token) keys, its max and sum of exp.
+
+        16-bit logits select on int32 keys (the logit's 16 bits, then the complement of its column in the
+        chunk), which a bitonic top-k compares and swaps in half the instructions of int64 ones; only the
+        TOP winners become the merge's int64 keys."""
         row, chunk = tl.program_id(0), tl.program_id(1)
-        col = chunk * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(Logits + row * stride + col, mask=col < vocab, other=float("-inf")).to(tl.float32)
-        # 2**31 - 1 - token in the low bits: the lower token first on equal logits
-        key = tl.where(col < vocab, _key(x, 2147483647 - col), -9223372036854775807)
-        tl.store(Candidates + (row * chunks + chunk) * TOP + tl.arange(0, TOP), tl.topk(key, TOP))
+        local = tl.arange(0, CHUNK)
+        col = chunk * CHUNK + local
+        raw = tl.load(Logits + row * stride + col, mask=col < vocab, other=float("-inf"))
+        x = raw.to(tl.float32)
+        if HALF:
+            bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
+            ordered = bits ^ ((bits >> 15) & 0x7FFF)  # signed-int order == the 16-bit float's order
+            key16 = tl.where(col < vocab, (ordered << 16) | (65535 - local), -2147483647 - 1)
+            best16 = tl.topk(key16, TOP)
+            high = best16 >> 16
+            value = (high ^ ((high >> 15) & 0x7FFF)).to(tl.int16).to(raw.dtype, bitcast=True).to(tl.float32)
+            best_col = chunk * CHUNK + 65535 - (best16 & 0xFFFF)
+            best = tl.where(best_col < vocab, _key(value, 2147483647 - best_col), -9223372036854775807)
+        else:
+            # 2**31 - 1 - token in the low bits: the lower token first on equal logits
+            best = tl.topk(tl.where(col < vocab, _key(x, 2147483647 - col), -9223372036854775807), TOP)
+        tl.store(Candidates + (row * chunks + chunk) * TOP + tl.arange(0, TOP), best)
         top = tl.max(x, axis=0)
         top = tl.where(top == float("-inf"), 0.0, top)
         tl.store(Stats + row * 2 * chunks + chunk, top)
