@@ -160,10 +160,10 @@ def vocab_top_sweep(logits: torch.Tensor) -> None:
         want = tree._vocab_top_on_gpu(logits, k)[1]
         default = width(logits.shape[1], k)
         us = per_call_us(lambda k=k: [tree._vocab_top_on_gpu(logits, k) for _ in range(LAYERS)])
-        print(f"| {k} | {default} (default) | {warps_of(default)} | {us:.1f} | yes |")
+        print(f"| {k} | {default} (default) | {warps_of(default, True)} | {us:.1f} | yes |")
         for chunk in (c for c in (1024, 2048, 4096, 8192, 16384) if c >= k):
             for warps in (4, 8, 16):
-                tree._chunk_width, tree._chunk_warps = (lambda *_, c=chunk: c), (lambda _, w=warps: w)
+                tree._chunk_width, tree._chunk_warps = (lambda *_, c=chunk: c), (lambda *_, w=warps: w)
                 try:
                     same = torch.equal(tree._vocab_top_on_gpu(logits, k)[1], want)
                     us = per_call_us(lambda k=k: [tree._vocab_top_on_gpu(logits, k) for _ in range(LAYERS)])

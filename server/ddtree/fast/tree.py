@@ -131,11 +131,12 @@ def _vocab_top_on_gpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     rows, vocab = logits.shape
     top = _pow2(k)
     chunk = _chunk_width(vocab, top)
+    half = logits.element_size() == 2
     chunks = -(-vocab // chunk)
     candidates = torch.empty((rows, chunks * top), dtype=torch.int64, device=logits.device)
     stats = torch.empty((rows, 2, chunks), dtype=torch.float32, device=logits.device)  # chunk max, sum of exp
     _chunk_top_kernel[(rows, chunks)](logits, logits.stride(0), vocab, candidates, stats, chunks, CHUNK=chunk,
-                                      TOP=top, HALF=logits.element_size() == 2, num_warps=_chunk_warps(chunk))
+                                      TOP=top, HALF=half, num_warps=_chunk_warps(chunk, half))
     logp = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
     tokens = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
     _merge_top_kernel[(rows,)](candidates, stats, logp, tokens, chunks, k, SPAN=_pow2(chunks * top),
@@ -149,9 +150,13 @@ def _chunk_width(vocab: int, top: int) -> int:
     return min(max(1024, min(_pow2(vocab * top // 2048), 16384), top), max(_pow2(vocab), top))
 
 
-def _chunk_warps(chunk: int) -> int:
-    """Launch width of the chunk top-k: from a sweep on an H200 (bf16, vocabulary 151936; RESULTS v16)."""
-    return 4 if chunk <= 2048 else 8 if chunk <= 8192 else 16
+def _chunk_warps(chunk: int, half: bool) -> int:
+    """Launch width of the chunk top-k. 16-bit logits' int32 keys: from a sweep on an H200 (bf16, vocabulary
+    151936; RESULTS v16). float32's int64 keys keep the widths they were timed at (8 warps at k = 64 took
+    152 us where 16 took 141)."""
+    if half:
+        return 4 if chunk <= 2048 else 8 if chunk <= 8192 else 16
+    return 8 if chunk <= 4096 else 16
 
 
 def _tree_warps(budget: int) -> int:
