@@ -270,22 +270,21 @@ GENERATIONS = {"qwen3": [("ar", None), ("ddtree", 24), ("ddtree", 64)],
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(GENERATIONS))
-def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, fast_ckpt, kernels_on_cpu, tmp_path,
-                                                                          monkeypatch):
+def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, kernels_on_cpu, tmp_path, monkeypatch):
     """Every kernel in place (GEMVs for AR steps, the few-row GEMM, the heads step, tree attention, the
     vocabulary top-k, the tree program, the MoE experts, a Gated DeltaNet layer's AR step and tree): the
     reference's tokens, acceptance, logprobs and prompt logprobs, for a dense target, a dense and an MoE hybrid,
     and a mixture-of-experts one. One test per target, so that each stays well inside the per-test timeout on
-    a slow machine (interpreted, the four took 165, 162, 85 and 21 s on one 2-core machine). The methods are the
+    a slow machine (interpreted, the four took 119, 162, 48 and 21 s on one 2-core machine). The methods are the
     fewest that run every kernel form: dflash and ddtree 5 ran no kernel that ddtree 24 does not."""
     from ddtree.fast import attention, gdn, gemm
     from ddtree.fast import hybrid as fast_hybrid
     from ddtree.fast.heads import attention_heads as heads_kernel
 
     monkeypatch.setattr(fast_hybrid, "PROMPT_CHUNK", 7)  # a hybrid's 10-token prompt: chunks of 7 and 3 nodes
-    if name in ("qwen3", "moe"):
-        draft = fast_ckpt / "draft"
-        target = fast_ckpt / "qwen3" if name == "qwen3" else make_target(tmp_path / "moe", "qwen3_moe", seed=4)
+    if name in ("qwen3", "moe"):  # 2 target layers and 1 draft layer (interpreted, every launch is slow)
+        draft = make_draft(tmp_path / "draft", target_layers=2, layers=1, taps=[0, 1])
+        target = make_target(tmp_path / name, "qwen3" if name == "qwen3" else "qwen3_moe", seed=4, layers=2)
     else:
         draft = make_draft(tmp_path / "draft", taps=[1, 2])
         target = make_hybrid_target(tmp_path / name, "qwen3_5" if name == "hybrid" else "qwen3_5_moe",
