@@ -199,7 +199,9 @@ def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k, dtype):
 
     logits = distinct_logits(4, vocab, seed=k)
     if dtype == torch.bfloat16:
-        logits = logits.div(2).round()  # 7 values: every top-k crosses ties, within chunks and between them
+        # 7 values: every top-k crosses ties, within chunks and between them (+ 0.0: no -0.0, which the keys
+        # order below +0.0 where a stable sort sees a tie)
+        logits = logits.div(2).round() + 0.0
     logits = logits.to(dtype)
     logp, tokens = _vocab_top_on_gpu(logits, k)
     wide = logits.float()

@@ -194,6 +194,12 @@ if triton is not None:
         return (ordered.to(tl.int64) << 32) | rank.to(tl.int64)
 
     @triton.jit
+    def _ordered16(bits):
+        """A 16-bit float's bits (sign-extended to int32) -> an int32 whose signed order is the float's; the
+        map is its own inverse, so it also turns such an int back into the float's bits."""
+        return bits ^ ((bits >> 15) & 0x7FFF)
+
+    @triton.jit
     def _key_score(key):
         high = (key >> 32).to(tl.int32)
         return (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
@@ -212,14 +218,12 @@ if triton is not None:
         raw = tl.load(Logits + row * stride + col, mask=col < vocab, other=float("-inf"))
         x = raw.to(tl.float32)
         if HALF:
-            bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
-            ordered = bits ^ ((bits >> 15) & 0x7FFF)  # signed-int order == the 16-bit float's order
-            key16 = tl.where(col < vocab, (ordered << 16) | (65535 - local), -2147483647 - 1)
-            best16 = tl.topk(key16, TOP)
-            high = best16 >> 16
-            value = (high ^ ((high >> 15) & 0x7FFF)).to(tl.int16).to(raw.dtype, bitcast=True).to(tl.float32)
+            lowest16 = -2147483647 - 1
+            ordered = _ordered16(raw.to(tl.int16, bitcast=True).to(tl.int32))
+            best16 = tl.topk(tl.where(col < vocab, (ordered << 16) | (65535 - local), lowest16), TOP)
+            value = _ordered16(best16 >> 16).to(tl.int16).to(raw.dtype, bitcast=True).to(tl.float32)
             best_col = chunk * CHUNK + 65535 - (best16 & 0xFFFF)
-            best = tl.where(best_col < vocab, _key(value, 2147483647 - best_col), -9223372036854775807)
+            best = tl.where(best16 != lowest16, _key(value, 2147483647 - best_col), -9223372036854775807)
         else:
             # 2**31 - 1 - token in the low bits: the lower token first on equal logits
             best = tl.topk(tl.where(col < vocab, _key(x, 2147483647 - col), -9223372036854775807), TOP)
