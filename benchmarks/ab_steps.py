@@ -17,6 +17,8 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     PyTorch GDN step neither Gated DeltaNet kernel: AR steps and trees through the compiled PyTorch steps
     v13 attention    all kernels but the tree attention as v13 launched it: one loop over every key block
                      (visibility read throughout) and v13's tiles
+    no PDL           all kernels, each launched only once the kernel before it has finished (no programmatic
+                     dependent launch: ddtree/fast/jit.py)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
@@ -30,7 +32,7 @@ import itertools
 
 import torch
 import triton
-from ddtree.fast import attention, gdn, gemm
+from ddtree.fast import attention, gdn, gemm, jit
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
 from ddtree.fast.heads import attention_heads
@@ -38,14 +40,15 @@ from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
-           attention="now")  # what the fast path runs
+           attention="now", pdl=True)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
             "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN tree": {**ALL, "gdn": "row"},
             "PyTorch GDN step": {**ALL, "gdn": "none"}, "v13 attention": {**ALL, "attention": "v13"},
+            "no PDL": {**ALL, "pdl": False},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
-                       attention="now")}
+                       attention="now", pdl=False)}
 
 
 def v13_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
@@ -93,6 +96,7 @@ def main() -> None:
             path.row_gemv, path.ops.attention_heads = variant["row_gemv"], heads[variant["heads"]]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         attention.launch_config = ATTENTION[variant["attention"]]
+        jit.PDL = variant["pdl"]
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)
         trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]

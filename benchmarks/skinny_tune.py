@@ -1,12 +1,13 @@
 """Few-row projections on a GPU: cuBLAS against the fast path's skinny GEMM (ddtree/fast/gemm.py).
 
 For each projection of the Qwen3-8B target at a verify's row counts (17: B = 16; 65: B = 64; 129:
-B = 128), and of its DFlash-b16 draft at a block's 16 rows, the table gives µs per call of cuBLAS, of the
-skinny kernel at its default launch config, and of the best few configs of a grid, with the bandwidth
-reached (weight bytes / time). Each timing is a CUDA graph of 36 calls cycling over distinct
-weight copies (more bytes than L2 holds), median of replays. Then the sums over one step's calls.
+B = 128), and of its DFlash-b16 draft at a block's 16 rows, the table gives µs per call of cuBLAS (and of
+cuBLASLt, by way of `linear`, at the rows it takes), of the skinny kernel at its default launch config, and
+of the best few configs of a grid, with the bandwidth reached (weight bytes / time). Each timing is a CUDA
+graph of 36 calls cycling over distinct weight copies (more bytes than L2 holds), median of replays. Then
+the sums over one step's calls (cuBLAS: the faster of cuBLAS and cuBLASLt).
 
-    PYTHONPATH=server python benchmarks/skinny_tune.py [--quick]
+    PYTHONPATH=server python benchmarks/skinny_tune.py [--quick] [--target-rows 65 33] [--only qkv o down]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from ddtree.fast.bench import cycled_us, weight_copies
-from ddtree.fast.gemm import launch_config, skinny_linear
+from ddtree.fast.gemm import LT_MAX_ROWS, MAX_ROWS, launch_config, linear, skinny_linear
 
 # name: (N, K, calls per step)
 TARGET = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36),
@@ -62,6 +63,7 @@ def tune(name: str, n: int, k: int, rows: int, quick: bool) -> tuple[float, floa
     weights = weight_copies(n, k)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     cublas = cycled_us(lambda w: F.linear(x, w), weights)
+    lt = cycled_us(lambda w: linear(x, w), weights) if MAX_ROWS < rows <= LT_MAX_ROWS else None
     want = F.linear(x, weights[0]).float()
     default = cycled_us(lambda w: skinny_linear(x, w), weights)
     tried = []
@@ -76,6 +78,9 @@ def tune(name: str, n: int, k: int, rows: int, quick: bool) -> tuple[float, floa
         tried.append((cycled_us(lambda w, cfg=cfg: skinny_linear(x, w, cfg), weights), str(cfg)))
     tried.sort()
     print(f"| {name} | {rows} | cuBLAS | {cublas:.1f} | {nbytes / cublas / 1e6:.2f} |")
+    if lt is not None:
+        print(f"| {name} | {rows} | cuBLASLt (`linear`) | {lt:.1f} | {nbytes / lt / 1e6:.2f} |")
+        cublas = min(cublas, lt)
     print(f"| {name} | {rows} | skinny default {launch_config(n, k)} | {default:.1f} | {nbytes / default / 1e6:.2f} |")
     for us, cfg in tried[:3]:
         print(f"| {name} | {rows} | skinny {cfg} | {us:.1f} | {nbytes / us / 1e6:.2f} |", flush=True)
@@ -98,8 +103,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smaller grid (4 warps only)")
     ap.add_argument("--target-rows", type=int, nargs="*", default=[65, 17, 129])
     ap.add_argument("--draft-rows", type=int, nargs="*", default=[16])
+    ap.add_argument("--only", nargs="*", help="these projections only (for example qkv o down)")
     args = ap.parse_args()
-    sets = [(TARGET, rows) for rows in args.target_rows] + [(DRAFT, rows) for rows in args.draft_rows]
+
+    def chosen(shapes: dict) -> dict:
+        return {name: shape for name, shape in shapes.items() if not args.only or name in args.only}
+
+    sets = [(chosen(TARGET), rows) for rows in args.target_rows] + [(chosen(DRAFT), rows) for rows in args.draft_rows]
     jobs = {(rows, k, str(cfg)): cfg for shapes, rows in sets for n, k, _ in shapes.values()
             for cfg in [*configs(k, args.quick), launch_config(n, k)]}
     precompile([(rows, k, cfg) for (rows, k, _), cfg in jobs.items()])

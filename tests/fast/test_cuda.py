@@ -59,6 +59,32 @@ def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, mo
         assert gen.token_ids == ref.token_ids, method
 
 
+def test_dependent_launches_change_no_bits(fast_ckpt, monkeypatch):
+    """On Hopper and later the Triton kernels launch as programmatic dependents: inside a graph each may start
+    while the kernel before it drains, and waits for it before touching its outputs. The same rounds with
+    that off give the same tokens and log-probabilities, bit for bit; a kernel that read another's output
+    before its wait would race, and round AR steps (all Triton) and trees differently."""
+    from ddtree.fast import jit
+
+    if not jit.pdl(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("no programmatic dependent launch on this GPU or Triton")
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="bfloat16",
+                                    fast=True, fast_capacity=256)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=2)
+
+    def decode() -> list:
+        engine.fast._plans.clear()  # recaptured with the current launches
+        out = []
+        for method, budget in (("ar", None), ("dflash", None), ("ddtree", 16)):
+            gen = engine.stream(list(range(60, 90)), params, method=method, budget=budget)
+            out.append([(r.token_ids, r.logprobs) for r in gen])
+        return out
+
+    dependent = decode()
+    monkeypatch.setattr(jit, "PDL", False)
+    assert decode() == dependent
+
+
 def attention_case(n: int, groups: int, d: int, capacity: int, start: int, window: int | None):
     """Random grouped queries and cache (CPU, float32) over a random tree of n nodes, and SDPA's output for them."""
     from ddtree.fast.attention import tree_attention, tree_mask

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.fast.jit import launch_fitting, triton_works
+from ddtree.fast.jit import after_previous, launch_fitting, pdl, triton_works
 
 try:
     import triton
@@ -118,6 +118,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
         acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
         stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
     k, v = cache[0], cache[1]
+    dependent = pdl(q.device)
 
     def launch(tiles: dict[str, int]) -> None:
         _split_kernel[(kv_heads, triton.cdiv(rows, cfg["block_m"]), splits)](
@@ -125,8 +126,8 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, n, rows // n, 1.0 / math.sqrt(d), splits,
             WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=tiles["block_n"],
-            IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=cfg["two_loops"],
-            num_warps=cfg["num_warps"], num_stages=tiles["num_stages"])
+            IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=cfg["two_loops"], PDL=dependent,
+            num_warps=cfg["num_warps"], num_stages=tiles["num_stages"], launch_pdl=dependent)
 
     # the tuned tiles fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
     # target's prompt chunk) needs narrower key tiles. The fit is kept per kernel build: the loop form and
@@ -140,7 +141,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
     block_d = d if kv_heads * row_blocks >= 64 else min(d, 32)  # few rows: spread the head dim over programs
     _merge_kernel[(kv_heads, row_blocks, d // block_d)](
         acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
-        num_warps=4 if block_d == d else 1)
+        PDL=dependent, num_warps=4 if block_d == d else 1, launch_pdl=dependent)
     return out
 
 
@@ -175,9 +176,10 @@ if triton is not None:
     def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, Out, stride_qh, stride_qr, stride_kh, stride_kt, stride_vh,
                       stride_vt, rows, n, groups, scale, SPLITS, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
-                      TWO_LOOPS: tl.constexpr):
+                      TWO_LOOPS: tl.constexpr, PDL: tl.constexpr):
         """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats
         for _merge_kernel, or, when DIRECT (one split, the whole key range), the finished output in its layout."""
+        after_previous(PDL)
         head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(Start).to(tl.int32)
         total = start + n
@@ -224,9 +226,10 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(Acc, Stats, Out, rows, n, groups, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+                      BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
         """Softmax-weighted sum of the splits for a block of rows and of head dims, written as
         out[t, (head * groups + group) * d + e]."""
+        after_previous(PDL)
         head, r_block = tl.program_id(0), tl.program_id(1)
         heads = tl.num_programs(0)
         r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)

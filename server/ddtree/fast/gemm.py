@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ddtree.fast.gemv import gemv
 from ddtree.fast.gemv import supported as gemv_supported
-from ddtree.fast.jit import launch_fitting, triton_works
+from ddtree.fast.jit import after_previous, launch_fitting, pdl, triton_works
 
 try:
     import triton
@@ -109,12 +109,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] 
     split_k = cfg["split_k"]
     partials = torch.empty((split_k, rows, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     counters = _counters(x.device, tiles)
+    dependent = pdl(x.device)
 
     def launch(fit: dict[str, int]) -> None:
         _skinny_kernel[(tiles, split_k)](
             x, weight, y, partials, counters, rows, n, x.stride(0), weight.stride(0), K=k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
-            BLOCK_K=fit["block_k"], SPLIT_K=split_k, num_warps=cfg["num_warps"], num_stages=fit["num_stages"])
+            BLOCK_K=fit["block_k"], SPLIT_K=split_k, PDL=dependent, num_warps=cfg["num_warps"],
+            num_stages=fit["num_stages"], launch_pdl=dependent)
 
     # float32 rows need up to 147 KB at the tuned tiles: more than a consumer GPU's shared memory
     launch_fitting(launch, {"num_stages": cfg["num_stages"], "block_k": cfg["block_k"]}, ("block_k", 64),
@@ -142,9 +144,10 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(X, W, Y, Part, Count, M, N, stride_x, stride_w, K: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
         """Columns pid_n * BLOCK_N.. of y for all rows, over the K slice pid_k of SPLIT_K (float32 inputs take
         the exact product, not TF32: the float32 tests hold the fast path to the reference's tokens)."""
+        after_previous(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         span: tl.constexpr = K // SPLIT_K

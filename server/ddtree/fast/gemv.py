@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.fast.jit import after_previous, pdl
+
 try:
     import triton
     import triton.language as tl
@@ -76,11 +78,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, mode: int, delta: torch.Tenso
     cfg = config or launch_config(n, k)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     residual = torch.empty_like(x) if mode == NORM and delta is not None else None
+    dependent = pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, delta if delta is not None else x, residual if residual is not None else x,
         norm if norm is not None else x, weight, y, row if row is not None else x, n, weight.stride(0), eps,
         K=k, MODE=mode, HAS_DELTA=delta is not None, WRITE_ROW=row is not None, BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], UNROLL=cfg["unroll"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=cfg["block_k"], UNROLL=cfg["unroll"], PDL=dependent, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], launch_pdl=dependent)
     return y, residual
 
 
@@ -109,15 +113,30 @@ if triton is not None:
             return tl.load(X + cols).to(tl.float32)
 
     @triton.jit
+    def _accumulate(acc, w, X, Delta, G, Row, cols, rstd, pid, K: tl.constexpr, MODE: tl.constexpr,
+                    HAS_DELTA: tl.constexpr, WRITE_ROW: tl.constexpr):
+        """acc + one weight tile `w` times the input row's columns `cols` (stored to Row by the first program
+        with WRITE_ROW)."""
+        row = _input_tile(X, Delta, G, cols, rstd, K, MODE, HAS_DELTA)
+        if WRITE_ROW:  # by the first program only
+            tl.store(Row + cols, row.to(Row.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
+        return acc + w.to(tl.float32) * row[None, :]
+
+    @triton.jit
     def _gemv_kernel(X, Delta, Res, G, W, Y, Row, N, stride_w, eps, K: tl.constexpr, MODE: tl.constexpr,
                      HAS_DELTA: tl.constexpr, WRITE_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         """BLOCK_N output rows of y = W @ row(X): float32 partial products kept per column, summed once; the
         main loop unrolled UNROLL times so several weight tiles are in flight per program. With WRITE_ROW
-        the first program also stores the row it built."""
+        the first program also stores the row it built. The first weight tile is read before waiting for the
+        kernel before (PDL): the weights are constant, so memory streams while that kernel drains."""
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        row_ok = (rn < N)[:, None]
+        w_ptrs = W + rn[:, None] * stride_w + rk[None, :]
+        first = tl.load(w_ptrs, mask=row_ok, other=0.0, eviction_policy="evict_first")
+        after_previous(PDL)
         rstd = 0.0
         if MODE == 1:  # the row's RMS first: K values, read again from cache by the main loop
             squares = tl.zeros((BLOCK_K,), tl.float32)
@@ -132,13 +151,8 @@ if triton is not None:
                 squares += x * x
             rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        row_ok = (rn < N)[:, None]
-        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
-            cols = k0 + rk
-            w = tl.load(W + rn[:, None] * stride_w + cols[None, :], mask=row_ok, other=0.0,
-                        eviction_policy="evict_first")
-            row = _input_tile(X, Delta, G, cols, rstd, K, MODE, HAS_DELTA)
-            if WRITE_ROW:  # by the first program only
-                tl.store(Row + cols, row.to(Row.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
-            acc += w.to(tl.float32) * row[None, :]
+        acc = _accumulate(acc, first, X, Delta, G, Row, rk, rstd, pid, K, MODE, HAS_DELTA, WRITE_ROW)
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, loop_unroll_factor=UNROLL):
+            w = tl.load(w_ptrs + k0, mask=row_ok, other=0.0, eviction_policy="evict_first")
+            acc = _accumulate(acc, w, X, Delta, G, Row, k0 + rk, rstd, pid, K, MODE, HAS_DELTA, WRITE_ROW)
         tl.store(Y + rn, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=rn < N)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.fast.jit import after_previous, pdl
+
 try:
     import triton
     import triton.language as tl
@@ -29,10 +31,12 @@ def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: t
     heads = q.shape[1] // head_dim
     out = torch.empty((kv_heads, heads // kv_heads * n, head_dim), dtype=q.dtype, device=q.device)
     has_norm = q_norm is not None
+    dependent = pdl(q.device)
     _heads_kernel[(n, heads + kv_heads)](
         q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, cache, slots, out, n,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), eps,
-        HEADS=heads, GROUPS=heads // kv_heads, D=head_dim, HAS_NORM=has_norm, num_warps=1)
+        HEADS=heads, GROUPS=heads // kv_heads, D=head_dim, HAS_NORM=has_norm, PDL=dependent,
+        num_warps=1, launch_pdl=dependent)
     return out
 
 
@@ -62,8 +66,9 @@ if triton is not None:
     @triton.jit
     def _heads_kernel(Q, K, V, QN, KN, Cos, Sin, Cache, Slots, Out, n, stride_q, stride_k, stride_v, stride_cos,
                       stride_plane, stride_head, stride_row, eps, HEADS: tl.constexpr, GROUPS: tl.constexpr,
-                      D: tl.constexpr, HAS_NORM: tl.constexpr):
+                      D: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
         """Program (t, h): query head h of row t (h < HEADS), else K/V head h - HEADS."""
+        after_previous(PDL)
         t, h = tl.program_id(0), tl.program_id(1)
         dims = tl.arange(0, D)
         cos = tl.load(Cos + t * stride_cos + dims).to(tl.float32)

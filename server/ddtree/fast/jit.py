@@ -20,6 +20,7 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
     from triton.runtime.errors import OutOfResources
 except ImportError:  # CPU-only installs
     triton = None
@@ -27,6 +28,12 @@ except ImportError:  # CPU-only installs
     class OutOfResources(Exception):
         """Stands in for Triton's error where Triton is missing (nothing raises it then)."""
 
+try:  # grid dependency control (Triton 3.4 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_wait = gdc_launch_dependents = None
+
+PDL = os.environ.get("DDTREE_PDL", "1") != "0"
 _WORKS: dict[torch.device, bool] = {}
 _FITTED: dict[tuple, dict[str, int]] = {}  # launch configs whose tiles outgrew a GPU's shared memory: their fit
 INTERPRETED_ON_CPU = False
@@ -51,6 +58,15 @@ def triton_works(device: torch.device) -> bool:
                   "using SDPA and the PyTorch tree build", file=sys.stderr)
             _WORKS[device] = False
     return _WORKS[device]
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependents (PDL; Hopper and later): a launch may
+    start while the kernel before it drains, and its programs wait (`after_previous`) until that kernel has
+    finished and its writes are visible. Back-to-back memory-bound kernels then overlap their ramps and
+    tails. DDTREE_PDL=0 turns it off, for A/B runs."""
+    return (PDL and gdc_wait is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def _probe(device: torch.device) -> None:
@@ -104,3 +120,16 @@ def launch_fitting(launch: Callable[[dict[str, int]], None], tiles: dict[str, in
             else:
                 raise
             _FITTED[key] = tiles
+
+
+after_previous = None  # CPU-only installs: no kernels to order
+if triton is not None:
+
+    @triton.jit
+    def after_previous(PDL: tl.constexpr):
+        """A kernel's first step when launched with PDL (a no-op otherwise): wait for the kernel before it, then
+        let the next one launch. Nothing may be read from or written to memory that another kernel writes or
+        reads before this; constant weights may be."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
