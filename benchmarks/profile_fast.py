@@ -4,9 +4,10 @@ Builds a random-weight shape (as `ddtree bench --shape`), decodes once per metho
 then profiles replayed rounds with torch.profiler. Prints, per method: wall time per round, the summed
 kernel time per step (what the graph replays cost on the GPU) and the heaviest kernels; and the time of
 the target's projections alone (every linear of every layer plus the LM head, replayed as one CUDA graph)
-at 1 and at B+1 rows: the floor that cuBLAS' GEMMs set for one step before any other kernel.
+at 1 and at B+1 rows: the floor that cuBLAS' GEMMs set for one step before any other kernel. With
+`--by-step`, also each step on its own: its graph replay time, and every kernel it launches.
 
-    PYTHONPATH=server python benchmarks/profile_fast.py --shape qwen3-8b --budgets 64
+    PYTHONPATH=server python benchmarks/profile_fast.py --shape qwen3-8b --budgets 64 [--by-step]
 """
 
 from __future__ import annotations
@@ -42,10 +43,30 @@ def gemm_floor(fast, rows: int) -> float:
     return graph_ms(step)
 
 
+def step_kernels(plan, rounds: int) -> dict[str, dict[str, list]]:
+    """Per step: each kernel's device ms and launches per round, the step run eagerly under a profiler of its
+    own (the steps before it run outside, so it reads real inputs)."""
+    found: dict[str, dict[str, list]] = {name: defaultdict(lambda: [0.0, 0.0]) for name, _ in plan.steps}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            out = None
+            for name, fn in plan.steps:
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    out = fn(out)
+                    torch.cuda.synchronize()
+                for evt in prof.events():
+                    if evt.device_type == torch.autograd.DeviceType.CUDA:
+                        entry = found[name][evt.name[:90]]
+                        entry[0] += evt.device_time / 1e3 / rounds
+                        entry[1] += 1 / rounds
+    return found
+
+
 def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: int, top_kernels: int,
-                   ops: bool = False) -> dict:
+                   ops: bool = False, by_step: bool = False) -> dict:
     """Wall time of replayed rounds (graphs), and the kernels of the same steps run eagerly (time and launches),
-    per round."""
+    per round; with `by_step`, each step's replay time and kernels."""
     fast = engine.fast
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     engine.generate(prompt, params, method=method, budget=budget)  # captures the plan
@@ -54,10 +75,12 @@ def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: 
     for _ in range(3):
         plan.run()
     torch.cuda.synchronize()
-    walls = []
+    walls, step_walls = [], defaultdict(list)
     for _ in range(rounds):
         _, phases = plan.run()
         walls.append(sum(phases.values()))
+        for name, seconds in phases.items():
+            step_walls[name].append(1e3 * seconds)
     def eager_rounds() -> None:
         for _ in range(rounds):
             out = None
@@ -83,9 +106,17 @@ def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: 
         print(f"{method} B={budget}:", op_prof.key_averages(group_by_input_shape=True).table(
             sort_by="self_device_time_total", row_limit=top_kernels, max_name_column_width=60,
             max_shapes_column_width=70))
+    steps = {}
+    if by_step:
+        for name, kernels in step_kernels(plan, rounds).items():
+            steps[name] = dict(replay_ms=statistics.median(step_walls[name]),
+                               kernel_ms=sum(ms for ms, _ in kernels.values()),
+                               launches=sum(count for _, count in kernels.values()),
+                               kernels=sorted(((k, round(ms, 4), count) for k, (ms, count) in kernels.items()),
+                                              key=lambda row: -row[1]))
     return dict(method=method, budget=budget, wall_ms=1e3 * statistics.median(walls), kernel_ms=sum(by_kernel.values()),
                 launches=sum(launches.values()) / rounds, graphs=plan.eager_reason or "graphs",
-                top=[(name, round(ms, 4), launches[name] / rounds) for name, ms in top])
+                top=[(name, round(ms, 4), launches[name] / rounds) for name, ms in top], steps=steps)
 
 
 def main() -> None:
@@ -97,6 +128,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"], choices=["ar", "dflash", "ddtree"])
     parser.add_argument("--top", type=int, default=12, help="kernels listed per method")
     parser.add_argument("--ops", action="store_true", help="also the PyTorch ops behind the kernels, with shapes")
+    parser.add_argument("--by-step", action="store_true", help="also each step's replay time and all its kernels")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -107,12 +139,18 @@ def main() -> None:
     report = dict(shape=args.shape, compiled=engine.fast.ops.compiled,
                   gemm_floor_ms={} if hybrid else
                   {rows: gemm_floor(engine.fast, rows) for rows in [1, *(b + 1 for b in args.budgets)]},
-                  runs=[profile_rounds(engine, m, b, prompt, args.rounds, args.top, args.ops) for m, b in plans])
+                  runs=[profile_rounds(engine, m, b, prompt, args.rounds, args.top, args.ops, args.by_step)
+                        for m, b in plans])
     for run in report["runs"]:
         print(f"\n{run['method']} B={run['budget']} ({run['graphs']}): wall {run['wall_ms']:.3f} ms/round, "
               f"kernels {run['kernel_ms']:.3f} ms in {run['launches']:.0f} launches")
         for name, ms, count in run["top"]:
             print(f"  {ms:8.4f} ms  {count:5.0f}x  {name}")
+        for step, seen in run["steps"].items():
+            print(f"  {step}: replay {seen['replay_ms']:.4f} ms, kernels {seen['kernel_ms']:.4f} ms in "
+                  f"{seen['launches']:.0f} launches")
+            for name, ms, count in seen["kernels"]:
+                print(f"    {ms:8.4f} ms  {count:5.1f}x  {name}")
     if report["gemm_floor_ms"]:
         print("\nGEMM-only floor (ms):", {k: round(v, 3) for k, v in report["gemm_floor_ms"].items()})
     if args.json:
