@@ -43,10 +43,19 @@ def gemm_floor(fast, rows: int) -> float:
     return graph_ms(step)
 
 
-def step_kernels(plan, rounds: int) -> dict[str, dict[str, list]]:
+def count_kernels(prof, rounds: int, times: dict[str, float], launches: dict[str, float]) -> None:
+    """Add a profile's device kernels, by name, to `times` (ms per round) and `launches` (per round)."""
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            name = evt.name[:90]
+            times[name] += evt.device_time / 1e3 / rounds
+            launches[name] += 1 / rounds
+
+
+def step_kernels(plan, rounds: int) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
     """Per step: each kernel's device ms and launches per round, the step run eagerly under a profiler of its
     own (the steps before it run outside, so it reads real inputs)."""
-    found: dict[str, dict[str, list]] = {name: defaultdict(lambda: [0.0, 0.0]) for name, _ in plan.steps}
+    found = {name: (defaultdict(float), defaultdict(float)) for name, _ in plan.steps}
     with torch.inference_mode():
         for _ in range(rounds):
             out = None
@@ -55,11 +64,7 @@ def step_kernels(plan, rounds: int) -> dict[str, dict[str, list]]:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     out = fn(out)
                     torch.cuda.synchronize()
-                for evt in prof.events():
-                    if evt.device_type == torch.autograd.DeviceType.CUDA:
-                        entry = found[name][evt.name[:90]]
-                        entry[0] += evt.device_time / 1e3 / rounds
-                        entry[1] += 1 / rounds
+                count_kernels(prof, rounds, *found[name])
     return found
 
 
@@ -91,12 +96,8 @@ def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:  # eager steps: kernel times
         eager_rounds()
     by_kernel: dict[str, float] = defaultdict(float)
-    launches: dict[str, int] = defaultdict(int)
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            name = evt.name[:90]
-            by_kernel[name] += evt.device_time / 1e3 / rounds
-            launches[name] += 1
+    launches: dict[str, float] = defaultdict(float)
+    count_kernels(prof, rounds, by_kernel, launches)
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top_kernels]
     if ops:  # which PyTorch ops (and input shapes) launch the kernels: a pass of its own, since tracing the CPU
         # side adds annotation ranges to the device events that would count twice in the totals above
@@ -108,15 +109,14 @@ def profile_rounds(engine, method: str, budget: int, prompt: list[int], rounds: 
             max_shapes_column_width=70))
     steps = {}
     if by_step:
-        for name, kernels in step_kernels(plan, rounds).items():
-            steps[name] = dict(replay_ms=statistics.median(step_walls[name]),
-                               kernel_ms=sum(ms for ms, _ in kernels.values()),
-                               launches=sum(count for _, count in kernels.values()),
-                               kernels=sorted(((k, round(ms, 4), count) for k, (ms, count) in kernels.items()),
-                                              key=lambda row: -row[1]))
+        for name, (times, counts) in step_kernels(plan, rounds).items():
+            steps[name] = dict(replay_ms=statistics.median(step_walls[name]), kernel_ms=sum(times.values()),
+                               launches=sum(counts.values()),
+                               kernels=[(k, round(ms, 4), counts[k]) for k, ms in
+                                        sorted(times.items(), key=lambda kv: -kv[1])])
     return dict(method=method, budget=budget, wall_ms=1e3 * statistics.median(walls), kernel_ms=sum(by_kernel.values()),
-                launches=sum(launches.values()) / rounds, graphs=plan.eager_reason or "graphs",
-                top=[(name, round(ms, 4), launches[name] / rounds) for name, ms in top], steps=steps)
+                launches=sum(launches.values()), graphs=plan.eager_reason or "graphs",
+                top=[(name, round(ms, 4), launches[name]) for name, ms in top], steps=steps)
 
 
 def main() -> None:
