@@ -19,6 +19,7 @@ VERSION = "v1alpha1"
 KIND = "DDTreeDeployment"
 DEFAULT_IMAGE = "ghcr.io/ddtree/ddtree-server:0.1.0"
 MODELS_DIR = "/models"
+DRAFT_VOCAB_DIR = "/etc/ddtree/draft-vocab"
 PVC_SOURCES_DIR = "/mnt/pvc"  # where pvc:// source claims are mounted; `ddtree pull` resolves them here
 RUN_AS = 1000
 PROBE_PERIOD = 10
@@ -289,11 +290,29 @@ def server_args(spec: Manifest) -> list[str]:
         args += ["--default-temperature", str(decoding["temperature"])]
     if "generationConfig" in decoding:
         args += ["--generation-config", decoding["generationConfig"]]
+    if vocab := draft_vocab_file(spec):
+        args += ["--draft-vocab", vocab]
     if "thinking" in decoding:
         args += ["--default-chat-template-kwargs", json.dumps({"enable_thinking": decoding["thinking"]})]
     if _gpu(spec)["count"] > 0:  # explicit both ways (the server's default depends on what it finds)
         args.append("--fast" if decoding.get("fastPath", True) else "--no-fast")
     return args + list(server["extraArgs"])
+
+
+def draft_vocab_file(spec: Manifest) -> str | None:
+    """Where the server finds the draft vocabulary of decoding.draftVocab (its ConfigMap's key, mounted)."""
+    ref = spec.get("decoding", {}).get("draftVocab", {}).get("configMapRef")
+    return f"{DRAFT_VOCAB_DIR}/{ref.get('key', 'draft_vocab.json')}" if ref else None
+
+
+def _draft_vocab_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
+    """The ConfigMap of decoding.draftVocab as a read-only volume of the server (none without one)."""
+    ref = spec.get("decoding", {}).get("draftVocab", {}).get("configMapRef")
+    if not ref:
+        return [], []
+    key = ref.get("key", "draft_vocab.json")
+    volume = {"name": "draft-vocab", "configMap": {"name": ref["name"], "items": [{"key": key, "path": key}]}}
+    return [volume], [{"name": "draft-vocab", "mountPath": DRAFT_VOCAB_DIR, "readOnly": True}]
 
 
 def drain_timeout(spec: Manifest) -> int:
@@ -319,6 +338,7 @@ def render_deployment(body: Manifest, image: str) -> Manifest:
     server = _server(spec)
     storage_mode = _storage(spec)["mode"]
     source_volumes, source_mounts = _source_volumes(spec)
+    vocab_volumes, vocab_mounts = _draft_vocab_volumes(spec)
     env: list[Manifest] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
                            {"name": "XDG_CACHE_HOME", "value": "/cache"},
                            {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
@@ -345,7 +365,7 @@ def render_deployment(body: Manifest, image: str) -> Manifest:
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"},
-                         {"name": "cache", "mountPath": "/cache"}, *source_mounts],
+                         {"name": "cache", "mountPath": "/cache"}, *source_mounts, *vocab_mounts],
     }
     resources = _server_resources(spec)
     if resources:
@@ -360,7 +380,8 @@ def render_deployment(body: Manifest, image: str) -> Manifest:
         "containers": [container],
         "volumes": [_models_volume(body),
                     {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": server["shmSize"]}},
-                    {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *source_volumes],
+                    {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *source_volumes,
+                    *vocab_volumes],
         **_placement(spec, gpu=True),
     }
     if storage_mode == "emptyDir":

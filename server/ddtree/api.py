@@ -244,6 +244,9 @@ class ServerState:
                  engine.max_context)
         if note := getattr(engine, "fast_note", None):
             log.warning("%s", note)
+        head = getattr(engine, "draft_head", None)
+        if head is not None and head.token_ids is not None:
+            log.info("drafting from %d of %d tokens (--draft-vocab)", head.size, engine.vocab_size)
 
     def _warm_up(self, engine: Any) -> None:
         """Capture the fast path's graphs before /ready says yes: for greedy requests and for requests that

@@ -19,6 +19,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--draft-vocab", metavar="FILE", default=None,
+                        help="draft only these tokens (a file from `ddtree draft-vocab`, a JSON list of ids, or a "
+                        ".pt tensor of ids): a cheaper draft step, the same output (default: the whole vocabulary)")
 
 
 def _add_generation_config_arg(parser: argparse.ArgumentParser, what: str) -> None:
@@ -75,7 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise DDTreeError(str(exc)) from None
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
-                                    device=args.device, dtype=args.dtype, fast=args.fast)
+                                    device=args.device, dtype=args.dtype, fast=args.fast, draft_vocab=args.draft_vocab)
     if engine.fast is None and engine.fast_unsupported != "off":
         print(f"ddtree generate: reference path ({engine.fast_unsupported})", file=sys.stderr)
     elif engine.fast_note:
@@ -187,8 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         if not isinstance(template_kwargs, dict):
             raise DDTreeError("--default-chat-template-kwargs must be a JSON object")
     return run(ServeOptions(
-        target=args.target, draft=args.draft, method=args.method, budget=args.budget, device=args.device,
-        dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        target=args.target, draft=args.draft, draft_vocab=args.draft_vocab, method=args.method, budget=args.budget,
+        device=args.device, dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
         drain_timeout=args.drain_timeout, default_temperature=args.default_temperature,
         generation_config=args.generation_config, fast=args.fast,
@@ -300,6 +303,26 @@ def _train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_draft_vocab_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft-vocab", help="count a corpus's tokens: the most frequent ones, for --draft-vocab",
+                       description="Write the SIZE tokens of the target's tokenizer most frequent in a local corpus "
+                       "(its held-out files excluded), stop tokens always among them. `ddtree serve --draft-vocab "
+                       "FILE` then drafts only those tokens: a cheaper draft step, the same output.")
+    p.add_argument("--target", required=True, help="target model directory (its tokenizer and config)")
+    p.add_argument("--corpus", nargs="+", required=True, metavar="PATH", help="text files or directories")
+    p.add_argument("--glob", default="*.py,*.txt,*.md,*.rst", help="comma-separated file patterns for directories")
+    p.add_argument("--size", type=int, default=32768, help="tokens to keep (default: 32768)")
+    p.add_argument("--out", required=True, help="output file (JSON)")
+    p.set_defaults(handler=_draft_vocab)
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    from ddtree.draft_vocab import build_from_corpus
+
+    build_from_corpus(args.target, args.corpus, args.size, args.out, args.glob.split(","))
+    return 0
+
+
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="ar, dflash and ddtree side by side, fast and eager paths, one process")
     p.add_argument("--target", help="target model directory (default: the embedded demo pair)")
@@ -328,6 +351,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="ask for each token's log-probability and its K best alternatives, as a client would")
+    p.add_argument("--draft-vocab", metavar="FILE|N", default=None,
+                   help="draft only these tokens: a draft vocabulary file, or N for the N lowest ids (a --shape's "
+                   "costs; its random weights make every choice of tokens alike)")
     p.add_argument("--json", help="also write the full results here")
     p.set_defaults(handler=_bench)
 
@@ -346,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pull_parser(sub)
     _add_train_target_parser(sub)
     _add_train_draft_parser(sub)
+    _add_draft_vocab_parser(sub)
     _add_bench_parser(sub)
     return parser
 

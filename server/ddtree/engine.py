@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from ddtree import grammar
 from ddtree.draft import DFlashDraft, DraftCache, load_draft
+from ddtree.draft_vocab import DraftHead, check_draft_vocab, read_draft_vocab
 from ddtree.errors import DDTreeError
 from ddtree.fast import MAX_BUDGET, FastPath, unsupported
 from ddtree.fast.hybrid import HybridFastPath
@@ -143,7 +144,7 @@ class Engine:
 
     def __init__(self, target: Target, draft: DFlashDraft | None, tokenizer=None, *, method: str = "ddtree",
                  budget: int | None = None, model_name: str = "ddtree", fast: bool = False,
-                 fast_capacity: int = 4096) -> None:
+                 fast_capacity: int = 4096, draft_vocab: Sequence[int] | None = None) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -156,19 +157,23 @@ class Engine:
             eos.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
         self.eos_token_ids: set[int] = eos
         self.generation_defaults = generation_defaults(getattr(target.model, "generation_config", None))
+        # What the drafter scores its block with: the target's LM head, or its rows of a draft vocabulary.
+        self.draft_head = DraftHead(target.lm_head, draft_vocab) if draft is not None else None
         if draft is not None:
             target.set_taps(draft.config.target_layer_ids)
         # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.
         self.fast_unsupported = unsupported(target) if fast else "off"
         fast_path = HybridFastPath if isinstance(target, HybridTarget) else FastPath
-        self.fast = fast_path(target, draft, fast_capacity) if self.fast_unsupported is None else None
+        self.fast = fast_path(target, draft, fast_capacity, self.draft_head) if self.fast_unsupported is None else None
 
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                         method: str = "ddtree", budget: int | None = None, device: str | None = None,
-                        dtype: str | None = None, fast: bool | None = False, fast_capacity: int = 4096) -> Engine:
+                        dtype: str | None = None, fast: bool | None = False, fast_capacity: int = 4096,
+                        draft_vocab: str | Path | None = None) -> Engine:
         """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package.
-        fast=None turns the fast path on when the model runs on CUDA (where it pays off)."""
+        fast=None turns the fast path on when the model runs on CUDA (where it pays off). `draft_vocab`: a
+        draft vocabulary file (ddtree.draft_vocab), the tokens the drafter may propose."""
         if target is None:
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
         if not Path(target).is_dir():
@@ -179,6 +184,9 @@ class Engine:
         torch_dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         fast = dev.type == "cuda" if fast is None else fast
         check_method(method, budget, has_draft=draft is not None)  # before the (slow) loading
+        if draft_vocab is not None and draft is None:
+            raise DDTreeError("a draft vocabulary needs a DFlash draft (--draft DIR)")
+        hot = read_draft_vocab(draft_vocab) if draft_vocab is not None else None
         tgt = load_target(target, device=dev, dtype=torch_dtype)
         tokenizer = _load_tokenizer(Path(target))
         drf = None
@@ -189,8 +197,10 @@ class Engine:
                 mask_from_tok = None if mask_from_tok == tokenizer.unk_token_id else mask_from_tok
             drf = load_draft(draft, tgt.shape, device=dev, dtype=torch_dtype,
                              mask_token_from_tokenizer=mask_from_tok)
+        if hot is not None:
+            hot = check_draft_vocab(*hot, tgt.shape.vocab_size, draft_vocab)
         return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)),
-                   fast=fast, fast_capacity=fast_capacity)
+                   fast=fast, fast_capacity=fast_capacity, draft_vocab=hot)
 
     @functools.cached_property
     def grammar_tokenizer(self) -> object:
@@ -393,22 +403,23 @@ class Generation:
                 self.finish_reason = out.finish_reason = "stop"
 
     def _draft(self, root: int, start: int, draft_cache: DraftCache) -> torch.Tensor:
-        """The drafter's logits for the next block_size - 1 positions after the root."""
+        """The drafter's logits for the next block_size - 1 positions after the root (over its draft vocabulary)."""
         eng = self.engine
         device = eng.target.device
         block = torch.full((eng.block_size,), eng.draft.config.mask_token_id, device=device)
         block[0] = root
         embeds = eng.target.embed_tokens(block)[None]
         hidden = eng.draft(embeds, torch.arange(start, start + eng.block_size, device=device)[None], cache=draft_cache)
-        return eng.target.lm_head(hidden[0, 1:])
+        return eng.draft_head(hidden[0, 1:])
 
     def _tree(self, draft_logits: torch.Tensor | None, max_depth: int) -> DraftTree:
         if draft_logits is None:
             return DraftTree()
         draft_logits = draft_logits[:max_depth]
+        head = self.engine.draft_head
         if self.method == "dflash":
-            return chain_tree(draft_logits.argmax(dim=-1).tolist())
-        return build_tree(draft_logits, self.budget)
+            return chain_tree(head.tokens(draft_logits.argmax(dim=-1)).tolist())
+        return build_tree(draft_logits, self.budget, token_ids=head.token_ids)
 
     def _emit(self, tokens: list[int], logprob_rows: tuple[torch.Tensor, torch.Tensor] | None, nodes: int,
               accepted: int, phases: dict[str, float], is_prefill: bool) -> RoundOutput:

@@ -19,6 +19,7 @@ from ddtree.api import ServerConfig, ServerState, create_app
 class ServeOptions:
     target: str | None = None
     draft: str | None = None
+    draft_vocab: str | None = None  # a draft vocabulary file (ddtree.draft_vocab); None: the whole vocabulary
     method: str = "ddtree"
     budget: int | None = None
     device: str | None = None
@@ -60,7 +61,7 @@ def run(options: ServeOptions) -> int:
     def load() -> Engine:
         return Engine.from_pretrained(options.target, options.draft, method=options.method,
                                       budget=options.budget, device=options.device, dtype=options.dtype,
-                                      fast=options.fast)
+                                      fast=options.fast, draft_vocab=options.draft_vocab)
 
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)

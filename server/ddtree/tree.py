@@ -57,16 +57,22 @@ def chain_tree(tokens: list[int]) -> DraftTree:
     return tree
 
 
-def top_candidates(draft_logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """Per-depth top-k log-probs and tokens (one fused op and one device-to-host copy)."""
+def top_candidates(draft_logits: torch.Tensor, k: int,
+                   token_ids: torch.Tensor | None = None) -> tuple[list[list[float]], list[list[int]]]:
+    """Per-depth top-k log-probs and tokens (one fused op and one device-to-host copy); column c of the
+    logits is token token_ids[c] when given (a draft vocabulary), else token c."""
     logp, tok = torch.topk(torch.log_softmax(draft_logits.float(), dim=-1), k, dim=-1)
+    if token_ids is not None:
+        tok = token_ids[tok]
     return logp.cpu().double().tolist(), tok.cpu().tolist()
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int, *, spine: bool = False) -> DraftTree:
+def build_tree(draft_logits: torch.Tensor, budget: int, *, spine: bool = False,
+               token_ids: torch.Tensor | None = None) -> DraftTree:
     """Best-first search for the `budget` most probable prefixes of the per-depth product distribution.
 
-    draft_logits [D, V] are the drafter's raw logits (temperature 1). A path's score is the sum of its
+    draft_logits [D, V] are the drafter's raw logits (temperature 1), over the tokens `token_ids` [V] when
+    the drafter scores a draft vocabulary (ddtree.draft_vocab). A path's score is the sum of its
     per-depth log-probs, summed in depth order. Ties break on the path's rank tuple (lexicographic), so
     the result is deterministic. With `spine`, the whole top-1 chain is placed first, so small budgets
     still reach full depth.
@@ -76,7 +82,7 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, spine: bool = False) 
     if budget <= 0 or max_depth == 0:
         return tree
     k = min(budget, draft_logits.shape[1])
-    logp, tok = top_candidates(draft_logits, k)
+    logp, tok = top_candidates(draft_logits, k, token_ids)
     # Heap entry: (-score, rank tuple, parent score, parent node, depth, rank)
     heap: list[tuple[float, tuple[int, ...], float, int, int, int]] = []
 

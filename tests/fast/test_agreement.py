@@ -39,6 +39,18 @@ def test_a_sliding_window_draft_gives_the_reference_tokens(fast_ckpt):
         rounds_agree(fast, reference, list(range(60, 90)), GREEDY, method, budget)
 
 
+def test_a_draft_vocabulary_gives_the_reference_trees_and_the_targets_tokens(pairs):
+    reference, fast = pairs["qwen3"]
+    hot = list(range(1, 96, 3))  # draft-logit column c is token 3c + 1: the trees must map them back
+    sub_fast = Engine(fast.target, fast.draft, fast.tokenizer, fast=True, fast_capacity=256, draft_vocab=hot)
+    sub_reference = Engine(fast.target, fast.draft, fast.tokenizer, draft_vocab=hot)
+    assert sub_fast.fast.nodes("ddtree", 64) == 65 and sub_fast.fast.draft_head.size == 32
+    for prompt in PROMPTS[:3:2]:
+        ar = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in (("dflash", None), ("ddtree", 5), ("ddtree", 64)):
+            assert rounds_agree(sub_fast, sub_reference, prompt, GREEDY, method, budget) == ar
+
+
 def test_stop_ids_eos_and_length_cut_like_the_reference(pairs, monkeypatch):
     reference, fast = pairs["qwen3"]
     full = reference.generate([1, 2, 3], GREEDY, method="ar").token_ids

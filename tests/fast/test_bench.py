@@ -127,6 +127,26 @@ def test_a_rounds_floor_adds_the_draft_its_commit_and_the_lm_head_to_the_target_
     assert dflash["round_vs_floor"] == pytest.approx(dflash["round_ms"] / report["round_floor_ms"]["spec"])
 
 
+def test_a_draft_vocabulary_bench_counts_only_its_lm_head_rows_and_agrees_with_ar(tmp_path, capsys):
+    from ddtree.fast.bench import SHAPES, build_shape, draft_bytes
+
+    whole, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
+    sub, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64, draft_vocab="100")
+    vocab, hidden = SHAPES["tiny"]["target"]["vocab_size"], SHAPES["tiny"]["target"]["hidden_size"]
+    assert draft_bytes(whole, 10) - draft_bytes(sub, 10) == 4 * (vocab - 100) * hidden
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar", "dflash", "ddtree", "--budgets",
+                 "16", "--prompts", "1", "--prompt-tokens", "12", "--max-new-tokens", "12", "--draft-vocab", "100",
+                 "--json", str(out)]) == 0
+    assert "The draft scores 100 tokens" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert (report["draft_vocab"], report["vocab_size"]) == (100, vocab)
+    assert all(r["lossless"] for r in report["results"])
+    assert all(r["on_fast_path"] for r in report["results"] if r["path"] == "fast")
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--draft-vocab", str(vocab + 1)]) == 2
+    assert f"--draft-vocab must be in 1..{vocab} tokens" in capsys.readouterr().err
+
+
 def test_runs_are_timed_against_the_best_measured_read_bandwidth(tmp_path, monkeypatch):
     """Where the device's copy and read bandwidth are measured (before and after the runs), the floors at both
     are reported, and each run's round/floor is against the best read bandwidth: the tightest floor."""

@@ -37,6 +37,29 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
 
 
+def test_a_draft_vocabulary_replays_as_graphs_and_gives_the_reference_tokens(fast_ckpt):
+    hot = list(range(0, 96, 3))  # every third token: the trees must map draft columns back to token ids
+    fast = Engine(*_loaded(fast_ckpt), fast=True, fast_capacity=256, draft_vocab=hot)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer, draft_vocab=hot)
+    ar = Engine(fast.target, fast.draft, fast.tokenizer)
+    for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
+        want = ar.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in (("dflash", None), ("ddtree", 5), ("ddtree", 64)):
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            rounds = list(gen)
+            ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
+            ref_rounds = list(ref)
+            assert gen.on_fast_path and fast.fast.plan(method, budget or 1).graphs
+            assert gen.token_ids == ref.token_ids == want, (method, budget)
+            assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+
+
+def _loaded(fast_ckpt: Path) -> tuple:
+    """The float32 qwen3 pair on CUDA: (target, draft, tokenizer)."""
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32")
+    return engine.target, engine.draft, engine.tokenizer
+
+
 def test_the_fast_path_is_on_by_default_on_cuda(fast_ckpt):
     engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", fast=None)
     assert engine.fast is not None and engine.stream([1, 2, 3], GREEDY).on_fast_path

@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 import pytest
+from ddtree.draft_vocab import write_draft_vocab
 from ddtree_operator import render
 from k8s_testing import REPO, ddtree_serve_available, free_port, http_get, running
 
@@ -39,10 +40,14 @@ def test_rendered_pods_pull_and_serve_the_demo_pair(tmp_path: Path):
             "metadata": {"name": "demo", "namespace": "default", "uid": "u"},
             "spec": {"target": {"model": {"uri": str(DEMO / "target")}},
                      "draft": {"model": {"uri": str(DEMO / "draft")}},
+                     "decoding": {"draftVocab": {"configMapRef": {"name": "demo-hot"}}},
                      "gpu": {"count": 0}, "server": {"port": port, "apiKeySecretRef": {"name": "keys"},
                                                      "drainSeconds": 1, "terminationGracePeriodSeconds": 20}}}
     children = render.render(body, "ddtree-server:test")
-    mounts = {render.MODELS_DIR: tmp_path / "models", "/cache": tmp_path / "cache"}
+    mounts = {render.MODELS_DIR: tmp_path / "models", "/cache": tmp_path / "cache",
+              render.DRAFT_VOCAB_DIR: tmp_path / "vocab"}
+    (tmp_path / "vocab").mkdir()  # the ConfigMap's key, as the kubelet mounts it
+    write_draft_vocab(tmp_path / "vocab" / "draft_vocab.json", range(2048), 8192)
     secrets = {"keys": "sk-test"}
 
     # The pull Job's container: links the local models into the models volume, twice (idempotent).
@@ -74,4 +79,5 @@ def test_rendered_pods_pull_and_serve_the_demo_pair(tmp_path: Path):
         # uvicorn re-raises the signal once shut down: -SIGTERM is a clean exit here
         assert proc.wait(timeout=body["spec"]["server"]["terminationGracePeriodSeconds"]) in (0, -signal.SIGTERM)
         assert time.monotonic() - started < 20
-    assert "Application shutdown complete" in (tmp_path / "server.log").read_text()
+    log = (tmp_path / "server.log").read_text()
+    assert "Application shutdown complete" in log and "drafting from 2048 of 8192 tokens" in log

@@ -129,7 +129,8 @@ def test_server_contract_probes_and_drain():
                        "terminationGracePeriodSeconds": 90, "maxQueue": 64, "extraArgs": ["--log-level", "debug"],
                        "apiKeySecretRef": {"name": "keys"}, "shmSize": "32Gi"},
             "decoding": {"method": "dflash", "budget": 48, "temperature": 0.6, "thinking": False,
-                         "generationConfig": "none"}}
+                         "generationConfig": "none",
+                         "draftVocab": {"configMapRef": {"name": "qwen3-hot", "key": "hot.json"}}}}
     children = render.render(cr(spec))
     pod = pod_spec(children)
     server = pod["containers"][0]
@@ -140,7 +141,8 @@ def test_server_contract_probes_and_drain():
                      "--draft": render.model_dest(cr()["spec"], "draft"), "--host": "0.0.0.0", "--port": "9000",
                      "--served-model-name": "Qwen3-8B", "--method": "dflash", "--budget": "48", "--max-queue": "64",
                      "--drain-timeout": "65", "--default-temperature": "0.6", "--generation-config": "none",
-                     "--default-chat-template-kwargs": '{"enable_thinking": false}'}
+                     "--default-chat-template-kwargs": '{"enable_thinking": false}',
+                     "--draft-vocab": "/etc/ddtree/draft-vocab/hot.json"}
     assert server["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     assert server["startupProbe"]["httpGet"]["path"] == "/ready"
     assert server["startupProbe"]["failureThreshold"] == 361  # ceil(3605 / 10)
@@ -151,6 +153,10 @@ def test_server_contract_probes_and_drain():
     api_key = {"name": "DDTREE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}}}
     assert api_key in server["env"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in pod["volumes"]
+    vocab = {"name": "draft-vocab",
+             "configMap": {"name": "qwen3-hot", "items": [{"key": "hot.json", "path": "hot.json"}]}}
+    assert vocab in pod["volumes"]
+    assert {"name": "draft-vocab", "mountPath": "/etc/ddtree/draft-vocab", "readOnly": True} in server["volumeMounts"]
     assert children.service["spec"]["ports"] == [
         {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
     assert render.url(cr(spec)) == "http://qwen.ml.svc:9000/v1"
@@ -161,9 +167,10 @@ def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     rule = spec["server"]["properties"]["extraArgs"]["x-kubernetes-validations"][0]["rule"]
     refused = re.compile(re.search(r"matches\('(.+)'\)", rule).group(1))
-    decoding = {"method": "ar", "budget": 8, "temperature": 0.5, "generationConfig": "none", "thinking": True}
+    decoding = {"method": "ar", "budget": 8, "temperature": 0.5, "generationConfig": "none", "thinking": True,
+                "draftVocab": {"configMapRef": {"name": "hot"}}}
     flags = [a for a in render.server_args(cr({"decoding": decoding})["spec"])[1:] if a.startswith("--")]
-    assert "--generation-config" in flags and all(refused.match(f) for f in flags), flags
+    assert {"--generation-config", "--draft-vocab"} <= set(flags) and all(refused.match(f) for f in flags), flags
 
 
 def test_the_fast_path_needs_a_gpu_and_can_be_turned_off():

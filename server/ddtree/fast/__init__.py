@@ -34,6 +34,7 @@ from torch import nn
 
 from ddtree import grammar
 from ddtree.draft import DFlashDraft
+from ddtree.draft_vocab import DraftHead
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.gemm import linear
@@ -99,9 +100,12 @@ def unsupported(target: Target) -> str | None:
 class FastPath:
     """Static caches and per-(method, budget) step graphs for one target (+ draft); one generation at a time."""
 
-    def __init__(self, target: Target, draft: DFlashDraft | None, capacity: int = 4096) -> None:
+    def __init__(self, target: Target, draft: DFlashDraft | None, capacity: int = 4096,
+                 draft_head: DraftHead | None = None) -> None:
         cfg = target.config
         self.target, self.draft = target, draft
+        # What the draft scores its block with (the engine's: the target's LM head, or a draft vocabulary's rows)
+        self.draft_head = draft_head or (DraftHead(target.lm_head) if draft is not None else None)
         self.model = target.model.model
         self.device, self.dtype = target.device, target.dtype
         self.capacity = -(-min(capacity, target.max_context) // 64) * 64  # aligned rows for the attention kernels
@@ -169,7 +173,7 @@ class FastPath:
         depth = self.block - 1
         if method == "dflash":
             return depth + 1
-        return tree_size(depth, self.target.shape.vocab_size, budget) + 1
+        return tree_size(depth, self.draft_head.size, budget) + 1
 
     def accepts(self, gen: Generation) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
@@ -301,7 +305,9 @@ class FastPath:
                 steps.append(("tree", lambda _: self.lone_root()))
             else:
                 steps.append(("draft", lambda _: self.draft_logits()))
-                steps.append(("tree", (lambda x: top_prefixes(x, budget)) if method == "ddtree" else chain))
+                ids = self.draft_head.token_ids  # draft-logit columns -> token ids (None: the same)
+                steps.append(("tree", (lambda x: top_prefixes(x, budget, ids)) if method == "ddtree"
+                              else (lambda x: chain(x, ids))))
             depth = 0 if method == "ar" else self.block - 1
             steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters,
                                                              allowed=allowed, adjusted=adjusted, logprobs=logprobs)))
@@ -398,7 +404,8 @@ class FastPath:
         return zero[:0], zero, zero, torch.ones(1, 1, dtype=torch.bool, device=self.device)
 
     def draft_logits(self) -> torch.Tensor:
-        """The DFlash block pass: [root, mask x D] at start.. over the static context cache -> logits [D, V]."""
+        """The DFlash block pass: [root, mask x D] at start.. over the static context cache -> logits [D, V] over
+        the draft head's tokens."""
         draft, dc, fused, ops = self.draft, self.draft.config, self.fused_draft, self.ops
         eps = dc.rms_norm_eps
         q_len = self.block
@@ -415,7 +422,7 @@ class FastPath:
             _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[dc.layer_windows[i]], slots,
                                         cos, sin, eps)
         h, _ = ops.add_rms_norm(x[1:], delta[1:], draft.norm.weight, eps)
-        return linear(h, self.target.lm_head.weight, self.target.lm_head.bias)
+        return linear(h, self.draft_head.weight, self.draft_head.bias)
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
                max_depth: int, noise: torch.Tensor | None = None, filters: Filters | None = None,

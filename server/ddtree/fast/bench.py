@@ -38,6 +38,7 @@ except ImportError:  # CPU-only installs: no read-bandwidth kernel (read_bandwid
     triton = None
 
 from ddtree.draft import DFlashDraft
+from ddtree.draft_vocab import load_draft_vocab
 from ddtree.engine import DTYPES, Engine
 from ddtree.errors import DDTreeError
 from ddtree.fast.jit import triton_works
@@ -148,7 +149,8 @@ def born(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int) -> tuple[Engine, Engine]:
+def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int,
+                draft_vocab: str | None = None) -> tuple[Engine, Engine]:
     """(fast engine, eager engine) over one random-weight model of a published shape, built on the device.
 
     Seeded, so that runs of one shape compare the same weights.
@@ -156,14 +158,31 @@ def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capaci
     torch.manual_seed(0)
     target = build_target(SHAPES[name], device, dtype)
     draft = build_draft(SHAPES[name], target, device, dtype)
-    fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name)
-    return fast, Engine(target, draft, model_name=name)
+    hot = draft_vocab_ids(draft_vocab, target.shape.vocab_size)
+    fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name, draft_vocab=hot)
+    return fast, Engine(target, draft, model_name=name, draft_vocab=hot)
 
 
 def build_pair(target: str | None, draft: str | None, device: str, dtype: str | None,
-               fast_capacity: int) -> tuple[Engine, Engine]:
+               fast_capacity: int, draft_vocab: str | None = None) -> tuple[Engine, Engine]:
     fast = Engine.from_pretrained(target, draft, device=device, dtype=dtype, fast=True, fast_capacity=fast_capacity)
-    return fast, Engine(fast.target, fast.draft, fast.tokenizer, model_name=fast.model_name)
+    hot = draft_vocab_ids(draft_vocab, fast.vocab_size)
+    if hot is not None:
+        fast = Engine(fast.target, fast.draft, fast.tokenizer, model_name=fast.model_name, fast=True,
+                      fast_capacity=fast_capacity, draft_vocab=hot)
+    return fast, Engine(fast.target, fast.draft, fast.tokenizer, model_name=fast.model_name, draft_vocab=hot)
+
+
+def draft_vocab_ids(spec: str | None, vocab_size: int) -> list[int] | None:
+    """--draft-vocab: a draft vocabulary file's ids, or for a number N the N lowest ids (what a random-weight
+    shape's costs need: any N tokens cost the same)."""
+    if spec is None:
+        return None
+    if spec.isdigit():
+        if not 1 <= int(spec) <= vocab_size:
+            raise DDTreeError(f"--draft-vocab must be in 1..{vocab_size} tokens, got {spec}")
+        return list(range(int(spec)))
+    return load_draft_vocab(spec, vocab_size)
 
 
 def prompts_for(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
@@ -209,11 +228,11 @@ def draft_bytes(engine: Engine, context: int) -> int:
 
         draft    every draft parameter: the block pass reads its layers, the commit its fc
       + K, V     the draft layers' K and V projections once more: the commit projects the committed rows with them
-      + LM head  the target's, which scores the block's rows
+      + LM head  the target's (or its rows of a draft vocabulary), which scores the block's rows
       + KV       2 x draft layers x kv_heads x head_dim x dtype bytes x context (the draft's context cache)
     """
     draft, cfg = engine.draft, engine.draft.config
-    head = engine.target.lm_head.weight
+    head = engine.draft_head.weight
     again = nbytes(p for layer in draft.layers for p in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight))
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * head.element_size() * context
     return nbytes(draft.parameters()) + again + nbytes([head]) + kv
@@ -371,9 +390,9 @@ def bench(args: argparse.Namespace) -> int:
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     if args.shape:
         dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
-        fast, eager = build_shape(args.shape, device, dtype, capacity)
+        fast, eager = build_shape(args.shape, device, dtype, capacity, args.draft_vocab)
     else:
-        fast, eager = build_pair(args.target, args.draft, str(device), args.dtype, capacity)
+        fast, eager = build_pair(args.target, args.draft, str(device), args.dtype, capacity, args.draft_vocab)
     paths = paths_to_run(args.paths, fast)
     prompts = prompts_for(fast, args)
     if not prompts:
@@ -413,6 +432,7 @@ def bench(args: argparse.Namespace) -> int:
                   if device.type == "cuda" else "cpu", dtype=str(fast.target.dtype).removeprefix("torch."),
                   torch=torch.__version__, prompts=len(prompts),
                   prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, sampling=describe(params),
+                  vocab_size=fast.vocab_size, draft_vocab=fast.draft_head.size if fast.draft_head else None,
                   step_bytes=step_bytes, round_bytes=round_bytes,
                   copy_bandwidth=copy, read_bandwidth=read, floor_ms=floor_ms, round_floor_ms=round_floor_ms,
                   round_vs_floor_at=achievable, draft_share_of_round_floor=1 - step_bytes / round_bytes,
@@ -499,7 +519,9 @@ def table(report: dict) -> str:
              f"A speculative round (the step, the draft's block pass and its commit) moves "
              f"{report['round_bytes'] / 1e9:.2f} GB: floor {floor('round_floor_ms')}; the draft's share of it, "
              f"{100 * report['draft_share_of_round_floor']:.0f}%, is the least non-verify share a round at the "
-             f"floor has. round/floor: against the {report['round_vs_floor_at']} floor",
+             f"floor has. round/floor: against the {report['round_vs_floor_at']} floor"
+             + (f". The draft scores {report['draft_vocab']} tokens (--draft-vocab)" if report["draft_vocab"]
+                and report["draft_vocab"] < report["vocab_size"] else ""),
              *([f"fast path {report['fast_path']}"] if report["fast_path"] != "available" else []),
              "", "| path | method | B | tau | TPOT ms | tok/s | round ms | round/floor | round/AR | verify/AR | "
              "draft | tree | verify | commit | host | non-verify | == ar |", "|" + "---|" * 17]

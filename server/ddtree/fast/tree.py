@@ -26,7 +26,8 @@ def tree_size(max_depth: int, vocab: int, budget: int) -> int:
     return min(budget, sum(min(budget, k**d) for d in range(1, max_depth + 1)))
 
 
-def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+def top_prefixes(draft_logits: torch.Tensor, budget: int,
+                 token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The `budget` most probable prefixes of the per-depth product distribution, as tensors on the device.
 
     Same set as tree.build_tree (barring exact score ties). The best `budget` prefixes of depth d can only
@@ -36,12 +37,15 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor,
     pairs can make the cut: one small selection per depth (~B ln B candidates, not B * k) finds them. One
     stable ordering by score (shallower first on ties) then numbers the nodes best-first, so every parent
     precedes its children. Returns (tokens [N-1], parents [N], depths [N], visible [N, N] bool: each node
-    and its ancestors), N = nodes + 1 with the root at 0 (parent 0, depth 0).
+    and its ancestors), N = nodes + 1 with the root at 0 (parent 0, depth 0). Column c of the logits is token
+    token_ids[c] when given (a draft vocabulary: ddtree.draft_vocab), else token c.
     """
     max_depth, vocab = draft_logits.shape
     k = min(budget, vocab)
     device = draft_logits.device
     logp, tok = vocab_top(draft_logits, k)
+    if token_ids is not None:
+        tok = token_ids[tok]
     pairs = _frontier(budget, k, device)
     n = tree_size(max_depth, vocab, budget)
     if triton_works(device):
@@ -303,13 +307,14 @@ if triton is not None:
             tl.store(Visible + i * (n + 1) + up, one, mask=on)
 
 
-def chain(draft_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Linear DFlash on the device: the argmax token at every depth, each node the child of the one before
-    (so each sees every node up to itself)."""
+def chain(draft_logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Linear DFlash on the device: the argmax token at every depth (column c being token token_ids[c] when
+    given), each node the child of the one before (so each sees every node up to itself)."""
     n = draft_logits.shape[0] + 1
     steps = torch.arange(n, device=draft_logits.device)
     causal = torch.ones(n, n, dtype=torch.bool, device=draft_logits.device).tril()
-    return draft_logits.argmax(dim=-1), (steps - 1).clamp(min=0), steps, causal
+    best = draft_logits.argmax(dim=-1)
+    return best if token_ids is None else token_ids[best], (steps - 1).clamp(min=0), steps, causal
 
 
 def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
