@@ -41,6 +41,25 @@ def test_fast_path_sampling_follows_the_target_distribution(small_vocab_fast, kw
         assert p_value > 1e-4, f"{method} with {kw}: chi-square p = {p_value:.2e}"
 
 
+@pytest.mark.slow
+def test_sampling_with_a_draft_vocabulary_follows_the_target_distribution(small_vocab_fast):
+    """Tokens the drafter cannot propose are still drawn as often as the target draws them (as bonus tokens)."""
+    engine = small_vocab_fast
+    sub = Engine(engine.target, engine.draft, fast=True, fast_capacity=256, draft_vocab=[0, 2, 4, 5, 7, 9])
+    kw = dict(temperature=1.0)
+    joint = exact_joint(engine.target.model, PROMPT, VOCAB, STEPS, **kw)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(DRAWS):
+        gen = sub.stream(PROMPT, SamplingParams(max_new_tokens=STEPS, seed=seed, ignore_eos=True, **kw),
+                         method="ddtree", budget=6)
+        assert gen.on_fast_path
+        accepted += sum(r.accepted for r in gen)
+        counts[tuple(gen.token_ids)] = counts.get(tuple(gen.token_ids), 0) + 1
+    assert accepted > 0  # the drafter's tokens are still accepted
+    assert fit_p_value(counts, joint) > 1e-4
+
+
 def test_fast_sampling_is_seeded_and_still_speculates(small_vocab_fast):
     params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=5, ignore_eos=True)
     first = small_vocab_fast.stream(PROMPT, params, method="ddtree", budget=6)
