@@ -146,6 +146,7 @@ def build_from_corpus(target_dir: str | Path, corpus: Sequence[str | Path], size
     first. Returns what was written, less the ids, with the share of corpus tokens the vocabulary covers."""
     import sys
 
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from ddtree.training.corpus import corpus_files, encode_texts, read_texts, split_files
@@ -166,8 +167,8 @@ def build_from_corpus(target_dir: str | Path, corpus: Sequence[str | Path], size
         value = getattr(source, "eos_token_id", None)
         stops += value if isinstance(value, (list, tuple)) else [value] if value is not None else []
     train, _ = split_files(corpus_files(corpus, globs))
-    print(f"ddtree draft-vocab: counting tokens in {len(train)} files", file=sys.stderr, flush=True)
-    stream = encode_texts(tokenizer, read_texts(train), stops[0] if stops else 0)
+    files = tqdm(train, unit="file", desc="ddtree draft-vocab: counting", file=sys.stderr)
+    stream = encode_texts(tokenizer, read_texts(files), stops[0] if stops else 0)
     counts = count_tokens([stream], vocab_size)
     ids = most_frequent(counts, size, stops)
     covered = counts[torch.tensor(ids)].sum().item() / max(counts.sum().item(), 1)
