@@ -299,19 +299,25 @@ def server_args(spec: Manifest) -> list[str]:
     return args + list(server["extraArgs"])
 
 
+def _draft_vocab_ref(spec: Manifest) -> tuple[str, str] | None:
+    """decoding.draftVocab's ConfigMap (name, key), the key defaulted as the CRD does; None without one."""
+    ref = spec.get("decoding", {}).get("draftVocab", {}).get("configMapRef")
+    return (ref["name"], ref.get("key", "draft_vocab.json")) if ref else None
+
+
 def draft_vocab_file(spec: Manifest) -> str | None:
     """Where the server finds the draft vocabulary of decoding.draftVocab (its ConfigMap's key, mounted)."""
-    ref = spec.get("decoding", {}).get("draftVocab", {}).get("configMapRef")
-    return f"{DRAFT_VOCAB_DIR}/{ref.get('key', 'draft_vocab.json')}" if ref else None
+    ref = _draft_vocab_ref(spec)
+    return f"{DRAFT_VOCAB_DIR}/{ref[1]}" if ref else None
 
 
 def _draft_vocab_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
     """The ConfigMap of decoding.draftVocab as a read-only volume of the server (none without one)."""
-    ref = spec.get("decoding", {}).get("draftVocab", {}).get("configMapRef")
+    ref = _draft_vocab_ref(spec)
     if not ref:
         return [], []
-    key = ref.get("key", "draft_vocab.json")
-    volume = {"name": "draft-vocab", "configMap": {"name": ref["name"], "items": [{"key": key, "path": key}]}}
+    name, key = ref
+    volume = {"name": "draft-vocab", "configMap": {"name": name, "items": [{"key": key, "path": key}]}}
     return [volume], [{"name": "draft-vocab", "mountPath": DRAFT_VOCAB_DIR, "readOnly": True}]
 
 

@@ -165,12 +165,13 @@ def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capaci
 
 def build_pair(target: str | None, draft: str | None, device: str, dtype: str | None,
                fast_capacity: int, draft_vocab: str | None = None) -> tuple[Engine, Engine]:
-    fast = Engine.from_pretrained(target, draft, device=device, dtype=dtype, fast=True, fast_capacity=fast_capacity)
-    hot = draft_vocab_ids(draft_vocab, fast.vocab_size)
-    if hot is not None:
-        fast = Engine(fast.target, fast.draft, fast.tokenizer, model_name=fast.model_name, fast=True,
-                      fast_capacity=fast_capacity, draft_vocab=hot)
-    return fast, Engine(fast.target, fast.draft, fast.tokenizer, model_name=fast.model_name, draft_vocab=hot)
+    """(fast engine, eager engine) over one loaded pair: the fast path's static caches are built once, after
+    the draft vocabulary (a file, or N lowest ids) is known."""
+    loaded = Engine.from_pretrained(target, draft, device=device, dtype=dtype)
+    hot = draft_vocab_ids(draft_vocab, loaded.vocab_size)
+    pair = (loaded.target, loaded.draft, loaded.tokenizer)
+    fast = Engine(*pair, model_name=loaded.model_name, fast=True, fast_capacity=fast_capacity, draft_vocab=hot)
+    return fast, Engine(*pair, model_name=loaded.model_name, draft_vocab=hot)
 
 
 def draft_vocab_ids(spec: str | None, vocab_size: int) -> list[int] | None:
