@@ -144,7 +144,7 @@ class Engine:
 
     def __init__(self, target: Target, draft: DFlashDraft | None, tokenizer=None, *, method: str = "ddtree",
                  budget: int | None = None, model_name: str = "ddtree", fast: bool = False,
-                 fast_capacity: int = 4096, draft_vocab: Sequence[int] | None = None) -> None:
+                 fast_capacity: int = 4096, draft_vocab: Sequence[int] | DraftHead | None = None) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -157,8 +157,10 @@ class Engine:
             eos.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
         self.eos_token_ids: set[int] = eos
         self.generation_defaults = generation_defaults(getattr(target.model, "generation_config", None))
-        # What the drafter scores its block with: the target's LM head, or its rows of a draft vocabulary.
-        self.draft_head = DraftHead(target.lm_head, draft_vocab) if draft is not None else None
+        # What the drafter scores its block with: the target's LM head, or its rows of a draft vocabulary (a
+        # DraftHead is shared as it is: two engines over one pair need not copy the rows twice).
+        self.draft_head = (None if draft is None else draft_vocab if isinstance(draft_vocab, DraftHead)
+                           else DraftHead(target.lm_head, draft_vocab))
         if draft is not None:
             target.set_taps(draft.config.target_layer_ids)
         # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.

@@ -160,7 +160,7 @@ def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capaci
     draft = build_draft(SHAPES[name], target, device, dtype)
     hot = draft_vocab_ids(draft_vocab, target.shape.vocab_size)
     fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name, draft_vocab=hot)
-    return fast, Engine(target, draft, model_name=name, draft_vocab=hot)
+    return fast, Engine(target, draft, model_name=name, draft_vocab=fast.draft_head)
 
 
 def build_pair(target: str | None, draft: str | None, device: str, dtype: str | None,
@@ -171,7 +171,7 @@ def build_pair(target: str | None, draft: str | None, device: str, dtype: str | 
     hot = draft_vocab_ids(draft_vocab, loaded.vocab_size)
     pair = (loaded.target, loaded.draft, loaded.tokenizer)
     fast = Engine(*pair, model_name=loaded.model_name, fast=True, fast_capacity=fast_capacity, draft_vocab=hot)
-    return fast, Engine(*pair, model_name=loaded.model_name, draft_vocab=hot)
+    return fast, Engine(*pair, model_name=loaded.model_name, draft_vocab=fast.draft_head)
 
 
 def draft_vocab_ids(spec: str | None, vocab_size: int) -> list[int] | None:
