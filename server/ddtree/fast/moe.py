@@ -29,6 +29,7 @@ fast path.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -213,10 +214,14 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda":  # it must also replay from a graph, as the rounds do
         torch.cuda.synchronize(device)
         stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            # a capture that raises (float32 on torch 2.11 copies from the host) closes an empty graph, whose
+            # warning would only repeat grouped_works' message
+            warnings.filterwarnings("ignore", "The CUDA Graph is empty")
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 got = run()
+        got.fill_(float("nan"))  # what the replay leaves here is what it computed
         graph.replay()
         torch.cuda.synchronize(device)
     return torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
