@@ -159,8 +159,10 @@ class Engine:
         self.generation_defaults = generation_defaults(getattr(target.model, "generation_config", None))
         # What the drafter scores its block with: the target's LM head, or its rows of a draft vocabulary (a
         # DraftHead is shared as it is: two engines over one pair need not copy the rows twice).
-        self.draft_head = (None if draft is None else draft_vocab if isinstance(draft_vocab, DraftHead)
-                           else DraftHead(target.lm_head, draft_vocab))
+        self.draft_head: DraftHead | None = None
+        if draft is not None:
+            shared = isinstance(draft_vocab, DraftHead)
+            self.draft_head = draft_vocab if shared else DraftHead(target.lm_head, draft_vocab)
         if draft is not None:
             target.set_taps(draft.config.target_layer_ids)
         # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.
