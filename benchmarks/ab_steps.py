@@ -19,6 +19,11 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
                      (visibility read throughout) and v13's tiles
     no PDL           all kernels, each launched only once the kernel before it has finished (no programmatic
                      dependent launch: ddtree/fast/jit.py)
+    compiled rows    all kernels but a multi-row forward's norms and SiLU · up as torch.compile's kernels, not
+                     ddtree/fast/rows.py's
+    direct trees     all kernels but trees' attention in one split of 16-row tiles (no merge kernel)
+    heads N rows     all kernels with N rows per program of the attention-heads kernel (heads.ROWS_PER_PROGRAM:
+                     2)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
@@ -32,23 +37,25 @@ import itertools
 
 import torch
 import triton
-from ddtree.fast import attention, gdn, gemm, jit
+from ddtree.fast import attention, gdn, gemm, heads, jit
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
-from ddtree.fast.heads import attention_heads
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
-           attention="now", pdl=True)  # what the fast path runs
+           attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
             "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN tree": {**ALL, "gdn": "row"},
             "PyTorch GDN step": {**ALL, "gdn": "none"}, "v13 attention": {**ALL, "attention": "v13"},
-            "no PDL": {**ALL, "pdl": False},
+            "direct trees": {**ALL, "attention": "direct trees"},
+            "no PDL": {**ALL, "pdl": False}, "compiled rows": {**ALL, "rows": "compiled"},
+            **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
-                       attention="now", pdl=False)}
+                       attention="now", pdl=False, rows="compiled", head_rows=1)}
+ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
 def v13_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
@@ -65,7 +72,18 @@ def v13_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
                 num_warps=4, num_stages=stages, two_loops=0)
 
 
-ATTENTION = {"now": attention.launch_config, "v13": v13_attention}
+TUNED_ATTENTION = attention.launch_config  # ATTENTION's entries replace the module's for each variant
+
+
+def direct_trees(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
+    """attention.launch_config, but trees of 17-1024 grouped rows in one split of 16-row tiles: no merge kernel."""
+    cfg = TUNED_ATTENTION(rows, capacity, kv_heads, sms, head_dim)
+    if 16 < rows <= 1024:
+        cfg = {**cfg, "block_m": 16, "block_n": 64, "splits": 1, "num_stages": 3}
+    return cfg
+
+
+ATTENTION = {"now": TUNED_ATTENTION, "v13": v13_attention, "direct trees": direct_trees}
 
 
 def main() -> None:
@@ -81,7 +99,10 @@ def main() -> None:
     fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
     path = fast.fast
     gdn_rows, tree_max = getattr(path, "gdn_rows", set()), gdn.TREE_MAX
-    heads = {"kernel": attention_heads, "compiled": Ops(compile=True).attention_heads}
+    compiled, kernels = Ops(compile=True), Ops(compile=True)
+    kernels.take_row_kernels()
+    head_steps = {"kernel": heads.attention_heads, "compiled": compiled.attention_heads}
+    row_steps = {"kernels": kernels, "compiled": compiled}
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
@@ -93,7 +114,10 @@ def main() -> None:
             path.gdn_rows = gdn_rows if variant["gdn"] != "none" else set()
             gdn.TREE_MAX = tree_max if variant["gdn"] == "all" else 1
         else:
-            path.row_gemv, path.ops.attention_heads = variant["row_gemv"], heads[variant["heads"]]
+            path.row_gemv, path.ops.attention_heads = variant["row_gemv"], head_steps[variant["heads"]]
+        for step in ROW_STEPS:  # the hybrids' MLPs read silu_mul from path.ops at each call too
+            setattr(path.ops, step, getattr(row_steps[variant["rows"]], step))
+        heads.ROWS_PER_PROGRAM = variant["head_rows"]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         attention.launch_config = ATTENTION[variant["attention"]]
         jit.PDL = variant["pdl"]

@@ -208,6 +208,36 @@ def test_one_row_gemv_equals_its_unfused_steps(dtype, n, k, mode):
     assert torch.allclose(y, want, atol=tolerance, rtol=tolerance), (y - want).abs().max()
 
 
+def rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> None:
+    """The multi-row steps between a tree's GEMMs (ddtree/fast/rows.py: RMSNorm, the residual add + RMSNorm of
+    row-strided inputs, as slices of a wider GEMM output come, and SiLU · up) against the PyTorch functions the
+    reference path runs: the same values up to the float32 sum's order and 1/sqrt, so within one rounding
+    step of the dtype (the add, one rounding either way, bit for bit)."""
+    from ddtree.draft import rms_norm
+    from ddtree.fast import rows
+    from ddtree.fast.fused import add_rms_norm, silu_mul
+
+    gen = torch.Generator().manual_seed(n + width)
+    x = (torch.randn(n, width + 16, generator=gen) * 3).to(dtype).to(device)[:, :width]
+    delta = (torch.randn(n, width, generator=gen) * 3).to(dtype).to(device)
+    weight = (torch.rand(width, generator=gen) + 0.5).to(dtype).to(device)
+    gate_up = (torch.randn(n, 2 * width + 8, generator=gen) * 4).to(dtype).to(device)[:, :2 * width]
+    assert rows.supported(x, weight) and rows.supported(gate_up)
+    assert not rows.supported(x.double(), weight) and not rows.supported(x, weight.double())
+    step = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.0, rtol=2 ** -7)
+    torch.testing.assert_close(rows.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), **step)
+    (got, got_sum), (want, want_sum) = (f(x, delta, weight, 1e-6) for f in (rows.add_rms_norm, add_rms_norm))
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got, want, **step)
+    torch.testing.assert_close(rows.silu_mul(gate_up), silu_mul(gate_up), **step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "width"), [(16, 4096), (65, 4096), (65, 5120), (129, 12288)])
+def test_row_kernels_equal_the_reference_norms_and_silu(dtype, n, width):
+    rows_case(n, width, dtype, "cuda")
+
+
 def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, nodes: int = 1) -> tuple[tuple, tuple]:
     """A random Qwen3.5 Gated DeltaNet layer over a random tree of `nodes` (one: an AR step): the kernel's
     (output, conv window columns, keys, u, G) and the same from the PyTorch steps it replaces (the conv and

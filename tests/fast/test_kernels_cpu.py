@@ -14,7 +14,7 @@ from ddtree.engine import Engine
 from ddtree.fast import jit
 from ddtree.sampling import SamplingParams
 from test_agreement import prompt_logprobs_agree
-from test_cuda import attention_case, distinct_logits, gdn_case, gemv_case
+from test_cuda import attention_case, distinct_logits, gdn_case, gemv_case, rows_case
 from tiny import make_draft, make_hybrid_target, make_target
 
 triton = pytest.importorskip("triton")
@@ -168,10 +168,14 @@ def test_gated_deltanet_kernels_equal_the_pytorch_steps(heads, k_heads, d, nodes
         assert torch.allclose(g, w, atol=1e-5, rtol=1e-5), (name, (g - w).abs().max())
 
 
+@pytest.mark.parametrize("block_t", [1, 2, 4])  # 1: a GPU's programs; 2: a partial last block; 4: the CPU's
 @pytest.mark.parametrize("norm", [True, False])
-def test_attention_heads_kernel_equals_the_reference_step(norm):
+def test_attention_heads_kernel_equals_the_reference_step(norm, block_t, monkeypatch):
+    from ddtree.fast import heads as heads_module
     from ddtree.fast.fused import attention_heads
     from ddtree.fast.heads import attention_heads as heads_kernel
+
+    monkeypatch.setattr(heads_module, "launch_rows", lambda n, device: block_t)
 
     n, heads, kv_heads, d = 3, 4, 2, 16
     gen = torch.Generator().manual_seed(n * d)
@@ -187,6 +191,13 @@ def test_attention_heads_kernel_equals_the_reference_step(norm):
     got = heads_kernel(q, k, v, q_norm, k_norm, 1e-6, cos, sin, kv_heads, d, got_cache, slots)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert torch.allclose(got_cache, want_cache, atol=1e-5, rtol=1e-5) and torch.equal(got_cache[1], want_cache[1])
+
+
+@pytest.mark.parametrize("width", [64, 80])  # 80: a width that is not a power of two (masked columns)
+def test_row_kernels_equal_the_reference_norms_and_silu(width):
+    """The row kernels against the reference's functions in float32. Triton's interpreter truncates float32 to
+    bfloat16 where a GPU rounds to nearest, so test_cuda.py checks the kernels' bfloat16 rounding."""
+    rows_case(5, width, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize(("vocab", "k", "dtype"), [(20, 2, torch.float32), (300, 16, torch.float32),

@@ -114,8 +114,10 @@ class FastPath:
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(compile=self.device.type == "cuda")
         head_dims = {self.head_dim} | ({draft.config.head_dim} if draft is not None else set())
-        if triton_works(self.device) and all(d & (d - 1) == 0 for d in head_dims):
-            self.ops.attention_heads = heads_kernel  # one Triton kernel instead of the compiled three
+        if triton_works(self.device):
+            self.ops.take_row_kernels()
+            if all(d & (d - 1) == 0 for d in head_dims):
+                self.ops.attention_heads = heads_kernel  # one Triton kernel instead of the compiled three
         self._build_target()
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # last committed token, not cached yet

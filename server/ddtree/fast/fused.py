@@ -7,13 +7,14 @@ about ten kernels:
     add + norm | qkv GEMM | q/k norm + RoPE + head layout + KV write | attention | o GEMM |
     add + norm | gate+up GEMM | SiLU * up | down GEMM
 
-On CUDA the q/k norm + RoPE + KV write step is one Triton kernel (ddtree/fast/heads.py), and a single row
-(an AR step) folds the add + norm and SiLU * up steps into Triton GEMVs (ddtree/fast/gemv.py).
+On CUDA the q/k norm + RoPE + KV write step is one Triton kernel (ddtree/fast/heads.py), a single row
+(an AR step) folds the add + norm and SiLU * up steps into Triton GEMVs (ddtree/fast/gemv.py), and more rows
+take them as Triton kernels of their own (ddtree/fast/rows.py, `Ops.take_row_kernels`).
 
 Projections that read the same input share one weight: q, k and v; gate and up; and, in the drafter, the
 k and v of every layer (context rows are projected by all layers at once). The original modules'
 weights become row views of the fused tensor, so nothing is stored twice and the reference path keeps
-working on the same parameters. On CUDA the elementwise steps are compiled (torch.compile: one Triton
+working on the same parameters. On CUDA the other elementwise steps are compiled (torch.compile: one Triton
 kernel each); elsewhere they run eagerly, the same functions the CPU tests compare with the reference.
 """
 
@@ -29,8 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.draft import rms_norm
+from ddtree.fast import rows
 from ddtree.fast.gemm import linear
 from ddtree.fast.moe import Experts
+
+ROW_KERNELS = os.environ.get("DDTREE_ROW_KERNELS", "1") != "0"
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -98,6 +102,18 @@ class Ops:
     def wrap(self, fn: Callable) -> Callable:
         """`fn` compiled (with the eager fallback) when this Ops compiles, else `fn` itself."""
         return _compiled(fn) if self.compiled else fn
+
+    def take_row_kernels(self) -> None:
+        """The norms and SiLU · up as ddtree/fast/rows.py's Triton kernels, for the rows those take (the
+        current functions for the rest). The caller checks that Triton runs on its device; DDTREE_ROW_KERNELS=0
+        keeps the compiled functions, for A/B runs."""
+        if not ROW_KERNELS:
+            return
+        norm, add_norm, silu = self.rms_norm, self.add_rms_norm, self.silu_mul
+        self.rms_norm = lambda x, w, eps: rows.rms_norm(x, w, eps) if rows.supported(x, w) else norm(x, w, eps)
+        self.add_rms_norm = lambda x, d, w, eps: (rows.add_rms_norm(x, d, w, eps) if rows.supported(x, w)
+                                                  and rows.supported(d, w) else add_norm(x, d, w, eps))
+        self.silu_mul = lambda x: rows.silu_mul(x) if rows.supported(x) else silu(x)
 
 
 def _compiled(fn: Callable) -> Callable:

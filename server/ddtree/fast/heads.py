@@ -2,7 +2,7 @@
 
 `fused.attention_heads` compiled by torch.compile is three kernels (q norm + RoPE, k norm + RoPE + the cache
 write, the query layout), about 6 µs per layer at an AR step: 36 layers make it 0.2 ms of a 4.5 ms step.
-Here one program per (row, head) does all of it for its head: a query head lands in the grouped layout
+Here one program per (block of rows, head) does all of it for its head: a query head lands in the grouped layout
 the attention kernel reads; a K/V head's k (normed, rotated) and v go to the cache rows `slots`.
 
 Rounding follows the reference's RMSNorm (normalised in float32, rounded, scaled in the model dtype); the
@@ -21,6 +21,14 @@ try:
 except ImportError:  # CPU-only installs: fused.attention_heads instead
     triton = None
 
+ROWS_PER_PROGRAM = 2  # on a GPU: benchmarks/ab_steps.py "heads N rows" (v20: B = 64 rounds 0.05 ms faster than 1)
+
+
+def launch_rows(n: int, device: torch.device) -> int:
+    """Rows per program (a power of two). Interpreted on the CPU, every row of a head in one program: there a
+    program costs far more than its rows. On a GPU, ROWS_PER_PROGRAM."""
+    return triton.next_power_of_2(n) if device.type == "cpu" else min(ROWS_PER_PROGRAM, triton.next_power_of_2(n))
+
 
 def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                     k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -32,55 +40,62 @@ def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: t
     out = torch.empty((kv_heads, heads // kv_heads * n, head_dim), dtype=q.dtype, device=q.device)
     has_norm = q_norm is not None
     dependent = pdl(q.device)
-    _heads_kernel[(n, heads + kv_heads)](
+    block_t = launch_rows(n, q.device)
+    _heads_kernel[(triton.cdiv(n, block_t), heads + kv_heads)](
         q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, cache, slots, out, n,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), eps,
-        HEADS=heads, GROUPS=heads // kv_heads, D=head_dim, HAS_NORM=has_norm, PDL=dependent,
-        num_warps=1, launch_pdl=dependent)
+        HEADS=heads, GROUPS=heads // kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK_T=block_t, PDL=dependent,
+        num_warps=1 if block_t == 1 else 4, launch_pdl=dependent)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _normed(X, W, dims, r, HAS_NORM: tl.constexpr):
-        """Entries `dims` of a head row as float32, RMS-normed (row scale r) and rounded as the reference rounds."""
-        x = tl.load(X + dims).to(tl.float32)
+    def _normed(X, W, offsets, dims, r, ok, HAS_NORM: tl.constexpr):
+        """Entries `offsets` (head dims `dims`) of head rows as float32, RMS-normed (row scales r) and rounded
+        as the reference rounds."""
+        x = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32)
         if HAS_NORM:
-            x = (x * r).to(X.dtype.element_ty).to(tl.float32)
-            x = (tl.load(W + dims).to(tl.float32) * x).to(X.dtype.element_ty).to(tl.float32)
+            x = (x * r[:, None]).to(X.dtype.element_ty).to(tl.float32)
+            x = (tl.load(W + dims).to(tl.float32)[None, :] * x).to(X.dtype.element_ty).to(tl.float32)
         return x
 
     @triton.jit
-    def _rotated(X, W, dims, cos, sin, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
-        """One head row normed (when HAS_NORM) and rotated: x * cos + rotate_half(x) * sin, in float32."""
-        r = 0.0
+    def _rotated(X, stride, W, t, dims, ok, cos, sin, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+        """Rows t of one head [BLOCK_T, D] normed (when HAS_NORM) and rotated: x * cos + rotate_half(x) * sin,
+        in float32."""
+        rows = t[:, None] * stride
+        r = tl.zeros(t.shape, tl.float32)
         if HAS_NORM:
-            x = tl.load(X + dims).to(tl.float32)
-            r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+            x = tl.load(X + rows + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+            r = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
         half = D // 2
-        x = _normed(X, W, dims, r, HAS_NORM)
-        partner = _normed(X, W, (dims + half) % D, r, HAS_NORM)
-        return x * cos + tl.where(dims < half, -partner, partner) * sin
+        x = _normed(X, W, rows + dims[None, :], dims, r, ok, HAS_NORM)
+        partner = _normed(X, W, rows + ((dims + half) % D)[None, :], (dims + half) % D, r, ok, HAS_NORM)
+        return x * cos + tl.where((dims < half)[None, :], -partner, partner) * sin
 
     @triton.jit
     def _heads_kernel(Q, K, V, QN, KN, Cos, Sin, Cache, Slots, Out, n, stride_q, stride_k, stride_v, stride_cos,
                       stride_plane, stride_head, stride_row, eps, HEADS: tl.constexpr, GROUPS: tl.constexpr,
-                      D: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-        """Program (t, h): query head h of row t (h < HEADS), else K/V head h - HEADS."""
+                      D: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+        """Program (b, h): rows b * BLOCK_T.. of query head h (h < HEADS), else of K/V head h - HEADS."""
         after_previous(PDL)
-        t, h = tl.program_id(0), tl.program_id(1)
+        h = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         dims = tl.arange(0, D)
-        cos = tl.load(Cos + t * stride_cos + dims).to(tl.float32)
-        sin = tl.load(Sin + t * stride_cos + dims).to(tl.float32)
+        ok = (t < n)[:, None]
+        trig = t[:, None] * stride_cos + dims[None, :]
+        cos = tl.load(Cos + trig, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + trig, mask=ok, other=0.0).to(tl.float32)
         if h < HEADS:
-            x = _rotated(Q + t * stride_q + h * D, QN, dims, cos, sin, eps, D, HAS_NORM)
+            x = _rotated(Q + h * D, stride_q, QN, t, dims, ok, cos, sin, eps, D, HAS_NORM)
             row = (h // GROUPS) * GROUPS * n + (h % GROUPS) * n + t  # [kv, groups * n] grouped layout
-            tl.store(Out + row * D + dims, x.to(Out.dtype.element_ty))
+            tl.store(Out + row[:, None] * D + dims[None, :], x.to(Out.dtype.element_ty), mask=ok)
         else:
             j = h - HEADS
-            slot = tl.load(Slots + t)
-            x = _rotated(K + t * stride_k + j * D, KN, dims, cos, sin, eps, D, HAS_NORM)
-            dst = Cache + j * stride_head + slot * stride_row + dims
-            tl.store(dst, x.to(Cache.dtype.element_ty))
-            tl.store(dst + stride_plane, tl.load(V + t * stride_v + j * D + dims))
+            slot = tl.load(Slots + t, mask=t < n, other=0)
+            x = _rotated(K + j * D, stride_k, KN, t, dims, ok, cos, sin, eps, D, HAS_NORM)
+            dst = Cache + j * stride_head + slot[:, None] * stride_row + dims[None, :]
+            tl.store(dst, x.to(Cache.dtype.element_ty), mask=ok)
+            tl.store(dst + stride_plane, tl.load(V + t[:, None] * stride_v + j * D + dims[None, :], mask=ok), mask=ok)

@@ -1,0 +1,111 @@
+"""A multi-row forward's elementwise steps (RMSNorm, residual add + RMSNorm, SiLU · up) as Triton kernels
+launched as programmatic dependents.
+
+An AR step folds these steps into its GEMVs (ddtree/fast/gemv.py). A draft block or a tree cannot: its
+projections are GEMMs (ddtree/fast/gemm.py, cuBLASLt), so each step is a kernel of its own between two of
+them, three per layer. torch.compile makes each one kernel too, but an Inductor kernel starts only once the
+GEMM before it has drained. These launch with PDL (ddtree/fast/jit.py): a launch overlaps the tail of the
+kernel before it, and its programs wait for that kernel's writes.
+
+Rounding is the reference's (ddtree.draft.rms_norm, fused.silu_mul): the sum rounded to the model dtype, the
+normalised row rounded before the scale, SiLU's output rounded before the product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.fast.jit import after_previous, pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: fused.Ops keeps the PyTorch functions
+    triton = None
+
+SILU_BLOCK = 2048  # SiLU · up elements per program on a GPU (interpreted on the CPU, one program: each costs
+# far more there than its elements; likewise one program for all of a norm's rows)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether the kernels take these rows: 2-D with contiguous columns, and a norm weight of the rows' dtype
+    and width (else the PyTorch function, whose type promotion the kernels do not copy)."""
+    return (x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (weight is None or (weight.dtype == x.dtype and weight.shape == (x.shape[1],))))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ddtree.draft.rms_norm of rows x [n, K]."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm(x, x, x, weight, out, eps, has_delta=False)
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused.add_rms_norm: (norm(residual + delta), residual + delta) of rows [n, K]."""
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    summed = torch.empty_like(out)
+    _norm(residual, delta, summed, weight, out, eps, has_delta=True)
+    return out, summed
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """fused.silu_mul: SiLU(gate) * up of rows [n, 2I] (gate the first half) -> [n, I]."""
+    rows, width = gate_up.shape
+    half = width // 2
+    out = torch.empty((rows, half), dtype=gate_up.dtype, device=gate_up.device)
+    dependent = pdl(gate_up.device)
+    block = triton.next_power_of_2(rows * half) if gate_up.device.type == "cpu" else SILU_BLOCK
+    _silu_kernel[(triton.cdiv(rows * half, block),)](
+        gate_up, out, rows * half, half, gate_up.stride(0), BLOCK=block, PDL=dependent, num_warps=4,
+        launch_pdl=dependent)
+    return out
+
+
+def _norm(x: torch.Tensor, delta: torch.Tensor, summed: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+          eps: float, has_delta: bool) -> None:
+    rows, k = x.shape
+    block = triton.next_power_of_2(k)
+    block_r = triton.next_power_of_2(rows) if x.device.type == "cpu" else 1
+    dependent = pdl(x.device)
+    _norm_kernel[(triton.cdiv(rows, block_r),)](
+        x, delta, summed, weight, out, rows, k, x.stride(0), delta.stride(0), eps, BLOCK_R=block_r, BLOCK=block,
+        HAS_DELTA=has_delta, PDL=dependent, num_warps=min(16, max(1, block // 512)), launch_pdl=dependent)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_kernel(X, Delta, Summed, W, Out, rows, K, stride_x, stride_d, eps, BLOCK_R: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr):
+        """BLOCK_R rows: (x + delta, rounded, stored to Summed when HAS_DELTA) RMS-normed and scaled by W."""
+        cols = tl.arange(0, BLOCK)
+        w = tl.load(W + cols, mask=cols < K, other=0.0)  # a constant weight: read before the wait
+        after_previous(PDL)
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = (r < rows)[:, None] & (cols < K)[None, :]
+        dtype = Out.dtype.element_ty
+        x = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(Delta + r[:, None] * stride_d + cols[None, :], mask=ok, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(dtype)
+            tl.store(Summed + r[:, None] * K + cols[None, :], x, mask=ok)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / K + eps)
+        h = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+        tl.store(Out + r[:, None] * K + cols[None, :], (w.to(tl.float32)[None, :] * h).to(dtype), mask=ok)
+
+    @triton.jit
+    def _silu_kernel(GateUp, Out, total, half, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """BLOCK consecutive outputs of the [rows, half] result: SiLU(gate) rounded, times up, rounded."""
+        after_previous(PDL)
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = idx < total
+        row, col = idx // half, idx % half
+        src = GateUp + row * stride_row + col
+        gate = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        dtype = Out.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        up = tl.load(src + half, mask=ok, other=0.0)
+        tl.store(Out + idx, (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=ok)
