@@ -163,7 +163,6 @@ class Engine:
         if draft is not None:
             shared = isinstance(draft_vocab, DraftHead)
             self.draft_head = draft_vocab if shared else DraftHead(target.lm_head, draft_vocab)
-        if draft is not None:
             target.set_taps(draft.config.target_layer_ids)
         # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.
         self.fast_unsupported = unsupported(target) if fast else "off"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.fast.jit import after_previous, pdl
+from ddtree.fast.jit import after_previous, pdl, program_block
 
 try:
     import triton
@@ -25,9 +25,8 @@ ROWS_PER_PROGRAM = 2  # on a GPU: benchmarks/ab_steps.py "heads N rows" (v20: B 
 
 
 def launch_rows(n: int, device: torch.device) -> int:
-    """Rows per program (a power of two). Interpreted on the CPU, every row of a head in one program: there a
-    program costs far more than its rows. On a GPU, ROWS_PER_PROGRAM."""
-    return triton.next_power_of_2(n) if device.type == "cpu" else min(ROWS_PER_PROGRAM, triton.next_power_of_2(n))
+    """Rows per program (a power of two): ROWS_PER_PROGRAM on a GPU (`jit.program_block`)."""
+    return program_block(n, device, min(ROWS_PER_PROGRAM, triton.next_power_of_2(n)))
 
 
 def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,

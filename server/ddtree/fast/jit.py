@@ -69,6 +69,12 @@ def pdl(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1")
 
 
+def program_block(n: int, device: torch.device, gpu: int) -> int:
+    """How much of n one program takes: `gpu` on a GPU; interpreted on the CPU, all of it (a power of two), as
+    a program there costs far more than its elements."""
+    return triton.next_power_of_2(n) if device.type == "cpu" else gpu
+
+
 def _probe(device: torch.device) -> None:
     """Every kernel on tiny inputs: a 2-row tree over an empty cache (in both loop forms, with and without a
     merge), a vocabulary top-2, a budget-2 tree, a normed one-row GEMV, a two-row GEMM (with and without split

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.fast.jit import after_previous, pdl
+from ddtree.fast.jit import after_previous, pdl, program_block
 
 try:
     import triton
@@ -23,8 +23,7 @@ try:
 except ImportError:  # CPU-only installs: fused.Ops keeps the PyTorch functions
     triton = None
 
-SILU_BLOCK = 2048  # SiLU · up elements per program on a GPU (interpreted on the CPU, one program: each costs
-# far more there than its elements; likewise one program for all of a norm's rows)
+SILU_BLOCK = 2048  # SiLU · up elements per program on a GPU (`jit.program_block`)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
@@ -56,7 +55,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     half = width // 2
     out = torch.empty((rows, half), dtype=gate_up.dtype, device=gate_up.device)
     dependent = pdl(gate_up.device)
-    block = triton.next_power_of_2(rows * half) if gate_up.device.type == "cpu" else SILU_BLOCK
+    block = program_block(rows * half, gate_up.device, SILU_BLOCK)
     _silu_kernel[(triton.cdiv(rows * half, block),)](
         gate_up, out, rows * half, half, gate_up.stride(0), BLOCK=block, PDL=dependent, num_warps=4,
         launch_pdl=dependent)
@@ -67,7 +66,7 @@ def _norm(x: torch.Tensor, delta: torch.Tensor, summed: torch.Tensor, weight: to
           eps: float, has_delta: bool) -> None:
     rows, k = x.shape
     block = triton.next_power_of_2(k)
-    block_r = triton.next_power_of_2(rows) if x.device.type == "cpu" else 1
+    block_r = program_block(rows, x.device, 1)  # rows per program
     dependent = pdl(x.device)
     _norm_kernel[(triton.cdiv(rows, block_r),)](
         x, delta, summed, weight, out, rows, k, x.stride(0), delta.stride(0), eps, BLOCK_R=block_r, BLOCK=block,
