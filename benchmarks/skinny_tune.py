@@ -32,9 +32,11 @@ DRAFT = {"q": (4096, 4096, 5), "o": (4096, 4096, 5), "gate_up": (24576, 4096, 5)
          "lm_head": (151936, 4096, 1), "fc": (4096, 20480, 1), "context_kv": (10240, 4096, 1)}
 
 
+GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8)}  # --block-n and --warps replace these
+
+
 def configs(k: int, quick: bool) -> list[dict]:
-    grid = itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8),
-                             (4,) if quick else (4, 8), (3, 4))
+    grid = itertools.product(GRID["block_n"], (64, 128), (1, 2, 4, 8), (4,) if quick else GRID["num_warps"], (3, 4))
     return [dict(block_n=n, block_k=bk, split_k=s, num_warps=w, num_stages=st) for n, bk, s, w, st in grid
             if k % (s * bk) == 0 and k // s >= 2 * bk]
 
@@ -104,7 +106,11 @@ def main() -> None:
     ap.add_argument("--target-rows", type=int, nargs="*", default=[65, 17, 129])
     ap.add_argument("--draft-rows", type=int, nargs="*", default=[16])
     ap.add_argument("--only", nargs="*", help="these projections only (for example qkv o down)")
+    ap.add_argument("--block-n", type=int, nargs="*", help="the grid's column tile widths (default 32 64 128)")
+    ap.add_argument("--warps", type=int, nargs="*", help="the grid's warp counts (default 4 8)")
     args = ap.parse_args()
+    GRID["block_n"] = tuple(args.block_n or GRID["block_n"])
+    GRID["num_warps"] = tuple(args.warps or GRID["num_warps"])
 
     def chosen(shapes: dict) -> dict:
         return {name: shape for name, shape in shapes.items() if not args.only or name in args.only}

@@ -292,6 +292,8 @@ def server_args(spec: Manifest) -> list[str]:
         args += ["--generation-config", decoding["generationConfig"]]
     if vocab := draft_vocab_file(spec):
         args += ["--draft-vocab", vocab]
+    if decoding.get("draftQuantization", "none") != "none":
+        args += ["--draft-quantization", decoding["draftQuantization"]]
     if "thinking" in decoding:
         args += ["--default-chat-template-kwargs", json.dumps({"enable_thinking": decoding["thinking"]})]
     if _gpu(spec)["count"] > 0:  # explicit both ways (the server's default depends on what it finds)

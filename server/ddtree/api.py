@@ -247,6 +247,8 @@ class ServerState:
         head = getattr(engine, "draft_head", None)
         if head is not None and head.token_ids is not None:
             log.info("drafting from %d of %d tokens (--draft-vocab)", head.size, engine.vocab_size)
+        if quantized := getattr(engine, "draft_quantization", None):
+            log.info("drafting in %s (--draft-quantization): the output stays the target's own", quantized)
 
     def _warm_up(self, engine: Any) -> None:
         """Capture the fast path's graphs before /ready says yes: for greedy requests and for requests that

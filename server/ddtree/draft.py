@@ -255,7 +255,7 @@ class DFlashDraft(nn.Module):
 
     def extend_context(self, cache: DraftCache, ctx_feats: torch.Tensor, ctx_pos: torch.Tensor) -> None:
         """Append newly committed rows (their tap features [B, C, k*H] at positions [B, C]) to the cache."""
-        for i, (k, v) in enumerate(self.context_kv(ctx_feats, ctx_pos, self.fc.weight.dtype)):
+        for i, (k, v) in enumerate(self.context_kv(ctx_feats, ctx_pos, self.hidden_norm.weight.dtype)):
             cache.append(i, k, v)
         cache.positions = ctx_pos if cache.positions is None else torch.cat([cache.positions, ctx_pos], dim=1)
 

@@ -20,10 +20,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ddtree.errors import DDTreeError
+from ddtree.quantize import Fp8Weight, head_logits, head_rows
 
 FORMAT = "ddtree-draft-vocab"
 
@@ -114,17 +114,20 @@ class DraftHead:
 
     With a vocabulary, column c of the draft's logits is token `token_ids[c]` (ids ascending, so ties between
     draft tokens still go to the lower token id, as with the whole vocabulary). The rows are a copy: a
-    contiguous weight streams at full bandwidth, where gathering rows every round would not.
+    contiguous weight streams at full bandwidth, where gathering rows every round would not. A quantized
+    drafter (`quantization` "fp8", ddtree.quantize) scores with an fp8 copy of the rows.
     """
 
-    def __init__(self, lm_head: nn.Linear, token_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, lm_head: nn.Linear, token_ids: Sequence[int] | None = None,
+                 quantization: str | None = None) -> None:
         weight, bias = lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
         self.token_ids: torch.Tensor | None = None
         if token_ids is not None and len(token_ids) < weight.shape[0]:
             ids = torch.tensor(sorted(token_ids), dtype=torch.long, device=weight.device)
             weight, bias = weight.index_select(0, ids), None if bias is None else bias.index_select(0, ids)
             self.token_ids = ids
-        self.weight, self.bias = weight, bias
+        self.weight: torch.Tensor | Fp8Weight = head_rows(weight, quantization)
+        self.bias = bias
 
     @property
     def size(self) -> int:
@@ -132,7 +135,7 @@ class DraftHead:
         return self.weight.shape[0]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight, self.bias)
+        return head_logits(hidden, self.weight, self.bias)
 
     def tokens(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of draft-logit columns."""

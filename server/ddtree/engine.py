@@ -22,6 +22,7 @@ from ddtree.draft_vocab import DraftHead, check_draft_vocab, read_draft_vocab
 from ddtree.errors import DDTreeError
 from ddtree.fast import MAX_BUDGET, FastPath, unsupported
 from ddtree.fast.hybrid import HybridFastPath
+from ddtree.quantize import check_device, check_format, quantize_module
 from ddtree.sampling import History, SamplingParams, make_generator, pick_tokens, process_logits, token_logprobs
 from ddtree.target import HybridTarget, Target, load_target
 from ddtree.tree import DraftTree, build_tree, chain_tree, walk
@@ -144,7 +145,8 @@ class Engine:
 
     def __init__(self, target: Target, draft: DFlashDraft | None, tokenizer=None, *, method: str = "ddtree",
                  budget: int | None = None, model_name: str = "ddtree", fast: bool = False,
-                 fast_capacity: int = 4096, draft_vocab: Sequence[int] | DraftHead | None = None) -> None:
+                 fast_capacity: int = 4096, draft_vocab: Sequence[int] | DraftHead | None = None,
+                 draft_quantization: str | None = None) -> None:
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -157,12 +159,20 @@ class Engine:
             eos.update(value if isinstance(value, (list, tuple, set)) else [value] if value is not None else [])
         self.eos_token_ids: set[int] = eos
         self.generation_defaults = generation_defaults(getattr(target.model, "generation_config", None))
+        # fp8 drafter projections (ddtree.quantize): the draft module is quantized in place, once.
+        self.draft_quantization = check_format(draft_quantization)
+        if self.draft_quantization is not None:
+            if draft is None:
+                raise DDTreeError("draft quantization needs a DFlash draft (--draft DIR)")
+            check_device(target.device)
+            quantize_module(draft)
         # What the drafter scores its block with: the target's LM head, or its rows of a draft vocabulary (a
         # DraftHead is shared as it is: two engines over one pair need not copy the rows twice).
         self.draft_head: DraftHead | None = None
         if draft is not None:
             shared = isinstance(draft_vocab, DraftHead)
-            self.draft_head = draft_vocab if shared else DraftHead(target.lm_head, draft_vocab)
+            self.draft_head = (draft_vocab if shared
+                               else DraftHead(target.lm_head, draft_vocab, self.draft_quantization))
             target.set_taps(draft.config.target_layer_ids)
         # The fast path (ddtree.fast) takes the requests it can serve; the others, and all when off, run _run.
         self.fast_unsupported = unsupported(target) if fast else "off"
@@ -173,10 +183,11 @@ class Engine:
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                         method: str = "ddtree", budget: int | None = None, device: str | None = None,
                         dtype: str | None = None, fast: bool | None = False, fast_capacity: int = 4096,
-                        draft_vocab: str | Path | None = None) -> Engine:
+                        draft_vocab: str | Path | None = None, draft_quantization: str | None = None) -> Engine:
         """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package.
         fast=None turns the fast path on when the model runs on CUDA (where it pays off). `draft_vocab`: a
-        draft vocabulary file (ddtree.draft_vocab), the tokens the drafter may propose."""
+        draft vocabulary file (ddtree.draft_vocab), the tokens the drafter may propose. `draft_quantization`:
+        "fp8" runs the drafter's projections in fp8 (ddtree.quantize); None or "none" keeps its dtype."""
         if target is None:
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
         if not Path(target).is_dir():
@@ -189,6 +200,10 @@ class Engine:
         check_method(method, budget, has_draft=draft is not None)  # before the (slow) loading
         if draft_vocab is not None and draft is None:
             raise DDTreeError("a draft vocabulary needs a DFlash draft (--draft DIR)")
+        if check_format(draft_quantization) is not None:
+            if draft is None:
+                raise DDTreeError("draft quantization needs a DFlash draft (--draft DIR)")
+            check_device(dev)
         hot = read_draft_vocab(draft_vocab) if draft_vocab is not None else None
         tgt = load_target(target, device=dev, dtype=torch_dtype)
         tokenizer = _load_tokenizer(Path(target))
@@ -203,7 +218,7 @@ class Engine:
         if hot is not None:
             hot = check_draft_vocab(*hot, tgt.shape.vocab_size, draft_vocab)
         return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)),
-                   fast=fast, fast_capacity=fast_capacity, draft_vocab=hot)
+                   fast=fast, fast_capacity=fast_capacity, draft_vocab=hot, draft_quantization=draft_quantization)
 
     @functools.cached_property
     def grammar_tokenizer(self) -> object:

@@ -20,6 +20,7 @@ class ServeOptions:
     target: str | None = None
     draft: str | None = None
     draft_vocab: str | None = None  # a draft vocabulary file (ddtree.draft_vocab); None: the whole vocabulary
+    draft_quantization: str | None = None  # "fp8": the drafter's projections in fp8 (ddtree.quantize)
     method: str = "ddtree"
     budget: int | None = None
     device: str | None = None
@@ -61,7 +62,8 @@ def run(options: ServeOptions) -> int:
     def load() -> Engine:
         return Engine.from_pretrained(options.target, options.draft, method=options.method,
                                       budget=options.budget, device=options.device, dtype=options.dtype,
-                                      fast=options.fast, draft_vocab=options.draft_vocab)
+                                      fast=options.fast, draft_vocab=options.draft_vocab,
+                                      draft_quantization=options.draft_quantization)
 
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)

@@ -148,6 +148,37 @@ def test_a_draft_vocabulary_bench_counts_only_its_lm_head_rows_and_agrees_with_a
     assert f"--draft-vocab must be in 1..{vocab} tokens" in capsys.readouterr().err
 
 
+def test_an_fp8_draft_bench_counts_a_byte_per_weight_plus_its_scales_and_agrees_with_ar(tmp_path, capsys):
+    """Every draft projection and the head's rows in fp8 (one byte each, one float32 scale per row); the norms and
+    the draft's context K/V keep the model's dtype (float32 here)."""
+    from ddtree.fast.bench import SHAPES, build_shape, draft_bytes
+
+    plain, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
+    fp8, eager = build_shape("tiny", "cpu", torch.float32, fast_capacity=64, draft_quantization="fp8")
+    assert eager.draft is fp8.draft and eager.draft_head is fp8.draft_head
+    t, d = SHAPES["tiny"]["target"], SHAPES["tiny"]["draft"]
+    hidden, kv_width = t["hidden_size"], d["num_kv_heads"] * d["head_dim"]
+    q_width, inter = d["num_heads"] * d["head_dim"], d["intermediate_size"]
+    layer_rows = 2 * q_width + hidden + 2 * kv_width + 2 * inter  # output rows: q, o's, k, v, gate, up, down's
+    layer_values = 2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * inter
+    taps = len(d["target_layer_ids"])
+    values = taps * hidden * hidden + d["num_layers"] * layer_values
+    rows = hidden + d["num_layers"] * layer_rows  # fc's, then the layers'
+    norms = 4 * (2 * hidden + d["num_layers"] * (2 * hidden + 2 * d["head_dim"]))
+    again = d["num_layers"] * 2 * (hidden * kv_width + 4 * kv_width)
+    head = t["vocab_size"] * (hidden + 4)
+    context_kv = 4 * 2 * d["num_layers"] * kv_width * 10
+    assert draft_bytes(fp8, 10) == values + 4 * rows + norms + again + head + context_kv
+    assert draft_bytes(fp8, 10) < draft_bytes(plain, 10) / 3
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--methods", "ar", "ddtree", "--budgets", "16",
+                 "--prompts", "1", "--prompt-tokens", "12", "--max-new-tokens", "12", "--draft-quantization", "fp8",
+                 "--json", str(out)]) == 0
+    assert "The draft runs in fp8" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["draft_quantization"] == "fp8" and all(r["lossless"] for r in report["results"])
+
+
 def test_runs_are_timed_against_the_best_measured_read_bandwidth(tmp_path, monkeypatch):
     """Where the device's copy and read bandwidth are measured (before and after the runs), the floors at both
     are reported, and each run's round/floor is against the best read bandwidth: the tightest floor."""

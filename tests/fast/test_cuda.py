@@ -54,6 +54,68 @@ def test_a_draft_vocabulary_replays_as_graphs_and_gives_the_reference_tokens(fas
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_fp8_draft_replays_as_graphs_and_gives_the_targets_tokens(fast_ckpt, dtype):
+    """fp8 drafter projections in the round's graphs: the output is the reference path's `ar`, and both paths
+    draft with fp8 (the fast path through the kernels, the reference through them too on CUDA)."""
+    from ddtree.quantize import Fp8Weight
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9+")
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype=dtype, fast=True,
+                                  fast_capacity=256, draft_quantization="fp8")
+    reference = Engine(fast.target, fast.draft, fast.tokenizer, draft_vocab=fast.draft_head,
+                       draft_quantization="fp8")
+    assert isinstance(fast.fast.fused_draft.layers[0].q.weight, Fp8Weight)
+    for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
+        want = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in (("dflash", None), ("ddtree", 16), ("ddtree", 64)):
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            list(gen)
+            assert gen.on_fast_path and fast.fast.plan(method, budget or 1).graphs
+            if gen.token_ids != want:  # bf16 only, and at a near-tie of the reference (graph_rounds_match_ar)
+                assert dtype != "float32", (method, budget)
+                assert reference_margin(reference, prompt, want, gen.token_ids) < NEAR_TIE, (method, budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "k"), [(1, 64), (16, 4096), (16, 12288), (300, 20480)])
+def test_the_row_quantization_kernel_equals_torchs_cast_bit_for_bit(dtype, rows, k):
+    from ddtree import quantize
+    from ddtree.fast.rows import quantize as quantize_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, k, device="cuda", generator=gen) * 3).to(dtype)
+    x[0, :7] = 0.0
+    q, scale = quantize_kernel(x)
+    want_q, want_scale = quantize.quantize_rows(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(16, 4096, 4096), (16, 2048, 4096), (16, 24576, 4096),
+                                              (16, 4096, 12288), (16, 4096, 20480), (16, 16384, 4096),
+                                              (3, 40, 64), (200, 10240, 4096)])
+def test_the_fp8_gemm_equals_a_float64_product_of_its_operands_and_repeats_bit_for_bit(rows, n, k):
+    """The draft's widths (q, k/v, gate/up, down, fc, a draft vocabulary's head; a prompt's context rows in row
+    tiles). Each K tile's product is added in float32 (Hopper's fp8 MMA adds in fewer bits than float32)."""
+    from ddtree import quantize
+    from ddtree.fast import gemm
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9+")
+    gen = torch.Generator(device="cuda").manual_seed(n + rows)
+    weight = quantize.quantize_weight(torch.randn(n, k, device="cuda", generator=gen))
+    xq, xs = quantize.quantize_rows(torch.randn(rows, k, device="cuda", generator=gen))
+    want = (xq.double() @ weight.data.double().T) * (xs.double()[:, None] * weight.scale.double()[None, :])
+    got = gemm.skinny_fp8(xq, xs, weight, torch.float32)
+    error = ((got.double() - want).norm() / want.norm()).item()
+    assert error < 5e-4, error
+    assert torch.equal(gemm.skinny_fp8(xq, xs, weight, torch.float32), got)
+    bf16 = gemm.skinny_fp8(xq, xs, weight, torch.bfloat16)
+    assert torch.allclose(bf16.float(), got, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
 def _loaded(fast_ckpt: Path) -> tuple:
     """The float32 qwen3 pair on CUDA: (target, draft, tokenizer)."""
     engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32")

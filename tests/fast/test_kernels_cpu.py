@@ -342,3 +342,69 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, k
         assert {(16, 0), (16, 1), (64, 1)} <= attention_forms
     if name.startswith("hybrid"):  # AR steps through the row kernel, trees and prompts through the tree kernel
         assert gdn_steps == {"row", "tree"}
+
+
+def e4m3_grid_rows(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows whose values, divided by their scale, already lie on the e4m3 grid (each row's largest magnitude
+    448, the scales powers of two): (rows x, their e4m3 values, their scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, k), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3's NaN codes
+    values = codes.view(torch.float8_e4m3fn).float()
+    values[:, 1] = 448.0 * torch.where(torch.rand(rows, generator=gen) < 0.5, -1.0, 1.0)
+    scales = 2.0 ** torch.randint(-12, 4, (rows,), generator=gen).float()
+    return values * scales[:, None], values, scales
+
+
+@pytest.mark.parametrize(("rows", "k"), [(3, 64), (5, 200)])
+def test_the_row_quantization_kernel_finds_each_rows_scale_and_its_e4m3_values(rows, k):
+    """Interpreted, on values that need no rounding: Triton's interpreter casts to e4m3 without carrying a
+    rounded-up mantissa into the exponent (125.2 becomes 64, not 128), so the rounding itself is checked on the
+    GPU (tests/fast/test_cuda.py: bit for bit with torch's cast)."""
+    from ddtree.fast.rows import quantize
+
+    x, values, scales = e4m3_grid_rows(rows, k, seed=rows)
+    q, scale = quantize(x)
+    assert torch.equal(scale, scales)  # 448 x 2^e / 448
+    assert torch.equal(q.float(), values)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 64), (16, 96, 256), (5, 100, 512), (70, 48, 128)])
+def test_the_fp8_gemm_equals_the_reference_on_the_same_quantized_rows(rows, n, k, monkeypatch):
+    """One row tile with and without K splits (512: two 256-wide slices summed by the last program), and 70 rows
+    in three tiles of 32."""
+    from ddtree import quantize
+    from ddtree.fast import gemm
+
+    monkeypatch.setattr(gemm, "FP8_ROW_TILE", 32)
+    gen = torch.Generator().manual_seed(rows + n)
+    weight = quantize.quantize_weight(torch.randn(n, k, generator=gen))
+    xq, xs = quantize.quantize_rows(torch.randn(rows, k, generator=gen))
+    want = (xq.double() @ weight.data.double().T) * (xs.double()[:, None] * weight.scale.double()[None, :])
+    got = gemm.skinny_fp8(xq, xs, weight, torch.float32)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gemm.skinny_fp8(xq, xs, weight, torch.float32), got)  # K splits summed in a fixed order
+    assert not gemm._counters(xq.device, 1).any()
+
+
+@pytest.mark.slow
+def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernels_on_cpu, tmp_path, monkeypatch):
+    """A quantized drafter with every fp8 kernel in place (the row quantization and the GEMM, for the block
+    pass, the commit's context projections and the head): the output is the reference path's `ar` output."""
+    from ddtree.fast import gemm
+
+    launches = []
+    real = gemm.skinny_fp8
+    monkeypatch.setattr(gemm, "skinny_fp8", lambda *a: launches.append(a[2].shape) or real(*a))
+    draft = make_draft(tmp_path / "draft", target_layers=2, layers=1, taps=[0, 1])
+    target = make_target(tmp_path / "qwen3", "qwen3", seed=4, layers=2)
+    fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128,
+                                  draft_quantization="fp8")
+    reference = Engine.from_pretrained(target, draft, device="cpu")
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = reference.generate(list(range(30, 40)), params, method="ar").token_ids
+    gen = fast.stream(list(range(30, 40)), params, method="ddtree", budget=16)
+    rounds = list(gen)
+    assert gen.on_fast_path and gen.token_ids == want and len(rounds) > 1
+    heads = fast.draft_head.size
+    assert {(heads, 64), (2 * 16 * 2, 64), (64, 128)} <= set(launches)  # the head, the context k/v, fc

@@ -40,7 +40,7 @@ def test_rendered_pods_pull_and_serve_the_demo_pair(tmp_path: Path):
             "metadata": {"name": "demo", "namespace": "default", "uid": "u"},
             "spec": {"target": {"model": {"uri": str(DEMO / "target")}},
                      "draft": {"model": {"uri": str(DEMO / "draft")}},
-                     "decoding": {"draftVocab": {"configMapRef": {"name": "demo-hot"}}},
+                     "decoding": {"draftVocab": {"configMapRef": {"name": "demo-hot"}}, "draftQuantization": "fp8"},
                      "gpu": {"count": 0}, "server": {"port": port, "apiKeySecretRef": {"name": "keys"},
                                                      "drainSeconds": 1, "terminationGracePeriodSeconds": 20}}}
     children = render.render(body, "ddtree-server:test")
@@ -81,3 +81,4 @@ def test_rendered_pods_pull_and_serve_the_demo_pair(tmp_path: Path):
         assert time.monotonic() - started < 20
     log = (tmp_path / "server.log").read_text()
     assert "Application shutdown complete" in log and "drafting from 2048 of 8192 tokens" in log
+    assert "drafting in fp8 (--draft-quantization)" in log

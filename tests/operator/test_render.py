@@ -129,7 +129,7 @@ def test_server_contract_probes_and_drain():
                        "terminationGracePeriodSeconds": 90, "maxQueue": 64, "extraArgs": ["--log-level", "debug"],
                        "apiKeySecretRef": {"name": "keys"}, "shmSize": "32Gi"},
             "decoding": {"method": "dflash", "budget": 48, "temperature": 0.6, "thinking": False,
-                         "generationConfig": "none",
+                         "generationConfig": "none", "draftQuantization": "fp8",
                          "draftVocab": {"configMapRef": {"name": "qwen3-hot", "key": "hot.json"}}}}
     children = render.render(cr(spec))
     pod = pod_spec(children)
@@ -142,7 +142,7 @@ def test_server_contract_probes_and_drain():
                      "--served-model-name": "Qwen3-8B", "--method": "dflash", "--budget": "48", "--max-queue": "64",
                      "--drain-timeout": "65", "--default-temperature": "0.6", "--generation-config": "none",
                      "--default-chat-template-kwargs": '{"enable_thinking": false}',
-                     "--draft-vocab": "/etc/ddtree/draft-vocab/hot.json"}
+                     "--draft-vocab": "/etc/ddtree/draft-vocab/hot.json", "--draft-quantization": "fp8"}
     assert server["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     assert server["startupProbe"]["httpGet"]["path"] == "/ready"
     assert server["startupProbe"]["failureThreshold"] == 361  # ceil(3605 / 10)
@@ -168,9 +168,19 @@ def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
     rule = spec["server"]["properties"]["extraArgs"]["x-kubernetes-validations"][0]["rule"]
     refused = re.compile(re.search(r"matches\('(.+)'\)", rule).group(1))
     decoding = {"method": "ar", "budget": 8, "temperature": 0.5, "generationConfig": "none", "thinking": True,
-                "draftVocab": {"configMapRef": {"name": "hot"}}}
+                "draftVocab": {"configMapRef": {"name": "hot"}}, "draftQuantization": "fp8"}
     flags = [a for a in render.server_args(cr({"decoding": decoding})["spec"])[1:] if a.startswith("--")]
-    assert {"--generation-config", "--draft-vocab"} <= set(flags) and all(refused.match(f) for f in flags), flags
+    assert {"--generation-config", "--draft-vocab", "--draft-quantization"} <= set(flags), flags
+    assert all(refused.match(f) for f in flags), flags
+
+
+def test_the_draft_keeps_its_dtype_unless_fp8_is_asked_for():
+    def args(decoding: dict) -> list[str]:
+        return render.server_args(cr({"decoding": decoding})["spec"])
+
+    assert "--draft-quantization" not in args({}) and "--draft-quantization" not in args({"draftQuantization": "none"})
+    rendered = args({"draftQuantization": "fp8"})
+    assert rendered[rendered.index("--draft-quantization") + 1] == "fp8"
 
 
 def test_the_fast_path_needs_a_gpu_and_can_be_turned_off():

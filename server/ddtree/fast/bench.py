@@ -41,7 +41,9 @@ from ddtree.draft import DFlashDraft
 from ddtree.draft_vocab import load_draft_vocab
 from ddtree.engine import DTYPES, Engine
 from ddtree.errors import DDTreeError
+from ddtree.fast.fused import weight_of
 from ddtree.fast.jit import triton_works
+from ddtree.quantize import Fp8Linear, Fp8Weight
 from ddtree.sampling import SamplingParams
 from ddtree.target import HybridTarget, Target
 
@@ -150,7 +152,7 @@ def born(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int,
-                draft_vocab: str | None = None) -> tuple[Engine, Engine]:
+                draft_vocab: str | None = None, draft_quantization: str | None = None) -> tuple[Engine, Engine]:
     """(fast engine, eager engine) over one random-weight model of a published shape, built on the device.
 
     Seeded, so that runs of one shape compare the same weights.
@@ -159,19 +161,23 @@ def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capaci
     target = build_target(SHAPES[name], device, dtype)
     draft = build_draft(SHAPES[name], target, device, dtype)
     hot = draft_vocab_ids(draft_vocab, target.shape.vocab_size)
-    fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name, draft_vocab=hot)
-    return fast, Engine(target, draft, model_name=name, draft_vocab=fast.draft_head)
+    fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name, draft_vocab=hot,
+                  draft_quantization=draft_quantization)
+    return fast, Engine(target, draft, model_name=name, draft_vocab=fast.draft_head,
+                        draft_quantization=draft_quantization)
 
 
-def build_pair(target: str | None, draft: str | None, device: str, dtype: str | None,
-               fast_capacity: int, draft_vocab: str | None = None) -> tuple[Engine, Engine]:
+def build_pair(target: str | None, draft: str | None, device: str, dtype: str | None, fast_capacity: int,
+               draft_vocab: str | None = None, draft_quantization: str | None = None) -> tuple[Engine, Engine]:
     """(fast engine, eager engine) over one loaded pair: the fast path's static caches are built once, after
-    the draft vocabulary (a file, or N lowest ids) is known."""
+    the draft vocabulary (a file, or N lowest ids) is known. Both share one (quantized) draft and head."""
     loaded = Engine.from_pretrained(target, draft, device=device, dtype=dtype)
     hot = draft_vocab_ids(draft_vocab, loaded.vocab_size)
     pair = (loaded.target, loaded.draft, loaded.tokenizer)
-    fast = Engine(*pair, model_name=loaded.model_name, fast=True, fast_capacity=fast_capacity, draft_vocab=hot)
-    return fast, Engine(*pair, model_name=loaded.model_name, draft_vocab=fast.draft_head)
+    fast = Engine(*pair, model_name=loaded.model_name, fast=True, fast_capacity=fast_capacity, draft_vocab=hot,
+                  draft_quantization=draft_quantization)
+    return fast, Engine(*pair, model_name=loaded.model_name, draft_vocab=fast.draft_head,
+                        draft_quantization=draft_quantization)
 
 
 def draft_vocab_ids(spec: str | None, vocab_size: int) -> list[int] | None:
@@ -227,16 +233,23 @@ def weight_bytes(engine: Engine, context: int) -> int:
 def draft_bytes(engine: Engine, context: int) -> int:
     """Bytes a speculative round moves at least on top of the target step's (dflash and ddtree rounds):
 
-        draft    every draft parameter: the block pass reads its layers, the commit its fc
+        draft    every draft weight: the block pass reads its layers, the commit its fc (fp8 ones with their
+                 scales, for a quantized draft)
       + K, V     the draft layers' K and V projections once more: the commit projects the committed rows with them
-      + LM head  the target's (or its rows of a draft vocabulary), which scores the block's rows
+      + LM head  the target's (or its rows of a draft vocabulary, or their fp8 copy), which scores the block's rows
       + KV       2 x draft layers x kv_heads x head_dim x dtype bytes x context (the draft's context cache)
     """
     draft, cfg = engine.draft, engine.draft.config
-    head = engine.draft_head.weight
-    again = nbytes(p for layer in draft.layers for p in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight))
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * head.element_size() * context
-    return nbytes(draft.parameters()) + again + nbytes([head]) + kv
+    fp8 = [m.fp8 for m in draft.modules() if isinstance(m, Fp8Linear)]
+    again = sum(_weight_bytes(weight_of(m)) for layer in draft.layers
+                for m in (layer.self_attn.k_proj, layer.self_attn.v_proj))
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * draft.norm.weight.element_size() * context
+    weights = nbytes(draft.parameters()) + sum(w.nbytes for w in fp8)
+    return weights + again + _weight_bytes(engine.draft_head.weight) + kv
+
+
+def _weight_bytes(weight: torch.Tensor | Fp8Weight) -> int:
+    return weight.nbytes if isinstance(weight, Fp8Weight) else nbytes([weight])
 
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -391,9 +404,10 @@ def bench(args: argparse.Namespace) -> int:
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     if args.shape:
         dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
-        fast, eager = build_shape(args.shape, device, dtype, capacity, args.draft_vocab)
+        fast, eager = build_shape(args.shape, device, dtype, capacity, args.draft_vocab, args.draft_quantization)
     else:
-        fast, eager = build_pair(args.target, args.draft, str(device), args.dtype, capacity, args.draft_vocab)
+        fast, eager = build_pair(args.target, args.draft, str(device), args.dtype, capacity, args.draft_vocab,
+                                 args.draft_quantization)
     paths = paths_to_run(args.paths, fast)
     prompts = prompts_for(fast, args)
     if not prompts:
@@ -434,6 +448,7 @@ def bench(args: argparse.Namespace) -> int:
                   torch=torch.__version__, prompts=len(prompts),
                   prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, sampling=describe(params),
                   vocab_size=fast.vocab_size, draft_vocab=fast.draft_head.size if fast.draft_head else None,
+                  draft_quantization=fast.draft_quantization,
                   step_bytes=step_bytes, round_bytes=round_bytes,
                   copy_bandwidth=copy, read_bandwidth=read, floor_ms=floor_ms, round_floor_ms=round_floor_ms,
                   round_vs_floor_at=achievable, draft_share_of_round_floor=1 - step_bytes / round_bytes,
@@ -522,7 +537,9 @@ def table(report: dict) -> str:
              f"{100 * report['draft_share_of_round_floor']:.0f}%, is the least non-verify share a round at the "
              f"floor has. round/floor: against the {report['round_vs_floor_at']} floor"
              + (f". The draft scores {report['draft_vocab']} tokens (--draft-vocab)" if report["draft_vocab"]
-                and report["draft_vocab"] < report["vocab_size"] else ""),
+                and report["draft_vocab"] < report["vocab_size"] else "")
+             + (f". The draft runs in {report['draft_quantization']} (--draft-quantization)"
+                if report.get("draft_quantization") else ""),
              *([f"fast path {report['fast_path']}"] if report["fast_path"] != "available" else []),
              "", "| path | method | B | tau | TPOT ms | tok/s | round ms | round/floor | round/AR | verify/AR | "
              "draft | tree | verify | commit | host | non-verify | == ar |", "|" + "---|" * 17]

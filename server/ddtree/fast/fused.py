@@ -33,6 +33,7 @@ from ddtree.draft import rms_norm
 from ddtree.fast import rows
 from ddtree.fast.gemm import linear
 from ddtree.fast.moe import Experts
+from ddtree.quantize import Fp8Linear, Fp8Weight, QuantizedRows, rows_of
 
 ROW_KERNELS = os.environ.get("DDTREE_ROW_KERNELS", "1") != "0"
 
@@ -135,32 +136,44 @@ def _compiled(fn: Callable) -> Callable:
 
 @dataclass(frozen=True)
 class Proj:
-    """One (possibly fused) linear projection."""
+    """One (possibly fused) linear projection; an fp8 weight for a quantized drafter's (ddtree.quantize)."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | Fp8Weight
     bias: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
-def fuse(owner: nn.Module, name: str, linears: list[nn.Linear]) -> Proj:
+def weight_of(module: nn.Module) -> torch.Tensor | Fp8Weight:
+    """A projection module's weight: an nn.Linear's, or an Fp8Linear's fp8 values with their scales."""
+    return module.fp8 if isinstance(module, Fp8Linear) else module.weight
+
+
+def fuse(owner: nn.Module, name: str, linears: list[nn.Module]) -> Proj:
     """One projection computing every linear in `linears` (same input), their outputs concatenated.
 
     The fused weight is kept on `owner` under `name` (so building a second fast path reuses it) and each
-    linear's weight (and bias) becomes a row view of it: the memory is not doubled.
+    linear's weight (and bias, or an Fp8Linear's scales) becomes a row view of it: the memory is not doubled.
+    One kept for the modules' earlier format (a draft quantized after a fast path fused it) is made again.
     """
-    if not hasattr(owner, name):
-        setattr(owner, name, Proj(_concat_rows([m.weight for m in linears]),
-                                  _concat_rows([m.bias for m in linears]) if linears[0].bias is not None else None))
-        fused: Proj = getattr(owner, name)
-        row = 0
-        for m in linears:
-            rows = m.weight.shape[0]
-            m.weight.data = fused.weight[row:row + rows]
-            if fused.bias is not None:
-                m.bias.data = fused.bias[row:row + rows]
-            row += rows
+    kept = getattr(owner, name, None)
+    if kept is None or isinstance(kept.weight, Fp8Weight) != isinstance(linears[0], Fp8Linear):
+        if isinstance(linears[0], Fp8Linear):
+            fused = Proj(Fp8Weight(_concat_rows([m.weight for m in linears]),
+                                   _concat_rows([m.weight_scale for m in linears])))
+            shared = [("weight", fused.weight.data), ("weight_scale", fused.weight.scale)]
+        else:
+            fused = Proj(_concat_rows([m.weight for m in linears]),
+                         _concat_rows([m.bias for m in linears]) if linears[0].bias is not None else None)
+            shared = [("weight", fused.weight)] + ([("bias", fused.bias)] if fused.bias is not None else [])
+        for attribute, whole in shared:  # each module's tensor becomes its rows of the fused one
+            row = 0
+            for m in linears:
+                tensor = getattr(m, attribute)
+                tensor.data = whole[row:row + tensor.shape[0]]
+                row += tensor.shape[0]
+        setattr(owner, name, fused)
     return getattr(owner, name)
 
 
@@ -235,7 +248,8 @@ class DraftLayer(Layer):
     kv: Proj
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.q(h), *self.kv(h).chunk(2, dim=-1)
+        rows = rows_of(h) if isinstance(self.q.weight, Fp8Weight) else h  # fp8: quantized once for both
+        return self.q(rows), *self.kv(rows).chunk(2, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -256,9 +270,16 @@ class Draft:
         for i, layer in enumerate(draft.layers):
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(DraftLayer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, Proj(attn.o_proj.weight),
-                fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj]), Proj(mlp.down_proj.weight),
-                attn.q_norm.weight, attn.k_norm.weight, attn.num_kv_heads, attn.head_dim, Proj(attn.q_proj.weight),
-                Proj(context_kv.weight[i * width:(i + 1) * width])))
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, Proj(weight_of(attn.o_proj)),
+                fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj]), Proj(weight_of(mlp.down_proj)),
+                attn.q_norm.weight, attn.k_norm.weight, attn.num_kv_heads, attn.head_dim,
+                Proj(weight_of(attn.q_proj)), Proj(_rows(context_kv.weight, i * width, (i + 1) * width))))
         k_norms = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in draft.layers])
-        return cls(Proj(draft.fc.weight), context_kv, k_norms, layers)
+        return cls(Proj(weight_of(draft.fc)), context_kv, k_norms, layers)
+
+
+def _rows(weight: torch.Tensor | Fp8Weight, start: int, end: int) -> torch.Tensor | Fp8Weight:
+    """Rows start..end-1 of a weight (with their scales, for an fp8 one)."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(weight.data[start:end], weight.scale[start:end])
+    return weight[start:end]

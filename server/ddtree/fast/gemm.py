@@ -10,6 +10,9 @@ that the GPU fills; the last program of a column tile to finish sums the float32
 
 More rows pad the product to 64 or 128 and make it compute-bound in Triton: there cuBLAS (which pads rows
 to a multiple of 8) wins, so `linear` hands those to it. DDTREE_SKINNY=0 turns the kernel off, for A/B runs.
+
+The same kernel takes an fp8 drafter's projections (ddtree.quantize; `skinny_fp8`): e4m3 weights and rows,
+half the bytes, on the fp8 tensor cores, at any row count (a prompt's context rows in tiles).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch.nn.functional as F
 from ddtree.fast.gemv import gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.jit import after_previous, launch_fitting, pdl, triton_works
+from ddtree.quantize import Fp8Weight, QuantizedRows
+from ddtree.quantize import linear as quantized_linear
 
 try:
     import triton
@@ -30,6 +35,7 @@ except ImportError:  # CPU-only installs: the caller keeps F.linear
     triton = None
 
 MAX_ROWS = 32  # measured: 65 rows run 1.2x slower than cuBLAS (compute-bound after padding to 128)
+FP8_ROW_TILE = 64  # fp8 rows in one tile; more rows take several tiles (and no K splits)
 ENABLED = os.environ.get("DDTREE_SKINNY", "1") != "0"
 ROW_GEMV = os.environ.get("DDTREE_ROW_GEMV", "1") != "0"
 ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
@@ -38,7 +44,8 @@ LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129
 _KEPT_ZEROS: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the skinny kernel where it is the faster one (see above), and one row of a weight
     up to ROW_GEMV_MAX_N wide through the Triton GEMV (ddtree/fast/gemv.py; measured on the 8B shape's
     4096-row weights: 10.2 against cuBLAS' 13.2 µs for o, 25.6 against 30.1 for down; on the wide ones cuBLAS
@@ -46,7 +53,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     against 18.25 ms, an MoE target's 3.78 against 3.92 (benchmarks/ab_steps.py). DDTREE_ROW_GEMV=0 keeps
     cuBLAS for single rows, for A/B runs. Half-precision rows past the skinny kernel's, up to LT_MAX_ROWS (a tree
     of 32-127 nodes), go to cuBLASLt, which cuBLAS' heuristics do not pick there: an 8B shape's B = 32 round took
-    6.44 against 6.59 ms, B = 64 6.77 against 6.84. DDTREE_CUBLASLT=0 keeps cuBLAS, for A/B runs."""
+    6.44 against 6.59 ms, B = 64 6.77 against 6.84. DDTREE_CUBLASLT=0 keeps cuBLAS, for A/B runs. An fp8 weight
+    (a quantized drafter's, ddtree.quantize) takes the same kernel on fp8 operands (`skinny_fp8`), and rows already
+    quantized for it (QuantizedRows) need one."""
+    if isinstance(weight, Fp8Weight):
+        out = quantized_linear(x, weight)
+        return out if bias is None else out + bias
     if bias is None and x.dim() == 2 and x.dtype == weight.dtype:
         if (x.shape[0] == 1 and ROW_GEMV and weight.shape[0] <= ROW_GEMV_MAX_N and gemv_supported(weight)
                 and x.stride(1) == 1 and triton_works(x.device)):
@@ -65,15 +77,18 @@ def _zero_bias(n: int, x: torch.Tensor) -> torch.Tensor:
     return _kept_zeros("bias", n, x.dtype, x.device, least=1 << 18)[:n]
 
 
-def launch_config(n: int, k: int) -> dict[str, int]:
+def launch_config(n: int, k: int, fp8: bool = False) -> dict[str, int]:
     """Column tile, K tile, K splits, warps and pipeline depth for an [n, k] weight at up to MAX_ROWS rows.
 
     From benchmarks/skinny_tune.py on an H200 (Qwen3-8B and its DFlash draft's widths): 64-column tiles and
     128-wide K steps throughout; K splits until ~160 programs run, and further while each still covers
-    3072 or more of K (the long down and fc weights).
+    3072 or more of K (the long down and fc weights). An fp8 weight (`skinny_fp8`) takes 256-wide K steps,
+    the same bytes a step: the best of benchmarks/fp8_skinny_probe.py's grid at every draft projection, with
+    the same splits and depths (RESULTS v21).
     """
     block_n = 64
-    block_k = 128 if k % 128 == 0 else 64
+    widths = (256, 128, 64) if fp8 else (128, 64)
+    block_k = next(w for w in widths if k % w == 0 or w == 64)
     tiles = triton.cdiv(n, block_n)
     split_k = 1
     while tiles * split_k * 2 <= 160 and _splits(k, 2 * split_k, block_k):
@@ -100,28 +115,56 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N], for M up to 256 (more rows than MAX_ROWS run, only slower)."""
+    return _skinny(x, None, weight, None, x.dtype, config or launch_config(weight.shape[0], x.shape[1]))
+
+
+def skinny_fp8(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype,
+               config: dict[str, int] | None = None) -> torch.Tensor:
+    """Rows quantized to e4m3 (values [M, K], per-row scale [M]; ddtree.quantize) @ an fp8 weight^T -> [M, N] in
+    `dtype`: the same kernel with fp8 operands (fp8 tensor cores: compute capability 8.9+), 256-wide K tiles (the
+    bf16 kernel's bytes a step), each K tile's product added in float32, and (row scale x channel scale) applied
+    after the sum. Any number of rows: past FP8_ROW_TILE (a prompt's context) they run in tiles, without K splits.
+    `config`: launch_config's keys, for tuning (benchmarks/fp8_skinny_probe.py)."""
+    cfg = config or launch_config(weight.shape[0], values.shape[1], fp8=True)
+    return _skinny(values, scale, weight.data, weight.scale, dtype, cfg)
+
+
+def _skinny(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, w_scale: torch.Tensor | None,
+            dtype: torch.dtype, cfg: dict[str, int]) -> torch.Tensor:
+    """One launch of _skinny_kernel: half-precision or float32 operands, or (with the scales) fp8 ones."""
     rows, k = x.shape
     n = weight.shape[0]
-    cfg = config or launch_config(n, k)
-    block_m = max(16, triton.next_power_of_2(rows))
+    fp8 = x_scale is not None
+    block_m = max(16, triton.next_power_of_2(rows)) if not fp8 or rows <= FP8_ROW_TILE else FP8_ROW_TILE
+    row_tiles = triton.cdiv(rows, block_m)
+    split_k = cfg["split_k"] if row_tiles == 1 else 1
     tiles = triton.cdiv(n, cfg["block_n"])
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    split_k = cfg["split_k"]
+    y = torch.empty((rows, n), dtype=dtype, device=x.device)
     partials = torch.empty((split_k, rows, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     counters = _counters(x.device, tiles)
     dependent = pdl(x.device)
+    scales = (x_scale, w_scale) if fp8 else (y, y)  # unread without FP8
 
     def launch(fit: dict[str, int]) -> None:
-        _skinny_kernel[(tiles, split_k)](
-            x, weight, y, partials, counters, rows, n, x.stride(0), weight.stride(0), K=k,
+        _skinny_kernel[(tiles, split_k, row_tiles)](
+            x, scales[0], weight, scales[1], y, partials, counters, rows, n, x.stride(0), weight.stride(0), K=k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
-            BLOCK_K=fit["block_k"], SPLIT_K=split_k, PDL=dependent, num_warps=cfg["num_warps"],
+            BLOCK_K=fit["block_k"], SPLIT_K=split_k, FP8=fp8, PDL=dependent, num_warps=cfg["num_warps"],
             num_stages=fit["num_stages"], launch_pdl=dependent)
 
-    # float32 rows need up to 147 KB at the tuned tiles: more than a consumer GPU's shared memory
+    # float32 rows need up to 147 KB at the tuned tiles, fp8's 256-wide K tiles 4 x 16 KB a stage: more than a
+    # consumer GPU's shared memory
     launch_fitting(launch, {"num_stages": cfg["num_stages"], "block_k": cfg["block_k"]}, ("block_k", 64),
                    ("skinny", x.dtype, x.device, block_m, cfg["block_n"], split_k))
     return y
+
+
+def fp8_supported(rows: torch.Tensor) -> bool:
+    """Whether the fp8 kernels (skinny_fp8, rows.quantize) take these rows [M, K]: Triton runs on their device,
+    which has fp8 tensor cores (or is the CPU under Triton's interpreter), and K is a multiple of 64."""
+    if triton is None or rows.dim() != 2 or rows.shape[1] % 64 or not triton_works(rows.device):
+        return False
+    return rows.device.type != "cuda" or torch.cuda.get_device_capability(rows.device) >= (8, 9)
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -142,17 +185,17 @@ def _kept_zeros(use: str, n: int, dtype: torch.dtype, device: torch.device, leas
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(X, W, Y, Part, Count, M, N, stride_x, stride_w, K: tl.constexpr,
+    def _skinny_kernel(X, XS, W, WS, Y, Part, Count, M, N, stride_x, stride_w, K: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
-        """Columns pid_n * BLOCK_N.. of y for all rows, over the K slice pid_k of SPLIT_K (float32 inputs take
-        the exact product, not TF32: the float32 tests hold the fast path to the reference's tokens)."""
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+        """Columns pid_n * BLOCK_N.. of y for the rows of tile pid_m, over the K slice pid_k of SPLIT_K (float32
+        inputs take the exact product, not TF32: the float32 tests hold the fast path to the reference's tokens).
+        FP8: e4m3 operands, scaled after the sum by XS (per row) and WS (per column)."""
         after_previous(PDL)
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         span: tl.constexpr = K // SPLIT_K
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = pid_k * span + tl.arange(0, BLOCK_K)
         col_ok = rn < N
         row_ok = rm < M
@@ -162,12 +205,20 @@ if triton is not None:
         for _ in range(0, span, BLOCK_K):
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
-            acc = tl.dot(w, x, acc, input_precision=PRECISION)
+            if FP8:  # each K tile's product added in float32: Hopper's fp8 MMA keeps fewer bits in its own
+                acc += tl.dot(w, x)  # accumulator, which over a long K strays ~1e-3 from the float32 sum (v21)
+            else:
+                acc = tl.dot(w, x, acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if FP8:  # (column scale x row scale), for the store
+            w_scale = tl.load(WS + rn, mask=col_ok, other=0.0)
+            scale = w_scale[:, None] * tl.load(XS + rm, mask=row_ok, other=0.0)[None, :]
         out_ptrs = Y + rm[None, :] * N + rn[:, None]
         out_ok = col_ok[:, None] & row_ok[None, :]
         if SPLIT_K == 1:
+            if FP8:
+                acc = acc * scale
             tl.store(out_ptrs, acc.to(Y.dtype.element_ty), mask=out_ok)
         else:
             part_ptrs = Part + rm[None, :] * N + rn[:, None]
@@ -178,5 +229,7 @@ if triton is not None:
                 total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
                 for s in range(SPLIT_K):
                     total += tl.load(part_ptrs + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                if FP8:
+                    total = total * scale
                 tl.store(out_ptrs, total.to(Y.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(Count + pid_n, 0)

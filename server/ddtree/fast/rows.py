@@ -1,5 +1,5 @@
-"""A multi-row forward's elementwise steps (RMSNorm, residual add + RMSNorm, SiLU · up) as Triton kernels
-launched as programmatic dependents.
+"""A multi-row forward's elementwise steps (RMSNorm, residual add + RMSNorm, SiLU · up, and an fp8 drafter's
+row quantization) as Triton kernels launched as programmatic dependents.
 
 An AR step folds these steps into its GEMVs (ddtree/fast/gemv.py). A draft block or a tree cannot: its
 projections are GEMMs (ddtree/fast/gemm.py, cuBLASLt), so each step is a kernel of its own between two of
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.fast.jit import after_previous, pdl, program_block
+from ddtree.quantize import FP8, FP8_MAX, TINY
 
 try:
     import triton
@@ -60,6 +61,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, rows * half, half, gate_up.stride(0), BLOCK=block, PDL=dependent, num_warps=4,
         launch_pdl=dependent)
     return out
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ddtree.quantize.quantize_rows of rows x [M, K] (an fp8 drafter's projection inputs): e4m3 values and
+    per-row float32 scales, one program per row (every row in one program when interpreted)."""
+    rows, k = x.shape
+    values = torch.empty((rows, k), dtype=FP8, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    block_r = program_block(rows, x.device, 1)
+    dependent = pdl(x.device)
+    _quantize_kernel[(triton.cdiv(rows, block_r),)](
+        x, values, scale, rows, k, x.stride(0), BLOCK_R=block_r, BLOCK=block, PDL=dependent,
+        num_warps=min(16, max(4, block // 1024)), launch_pdl=dependent)
+    return values, scale
 
 
 def _norm(x: torch.Tensor, delta: torch.Tensor, summed: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
@@ -108,3 +124,21 @@ if triton is not None:
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         up = tl.load(src + half, mask=ok, other=0.0)
         tl.store(Out + idx, (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=ok)
+
+    _INV_MAX = tl.constexpr(1.0 / FP8_MAX)
+    _TINY = tl.constexpr(TINY)
+
+    @triton.jit
+    def _quantize_kernel(X, Q, S, rows, K, stride_x, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        """BLOCK_R rows as ddtree.quantize.quantize_rows makes them: scale = largest magnitude (at least TINY) x
+        float32(1 / FP8_MAX), values / scale (correctly rounded: div_rn) in e4m3, rounded to nearest even."""
+        after_previous(PDL)
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK)
+        ok = (r < rows)[:, None] & (cols < K)[None, :]
+        x = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 1), _TINY) * _INV_MAX
+        values = tl.math.div_rn(x, scale[:, None])
+        tl.store(Q + r[:, None] * K + cols[None, :], values.to(Q.dtype.element_ty), mask=ok)
+        tl.store(S + r, scale, mask=r < rows)
