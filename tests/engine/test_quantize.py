@@ -12,6 +12,7 @@ from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
 from ddtree.quantize import FP8_MAX, Fp8Linear, Fp8Weight, quantize_module, quantize_rows, quantize_weight
 from ddtree.sampling import SamplingParams
+from tiny import make_hybrid_target
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(60, 90))]
@@ -84,10 +85,11 @@ def test_a_draft_quantized_after_a_fast_path_fused_it_drafts_every_projection_in
     assert fp8.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY, method="ar").token_ids
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_greedy_output_with_an_fp8_draft_is_the_targets_own_on_both_paths(ckpt, arch):
-    quantized = Engine.from_pretrained(ckpt / arch, ckpt / "draft", device="cpu", draft_quantization="fp8")
-    fast = Engine.from_pretrained(ckpt / arch, ckpt / "draft", device="cpu", fast=True, draft_quantization="fp8")
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "moe", "hybrid"])
+def test_greedy_output_with_an_fp8_draft_is_the_targets_own_on_both_paths(ckpt, arch, tmp_path):
+    target = make_hybrid_target(tmp_path / "hybrid", "qwen3_5") if arch == "hybrid" else ckpt / arch
+    quantized = Engine.from_pretrained(target, ckpt / "draft", device="cpu", draft_quantization="fp8")
+    fast = Engine.from_pretrained(target, ckpt / "draft", device="cpu", fast=True, draft_quantization="fp8")
     assert fast.fast is not None
     for prompt in PROMPTS:
         want = quantized.generate(prompt, GREEDY, method="ar").token_ids
