@@ -101,8 +101,9 @@ def reference_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return reference_mm(QuantizedRows(*quantize_rows(x), x.dtype), weight)
 
 
-def linear(x: torch.Tensor | QuantizedRows, weight: Fp8Weight) -> torch.Tensor:
-    """x [..., K] (or rows already quantized) @ weight^T: the fp8 GPU kernels where they run, else the reference."""
+def linear(x: torch.Tensor | QuantizedRows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (or rows already quantized) @ weight^T (+ bias): the fp8 GPU kernels where they run, else the
+    reference."""
     from ddtree.fast import gemm
 
     rows = x if isinstance(x, QuantizedRows) else rows_of(x)
@@ -111,7 +112,8 @@ def linear(x: torch.Tensor | QuantizedRows, weight: Fp8Weight) -> torch.Tensor:
     else:
         out = reference_mm(rows, weight)
     leading = x.values.shape[:-1] if isinstance(x, QuantizedRows) else x.shape[:-1]
-    return out.view(*leading, weight.shape[0])
+    out = out.view(*leading, weight.shape[0])
+    return out if bias is None else out + bias
 
 
 class Fp8Linear(nn.Module):
@@ -176,7 +178,4 @@ def head_rows(weight: torch.Tensor, quantization: str | None) -> torch.Tensor | 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """A draft head's logits (the reference path's; the fast path's `gemm.linear` takes both formats too)."""
-    if isinstance(weight, Fp8Weight):
-        out = linear(hidden, weight)
-        return out if bias is None else out + bias
-    return F.linear(hidden, weight, bias)
+    return linear(hidden, weight, bias) if isinstance(weight, Fp8Weight) else F.linear(hidden, weight, bias)

@@ -57,8 +57,7 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
     (a quantized drafter's, ddtree.quantize) takes the same kernel on fp8 operands (`skinny_fp8`), and rows already
     quantized for it (QuantizedRows) need one."""
     if isinstance(weight, Fp8Weight):
-        out = quantized_linear(x, weight)
-        return out if bias is None else out + bias
+        return quantized_linear(x, weight, bias)
     if bias is None and x.dim() == 2 and x.dtype == weight.dtype:
         if (x.shape[0] == 1 and ROW_GEMV and weight.shape[0] <= ROW_GEMV_MAX_N and gemv_supported(weight)
                 and x.stride(1) == 1 and triton_works(x.device)):
