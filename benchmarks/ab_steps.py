@@ -22,11 +22,16 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     compiled rows    all kernels but a multi-row forward's norms and SiLU · up as torch.compile's kernels, not
                      ddtree/fast/rows.py's
     direct trees     all kernels but trees' attention in one split of 16-row tiles (no merge kernel)
+    separate quantization
+                     all kernels but an fp8 drafter's norms and SiLU · up write their rows, and a kernel of
+                     its own quantizes them (as before the norm kernels' fp8 forms; --draft-quantization fp8)
     heads N rows     all kernels with N rows per program of the attention-heads kernel (heads.ROWS_PER_PROGRAM:
                      2)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
     PYTHONPATH=server python benchmarks/ab_steps.py
+    PYTHONPATH=server python benchmarks/ab_steps.py --draft-vocab 16384 --draft-quantization fp8 \
+        --variants "all kernels" "separate quantization"
     PYTHONPATH=server python benchmarks/ab_steps.py --shape qwen3.6-27b --variants "all kernels" "cuBLAS one-row"
 """
 
@@ -44,17 +49,19 @@ from ddtree.fast.hybrid import HybridFastPath
 from ddtree.sampling import SamplingParams
 
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
-           attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM)  # what the fast path runs
+           attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
+           quantizing_rows=True)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
             "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN tree": {**ALL, "gdn": "row"},
             "PyTorch GDN step": {**ALL, "gdn": "none"}, "v13 attention": {**ALL, "attention": "v13"},
             "direct trees": {**ALL, "attention": "direct trees"},
-            "no PDL": {**ALL, "pdl": False}, "compiled rows": {**ALL, "rows": "compiled"},
+            "no PDL": {**ALL, "pdl": False}, "compiled rows": {**ALL, "rows": "compiled", "quantizing_rows": False},
+            "separate quantization": {**ALL, "quantizing_rows": False},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
-                       attention="now", pdl=False, rows="compiled", head_rows=1)}
+                       attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False)}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -93,10 +100,13 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--passes", type=int, default=2, help="times over the variants")
+    ap.add_argument("--draft-vocab", default=None, metavar="N", help="draft only the N lowest ids")
+    ap.add_argument("--draft-quantization", default="none", choices=["none", "fp8"])
     args = ap.parse_args()
     if args.passes < 1:
         ap.error("--passes must be at least 1")
-    fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024)
+    fast, _ = build_shape(args.shape, torch.device("cuda"), torch.bfloat16, fast_capacity=1024,
+                          draft_vocab=args.draft_vocab, draft_quantization=args.draft_quantization)
     path = fast.fast
     gdn_rows, tree_max = getattr(path, "gdn_rows", set()), gdn.TREE_MAX
     compiled, kernels = Ops(compile=True), Ops(compile=True)
@@ -106,6 +116,8 @@ def main() -> None:
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
+    print(f"{args.shape}, draft vocabulary {args.draft_vocab or 'whole'}, draft quantization "
+          f"{args.draft_quantization}\n")
     print(f"| variant | AR step ms | {rounds} | B = {args.budgets[0]} draft ms | trees' tokens against ar's |\n"
           f"|{'---|' * (4 + len(args.budgets))}")
     for _, label in itertools.product(range(args.passes), args.variants):
@@ -117,6 +129,7 @@ def main() -> None:
             path.row_gemv, path.ops.attention_heads = variant["row_gemv"], head_steps[variant["heads"]]
         for step in ROW_STEPS:  # the hybrids' MLPs read silu_mul from path.ops at each call too
             setattr(path.ops, step, getattr(row_steps[variant["rows"]], step))
+        path.ops.quantizing_rows = variant["quantizing_rows"]
         heads.ROWS_PER_PROGRAM = variant["head_rows"]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         attention.launch_config = ATTENTION[variant["attention"]]

@@ -300,6 +300,56 @@ def test_row_kernels_equal_the_reference_norms_and_silu(dtype, n, width):
     rows_case(n, width, dtype, "cuda")
 
 
+def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> None:
+    """An fp8 drafter's norms and SiLU · up write their rows quantized, in one kernel each: the same bits as the
+    plain row kernel followed by the row quantization kernel (and, on a GPU, torch's quantize_rows), for row-strided
+    inputs, as slices of a wider GEMM output come.
+
+    Except float32 rows on a GPU: there the compiled norm kernel with the quantization in it may sum a row's squares
+    in another order than the plain one, so its 1 / rms can be an ulp apart, and with it the scale (bf16 rounding
+    hides that ulp). Those rows are held to the plain ones within e4m3's rounding."""
+    from ddtree import quantize
+    from ddtree.fast import rows
+
+    gen = torch.Generator().manual_seed(n + width)
+    x = (torch.randn(n, width + 64, generator=gen) * 3).to(dtype).to(device)[:, :width]
+    delta = (torch.randn(n, width, generator=gen) * 3).to(dtype).to(device)
+    weight = (torch.rand(width, generator=gen) + 0.5).to(dtype).to(device)
+    gate_up = (torch.randn(n, 2 * width + 64, generator=gen) * 4).to(dtype).to(device)[:, :2 * width]
+    quantizers = [rows.quantize] + ([quantize.quantize_rows] if device == "cuda" else [])
+
+    def same(got: quantize.QuantizedRows, plain: torch.Tensor) -> None:
+        assert got.dtype == dtype
+        if dtype == torch.float32 and device == "cuda":
+            want_scale = quantize.quantize_rows(plain)[1]
+            torch.testing.assert_close(got.scale, want_scale, rtol=1e-6, atol=0.0)
+            error = (got.values.float() * got.scale[:, None] - plain).abs()
+            # half an e4m3 step: 2^-4 of a normal value, 2^-10 of the scale below e4m3's normals (2^-6)
+            assert (error <= (plain.abs() * 2**-4 + got.scale[:, None] * 2**-10) * (1 + 1e-5)).all()
+            return
+        for quantizer in quantizers:
+            values, scale = quantizer(plain)
+            assert torch.equal(got.scale, scale)
+            assert torch.equal(got.values.view(torch.uint8), values.view(torch.uint8))
+
+    normed, residual = rows.rms_norm_fp8(x, None, weight, 1e-6)
+    same(normed, rows.rms_norm(x, weight, 1e-6))
+    assert residual is x
+    (normed, summed), (plain, want_sum) = rows.rms_norm_fp8(x, delta, weight, 1e-6), rows.add_rms_norm(x, delta,
+                                                                                                       weight, 1e-6)
+    same(normed, plain)
+    assert torch.equal(summed, want_sum)
+    same(rows.silu_mul_fp8(gate_up), rows.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "width"), [(16, 4096), (16, 12288), (300, 4096)])
+def test_quantizing_row_kernels_equal_the_row_kernels_then_torchs_quantization(dtype, n, width):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
+    quantized_rows_case(n, width, dtype, "cuda")
+
+
 def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, nodes: int = 1) -> tuple[tuple, tuple]:
     """A random Qwen3.5 Gated DeltaNet layer over a random tree of `nodes` (one: an AR step): the kernel's
     (output, conv window columns, keys, u, G) and the same from the PyTorch steps it replaces (the conv and

@@ -14,7 +14,7 @@ from ddtree.engine import Engine
 from ddtree.fast import jit
 from ddtree.sampling import SamplingParams
 from test_agreement import prompt_logprobs_agree
-from test_cuda import attention_case, distinct_logits, gdn_case, gemv_case, rows_case
+from test_cuda import attention_case, distinct_logits, gdn_case, gemv_case, quantized_rows_case, rows_case
 from tiny import make_draft, make_hybrid_target, make_target
 
 triton = pytest.importorskip("triton")
@@ -369,6 +369,13 @@ def test_the_row_quantization_kernel_finds_each_rows_scale_and_its_e4m3_values(r
     assert torch.equal(q.float(), values)
 
 
+@pytest.mark.parametrize(("n", "width"), [(3, 64), (5, 192)])
+def test_quantizing_row_kernels_equal_the_row_kernels_then_the_quantization_kernel(n, width):
+    """Interpreted, against the interpreted kernels they fold together (which share the interpreter's e4m3 cast:
+    see above); test_cuda.py holds them to torch's cast too."""
+    quantized_rows_case(n, width, torch.float32, "cpu")
+
+
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 64), (16, 96, 256), (5, 100, 512), (70, 48, 128)])
 def test_the_fp8_gemm_equals_the_reference_on_the_same_quantized_rows(rows, n, k, monkeypatch):
     """One row tile with and without K splits (512: two 256-wide slices summed by the last program), and 70 rows
@@ -389,13 +396,17 @@ def test_the_fp8_gemm_equals_the_reference_on_the_same_quantized_rows(rows, n, k
 
 @pytest.mark.slow
 def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernels_on_cpu, tmp_path, monkeypatch):
-    """A quantized drafter with every fp8 kernel in place (the row quantization and the GEMM, for the block
-    pass, the commit's context projections and the head): the output is the reference path's `ar` output."""
-    from ddtree.fast import gemm
+    """A quantized drafter with every fp8 kernel in place (the row quantization, alone and folded into the norms
+    and SiLU · up, and the GEMM, for the block pass, the commit's context projections and the head): the output
+    is the reference path's `ar` output."""
+    from ddtree.fast import gemm, rows
 
-    launches = []
+    launches, folded = [], []
     real = gemm.skinny_fp8
     monkeypatch.setattr(gemm, "skinny_fp8", lambda *a: launches.append(a[2].shape) or real(*a))
+    for name in ("rms_norm_fp8", "silu_mul_fp8"):
+        kernel = getattr(rows, name)
+        monkeypatch.setattr(rows, name, lambda *a, kernel=kernel, name=name: folded.append(name) or kernel(*a))
     draft = make_draft(tmp_path / "draft", target_layers=2, layers=1, taps=[0, 1])
     target = make_target(tmp_path / "qwen3", "qwen3", seed=4, layers=2)
     fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128,
@@ -408,3 +419,4 @@ def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernel
     assert gen.on_fast_path and gen.token_ids == want and len(rounds) > 1
     heads = fast.draft_head.size
     assert {(heads, 64), (2 * 16 * 2, 64), (64, 128)} <= set(launches)  # the head, the context k/v, fc
+    assert set(folded) == {"rms_norm_fp8", "silu_mul_fp8"}

@@ -43,6 +43,7 @@ from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
+from ddtree.quantize import Fp8Weight
 from ddtree.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
 from ddtree.target import HybridTarget, Target
 
@@ -423,7 +424,7 @@ class FastPath:
         for i, layer in enumerate(fused.layers):
             _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[dc.layer_windows[i]], slots,
                                         cos, sin, eps)
-        h, _ = ops.add_rms_norm(x[1:], delta[1:], draft.norm.weight, eps)
+        h, _ = ops.normed(x[1:], delta[1:], draft.norm.weight, eps, isinstance(self.draft_head.weight, Fp8Weight))
         return linear(h, self.draft_head.weight, self.draft_head.bias)
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
@@ -544,8 +545,9 @@ class FastPath:
         """Context K/V of committed rows (tap features at their positions) into the draft cache rows = positions:
         fc, hidden norm, then every draft layer's k and v in one projection."""
         draft, fused, dc = self.draft, self.fused_draft, self.draft.config
-        ctx = self.ops.rms_norm(fused.fc(feats), draft.hidden_norm.weight, dc.rms_norm_eps)
-        cos, sin = (t[0] for t in draft.rotary(ctx[None], positions[None]))
+        ctx, _ = self.ops.normed(fused.fc(feats), None, draft.hidden_norm.weight, dc.rms_norm_eps,
+                                 isinstance(fused.context_kv.weight, Fp8Weight))
+        cos, sin = (t[0] for t in draft.rotary(feats[None], positions[None]))  # (feats: for its dtype and device)
         kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
                                     dc.num_kv_heads, dc.head_dim)
         self.draft_kv.index_copy_(3, positions, kv)
@@ -562,14 +564,11 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
     """One decoder layer whose residual adds are deferred into the next norm: the rows' new K/V go to
     cache [2, kv, T, d] at `slots`. Returns (the residual entering the layer, i.e. the previous layer's
     output; the residual after attention; the MLP's output, still to be added)."""
-    if delta is None:
-        h = ops.rms_norm(x, layer.input_norm, eps)
-    else:
-        h, x = ops.add_rms_norm(x, delta, layer.input_norm, eps)
+    h, x = ops.normed(x, delta, layer.input_norm, eps, layer.fp8)
     entering = x
     q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
                             layer.head_dim, cache, slots)
-    h, x = ops.add_rms_norm(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps)
+    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.fp8)
     return entering, x, layer.mlp(ops, h)
 
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from ddtree.draft import rms_norm
 from ddtree.fast import rows
-from ddtree.fast.gemm import linear
+from ddtree.fast.gemm import fp8_supported, linear
 from ddtree.fast.moe import Experts
 from ddtree.quantize import Fp8Linear, Fp8Weight, QuantizedRows, rows_of
 
@@ -99,6 +99,27 @@ class Ops:
         self.compiled = compile and os.environ.get("DDTREE_COMPILE", "1") != "0"
         for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul):
             setattr(self, fn.__name__, self.wrap(fn))
+        self.quantizing_rows = False  # the row kernels' fp8 forms (see normed), once take_row_kernels has run
+
+    def normed(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+               fp8: bool = False) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """(norm(x + delta), x + delta), or without `delta` (norm(x), x): the rows a layer's projections read, and
+        its residual. With `fp8` (the projections' weights are) the normed rows come quantized: in the norm's own
+        kernel where the row kernels run, else quantized after it (ddtree/fast/rows.py: the same bits in bf16)."""
+        if (fp8 and self.quantizing_rows and rows.supported(x, weight) and fp8_supported(x)
+                and (delta is None or rows.supported(delta, weight))):
+            return rows.rms_norm_fp8(x, delta, weight, eps)
+        if delta is None:
+            h = self.rms_norm(x, weight, eps)
+        else:
+            h, x = self.add_rms_norm(x, delta, weight, eps)
+        return (rows_of(h) if fp8 else h), x
+
+    def silu_mul_fp8(self, gate_up: torch.Tensor) -> QuantizedRows:
+        """silu_mul's rows quantized for an fp8 projection: by the SiLU kernel itself where the row kernels run."""
+        if self.quantizing_rows and rows.supported(gate_up) and fp8_supported(gate_up[:, :gate_up.shape[1] // 2]):
+            return rows.silu_mul_fp8(gate_up)
+        return rows_of(self.silu_mul(gate_up))
 
     def wrap(self, fn: Callable) -> Callable:
         """`fn` compiled (with the eager fallback) when this Ops compiles, else `fn` itself."""
@@ -115,6 +136,7 @@ class Ops:
         self.add_rms_norm = lambda x, d, w, eps: (rows.add_rms_norm(x, d, w, eps) if rows.supported(x, w)
                                                   and rows.supported(d, w) else add_norm(x, d, w, eps))
         self.silu_mul = lambda x: rows.silu_mul(x) if rows.supported(x) else silu(x)
+        self.quantizing_rows = True
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -202,13 +224,19 @@ class Layer:
     kv_heads: int
     head_dim: int
 
-    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @property
+    def fp8(self) -> bool:
+        """Whether the projections are fp8 (a quantized drafter's): then they read quantized rows (Ops.normed)."""
+        return isinstance(self.o.weight, Fp8Weight)
+
+    def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) of the normed rows h."""
         raise NotImplementedError
 
-    def mlp(self, ops: Ops, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, ops: Ops, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """The MLP's output for the normed rows h."""
-        return self.down(ops.silu_mul(self.gate_up(h)))
+        gate_up = self.gate_up(h)
+        return self.down(ops.silu_mul_fp8(gate_up) if self.fp8 else ops.silu_mul(gate_up))
 
 
 @dataclass(frozen=True)
@@ -247,9 +275,8 @@ class DraftLayer(Layer):
     q: Proj
     kv: Proj
 
-    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = rows_of(h) if isinstance(self.q.weight, Fp8Weight) else h  # fp8: quantized once for both
-        return self.q(rows), *self.kv(rows).chunk(2, dim=-1)
+    def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q(h), *self.kv(h).chunk(2, dim=-1)  # fp8: h was quantized once for both
 
 
 @dataclass(frozen=True)
