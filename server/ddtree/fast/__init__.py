@@ -546,7 +546,7 @@ class FastPath:
         fc, hidden norm, then every draft layer's k and v in one projection."""
         draft, fused, dc = self.draft, self.fused_draft, self.draft.config
         ctx, _ = self.ops.normed(fused.fc(feats), None, draft.hidden_norm.weight, dc.rms_norm_eps,
-                                 isinstance(fused.context_kv.weight, Fp8Weight))
+                                 fused.context_kv.fp8)
         cos, sin = (t[0] for t in draft.rotary(feats[None], positions[None]))  # (feats: for its dtype and device)
         kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
                                     dc.num_kv_heads, dc.head_dim)

@@ -163,6 +163,11 @@ class Proj:
     weight: torch.Tensor | Fp8Weight
     bias: torch.Tensor | None = None
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the weight is fp8: then the projection reads quantized rows best (Ops.normed)."""
+        return isinstance(self.weight, Fp8Weight)
+
     def __call__(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
@@ -180,7 +185,7 @@ def fuse(owner: nn.Module, name: str, linears: list[nn.Module]) -> Proj:
     One kept for the modules' earlier format (a draft quantized after a fast path fused it) is made again.
     """
     kept = getattr(owner, name, None)
-    if kept is None or isinstance(kept.weight, Fp8Weight) != isinstance(linears[0], Fp8Linear):
+    if kept is None or kept.fp8 != isinstance(linears[0], Fp8Linear):
         if isinstance(linears[0], Fp8Linear):
             fused = Proj(Fp8Weight(_concat_rows([m.weight for m in linears]),
                                    _concat_rows([m.weight_scale for m in linears])))
@@ -227,7 +232,7 @@ class Layer:
     @property
     def fp8(self) -> bool:
         """Whether the projections are fp8 (a quantized drafter's): then they read quantized rows (Ops.normed)."""
-        return isinstance(self.o.weight, Fp8Weight)
+        return self.o.fp8
 
     def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) of the normed rows h."""

@@ -79,29 +79,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_fp8(gate_up: torch.Tensor) -> QuantizedRows:
-    """silu_mul's output quantized (quantize_rows), one program per row (every row in one when interpreted)."""
-    rows, width = gate_up.shape
-    half = width // 2
-    values, scale = _quantized(gate_up[:, :half])
-    block = triton.next_power_of_2(half)
-    block_r = program_block(rows, gate_up.device, 1)
-    dependent = pdl(gate_up.device)
-    _silu_fp8_kernel[(triton.cdiv(rows, block_r),)](
-        gate_up, values, scale, rows, half, gate_up.stride(0), BLOCK_R=block_r, BLOCK=block, PDL=dependent,
-        num_warps=min(16, max(4, block // 1024)), launch_pdl=dependent)
+    """silu_mul's output quantized (quantize_rows): the row quantization kernel, reading SiLU · up of its rows."""
+    values, scale = _quantize(gate_up, gate_up.shape[1] // 2, silu=True)
     return QuantizedRows(values, scale, gate_up.dtype)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ddtree.quantize.quantize_rows of rows x [M, K] (an fp8 drafter's projection inputs): e4m3 values and
-    per-row float32 scales, one program per row (every row in one program when interpreted)."""
-    rows, k = x.shape
-    values, scale = _quantized(x)
+    per-row float32 scales."""
+    return _quantize(x, x.shape[1], silu=False)
+
+
+def _quantize(x: torch.Tensor, k: int, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of _quantize_kernel over rows x [M, K] (with `silu`, SiLU · up of rows [M, 2K]), one program
+    per row (every row in one program when interpreted)."""
+    rows = x.shape[0]
+    values, scale = _quantized(x[:, :k])
     block = triton.next_power_of_2(k)
     block_r = program_block(rows, x.device, 1)
     dependent = pdl(x.device)
     _quantize_kernel[(triton.cdiv(rows, block_r),)](
-        x, values, scale, rows, k, x.stride(0), BLOCK_R=block_r, BLOCK=block, PDL=dependent,
+        x, values, scale, rows, k, x.stride(0), SILU=silu, BLOCK_R=block_r, BLOCK=block, PDL=dependent,
         num_warps=min(16, max(4, block // 1024)), launch_pdl=dependent)
     return values, scale
 
@@ -166,41 +164,31 @@ if triton is not None:
         _store_rows(Out, S, (w.to(tl.float32)[None, :] * h).to(dtype), r, cols, ok, rows, K, FP8)
 
     @triton.jit
+    def _swiglu(src, half, ok, dtype):
+        """SiLU(gate) rounded to dtype, times up, rounded: the gates at `src`, the ups `half` columns further."""
+        gate = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        up = tl.load(src + half, mask=ok, other=0.0)
+        return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+    @triton.jit
     def _silu_kernel(GateUp, Out, total, half, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """BLOCK consecutive outputs of the [rows, half] result: SiLU(gate) rounded, times up, rounded."""
+        """BLOCK consecutive outputs of the [rows, half] result (`_swiglu`)."""
         after_previous(PDL)
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = idx < total
         row, col = idx // half, idx % half
-        src = GateUp + row * stride_row + col
-        gate = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-        dtype = Out.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        up = tl.load(src + half, mask=ok, other=0.0)
-        tl.store(Out + idx, (act.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=ok)
+        tl.store(Out + idx, _swiglu(GateUp + row * stride_row + col, half, ok, Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_fp8_kernel(GateUp, Q, S, rows, half, stride_row, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+    def _quantize_kernel(X, Q, S, rows, K, stride_x, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-        """BLOCK_R rows of _silu_kernel's result, quantized (`_store_rows`)."""
-        after_previous(PDL)
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK)
-        ok = (r < rows)[:, None] & (cols < half)[None, :]
-        src = GateUp + r[:, None] * stride_row + cols[None, :]
-        gate = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-        dtype = GateUp.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        up = tl.load(src + half, mask=ok, other=0.0)
-        _store_rows(Q, S, (act.to(tl.float32) * up.to(tl.float32)).to(dtype), r, cols, ok, rows, half, True)
-
-    @triton.jit
-    def _quantize_kernel(X, Q, S, rows, K, stride_x, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-        """BLOCK_R rows as ddtree.quantize.quantize_rows makes them (`_store_rows`)."""
+        """BLOCK_R rows as ddtree.quantize.quantize_rows makes them (`_store_rows`): X's rows, or with SILU their
+        SiLU · up (`_swiglu`: the gates in X's first K columns, the ups in the next K)."""
         after_previous(PDL)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK)
         ok = (r < rows)[:, None] & (cols < K)[None, :]
-        x = tl.load(X + r[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
-        _store_rows(Q, S, x, r, cols, ok, rows, K, True)
+        src = X + r[:, None] * stride_x + cols[None, :]
+        y = _swiglu(src, K, ok, X.dtype.element_ty) if SILU else tl.load(src, mask=ok, other=0.0)
+        _store_rows(Q, S, y, r, cols, ok, rows, K, True)
