@@ -119,31 +119,49 @@ def _late_writer(X, Src, n, spin, BLOCK: tl.constexpr):
     tl.store(X + offs, tl.where(acc > -1.0, v, 0.0), mask=offs < n)
 
 
-def race(rows: int, n: int, k: int, spin: int) -> tuple[float, str]:
-    """Max |error| of the GEMM behind a late writer on a programmatic edge, and the GEMM kernels' names."""
-    gen = torch.Generator(device="cuda").manual_seed(n)
-    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-    src = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+def graph_kernels(graph: torch.cuda.CUDAGraph) -> list[str]:
+    """The kernel names of a kept graph's nodes."""
+    raw = ctypes.c_void_p(graph.raw_cuda_graph())
+    n = ctypes.c_size_t()
+    check(cu.cuGraphGetNodes(raw, None, ctypes.byref(n)), "nodes")
+    nodes = (ctypes.c_void_p * n.value)()
+    check(cu.cuGraphGetNodes(raw, nodes, ctypes.byref(n)), "nodes")
+    return [name for node in nodes if (name := kernel_name(node or 0)) is not None]
+
+
+def race_behind_writer(gemm: Callable[[torch.Tensor], torch.Tensor], src: torch.Tensor, want: torch.Tensor,
+                       spin: int, replays: int = 5, report: dict | None = None) -> tuple[float, int, list[str]]:
+    """gemm(x) captured behind a late writer of x (src's values), its kernel -> cuBLAS-kernel edges made
+    programmatic: the max |error| against `want` over the replays, the edges rewritten, the GEMM's kernels."""
     x = torch.zeros_like(src)
-    want = linear(src, w)
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        linear(x, w)  # warm up cuBLAS' handle and workspace outside the capture
+        gemm(x)  # warm up cuBLAS' handle and workspace outside the capture
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
             x.zero_()
-            _late_writer[(triton.cdiv(rows * k, 1024),)](x, src, rows * k, spin, BLOCK=1024)
-            y = linear(x, w)
-    report: dict[str, int] = {}
-    make_programmatic(graph.raw_cuda_graph(), report)
+            _late_writer[(triton.cdiv(src.numel(), 1024),)](x, src, src.numel(), spin, BLOCK=1024)
+            y = gemm(x)
+    names = [name for name in graph_kernels(graph) if "late_writer" not in name]
+    converted = make_programmatic(graph.raw_cuda_graph(), report)
     graph.instantiate()
     worst = 0.0
-    for _ in range(5):
+    for _ in range(replays):
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         worst = max(worst, (y.float() - want.float()).abs().max().nan_to_num(float("inf")).item())
+    return worst, converted, names
+
+
+def race(rows: int, n: int, k: int, spin: int) -> tuple[float, str]:
+    """Max |error| of `linear` behind a late writer on a programmatic edge, and the rewired GEMM kernels' names."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    src = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    report: dict[str, int] = {}
+    worst, _, _ = race_behind_writer(lambda x: linear(x, w), src, linear(src, w), spin, report=report)
     return worst, ", ".join(f"{name[:60]} x{count}" for name, count in report.items()) or "no cuBLAS edge"
 
 
