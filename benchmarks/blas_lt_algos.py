@@ -22,33 +22,8 @@ import blaslt
 import torch
 import torch.nn.functional as F
 from blas_pdl_probe import CONVERTED, make_programmatic, patched_capture, race_behind_writer
-from ddtree.fast.bench import CYCLED_CALLS, weight_copies
+from ddtree.fast.bench import cycled_us, weight_copies
 from skinny_tune import TARGET
-
-
-def chain_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], programmatic: bool) -> float:
-    """µs per call of CYCLED_CALLS calls cycling over `weights` in one graph, with kernel -> GEMM edges as captured
-    or programmatic."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn(weights[0])
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(CYCLED_CALLS):
-                fn(weights[i % len(weights)])
-    if programmatic:
-        make_programmatic(graph.raw_cuda_graph())
-    graph.instantiate()
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1e3 * sorted(times[2:])[len(times[2:]) // 2] / CYCLED_CALLS
 
 
 def probe_shape(name: str, n: int, k: int, rows: int, spin: int, limit: int) -> blaslt.Described | None:
@@ -59,7 +34,7 @@ def probe_shape(name: str, n: int, k: int, rows: int, spin: int, limit: int) -> 
     zero = torch.zeros(n, device=device, dtype=torch.bfloat16)
     want = F.linear(src, weights[0], zero)
     product = blaslt.Product(rows, n, k, torch.bfloat16, device)
-    torch_plain = chain_us(lambda w: F.linear(src, w, zero), weights, False)
+    torch_plain = cycled_us(lambda w: F.linear(src, w, zero), weights)
     _, _, torch_names = race_behind_writer(lambda x: F.linear(x, weights[0], zero), src, want, 1, replays=1)
     print(f"\n### {name} ({n} x {k}), {rows} rows: torch's route {torch_plain:.1f} µs ({', '.join(torch_names)})\n")
     print("| source | config | kernels | race error | µs as captured | µs programmatic | max diff vs torch |")
@@ -80,7 +55,7 @@ def probe_shape(name: str, n: int, k: int, rows: int, spin: int, limit: int) -> 
         except RuntimeError as exc:
             print(f"| {source} | {algo.config} | — | {exc} | | | |")
             continue
-        config = ",".join(f"{key}={value}" for key, value in algo.config.items())
+        config = ",".join(f"{attr}={value}" for attr, value in algo.config.items())
         if error != 0.0 or converted == 0:
             failing += 1
             if source == "heuristic":
@@ -88,8 +63,8 @@ def probe_shape(name: str, n: int, k: int, rows: int, spin: int, limit: int) -> 
                       f"({converted} edges) | | | |")
             continue
         waiting += 1
-        plain = chain_us(lambda w, a=algo: product.run(src, w, a), weights, False)
-        chained = chain_us(lambda w, a=algo: product.run(src, w, a), weights, True)
+        plain = cycled_us(lambda w, a=algo: product.run(src, w, a), weights)
+        chained = cycled_us(lambda w, a=algo: product.run(src, w, a), weights, make_programmatic)
         diff = (product.run(src, weights[0], algo).float() - want.float()).abs().max().item()
         print(f"| {source} | {config} | {', '.join(n[:70] for n in names)} | 0 | {plain:.1f} | {chained:.1f} "
               f"| {diff:.3g} |", flush=True)

@@ -16,7 +16,9 @@ for torch's route and each operator (tile and cluster), and each operator's larg
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
+from collections.abc import Iterator
 
 import cutlass.operators as ops
 import torch
@@ -63,12 +65,11 @@ def main() -> None:
                 op.run(calls[0], artifact, stream=stream, assume_supported_args=True)
                 torch.cuda.synchronize()
                 diff = (outs[0].float() - want.float()).abs().max().item()
-                index = iter(range(10**9))
+                order = itertools.cycle(calls)
 
-                def call(_w: torch.Tensor, op: ops.Operator = op, artifact: object = artifact, calls: list = calls,
-                         index: object = index) -> None:  # each call its own weight and output, in turn
-                    op.run(calls[next(index) % CYCLED_CALLS], artifact, stream=torch.cuda.current_stream(),
-                           assume_supported_args=True)
+                def call(_w: torch.Tensor, op: ops.Operator = op, artifact: object = artifact,
+                         order: Iterator = order) -> None:  # each call its own weight and output, in turn
+                    op.run(next(order), artifact, stream=torch.cuda.current_stream(), assume_supported_args=True)
 
                 us = cycled_us(call, weights)
                 print(f"| {name} | {label} | {us:.1f} | {diff:.3g} | {compile_s:.1f} |", flush=True)

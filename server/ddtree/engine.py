@@ -122,6 +122,17 @@ def check_method(method: str, budget: int | None, *, has_draft: bool) -> tuple[s
     return method, budget
 
 
+def check_draft_quantization(quantization: str | None, has_draft: bool, device: torch.device) -> str | None:
+    """The draft quantization format (None for none), or a one-line error: it needs a draft, and on CUDA a GPU
+    with fp8 tensor cores."""
+    quantization = check_format(quantization)
+    if quantization is not None:
+        if not has_draft:
+            raise DDTreeError("draft quantization needs a DFlash draft (--draft DIR)")
+        check_device(device)
+    return quantization
+
+
 def generation_defaults(config: GenerationConfig | None) -> dict[str, float]:
     """The sampling values the target's generation_config.json sets (Qwen3: temperature 0.6, top_p 0.95,
     top_k 20), for requests that leave them out, as vLLM's `--generation-config auto` applies them.
@@ -160,11 +171,8 @@ class Engine:
         self.eos_token_ids: set[int] = eos
         self.generation_defaults = generation_defaults(getattr(target.model, "generation_config", None))
         # fp8 drafter projections (ddtree.quantize): the draft module is quantized in place, once.
-        self.draft_quantization = check_format(draft_quantization)
+        self.draft_quantization = check_draft_quantization(draft_quantization, draft is not None, target.device)
         if self.draft_quantization is not None:
-            if draft is None:
-                raise DDTreeError("draft quantization needs a DFlash draft (--draft DIR)")
-            check_device(target.device)
             quantize_module(draft)
         # What the drafter scores its block with: the target's LM head, or its rows of a draft vocabulary (a
         # DraftHead is shared as it is: two engines over one pair need not copy the rows twice).
@@ -200,10 +208,7 @@ class Engine:
         check_method(method, budget, has_draft=draft is not None)  # before the (slow) loading
         if draft_vocab is not None and draft is None:
             raise DDTreeError("a draft vocabulary needs a DFlash draft (--draft DIR)")
-        if check_format(draft_quantization) is not None:
-            if draft is None:
-                raise DDTreeError("draft quantization needs a DFlash draft (--draft DIR)")
-            check_device(dev)
+        check_draft_quantization(draft_quantization, draft is not None, dev)
         hot = read_draft_vocab(draft_vocab) if draft_vocab is not None else None
         tgt = load_target(target, device=dev, dtype=torch_dtype)
         tokenizer = _load_tokenizer(Path(target))

@@ -266,16 +266,20 @@ def gdn_state_bytes(cfg, dtype_bytes: int) -> int:
     return recurrent + conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
 
 
-def graph_ms(fn: Callable[[], object], reps: int = 15) -> float:
+def graph_ms(fn: Callable[[], object], reps: int = 15, rewrite: Callable[[int], object] | None = None) -> float:
     """Median ms of one replay of `fn` captured as a CUDA graph (warmed up on a side stream first; the first
-    replays are dropped)."""
+    replays are dropped). `rewrite` gets the captured cudaGraph_t before it is instantiated (a probe's edge
+    rewrite: benchmarks/blas_pdl_probe.py)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=rewrite is not None)
     with torch.cuda.graph(graph):
         fn()
+    if rewrite is not None:
+        rewrite(graph.raw_cuda_graph())
+        graph.instantiate()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -297,12 +301,13 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
 
 
-def cycled_us(fn: Callable[..., object], weights: list) -> float:
-    """µs per call of fn(weight): CYCLED_CALLS calls cycling over `weights`, replayed as one CUDA graph."""
+def cycled_us(fn: Callable[..., object], weights: list, rewrite: Callable[[int], object] | None = None) -> float:
+    """µs per call of fn(weight): CYCLED_CALLS calls cycling over `weights`, replayed as one CUDA graph
+    (`rewrite`: graph_ms's)."""
     def calls() -> None:
         for i in range(CYCLED_CALLS):
             fn(weights[i % len(weights)])
-    return 1e3 * graph_ms(calls) / CYCLED_CALLS
+    return 1e3 * graph_ms(calls, rewrite=rewrite) / CYCLED_CALLS
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
