@@ -25,6 +25,8 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     separate quantization
                      all kernels but an fp8 drafter's norms and SiLU · up write their rows, and a kernel of
                      its own quantizes them (as before the norm kernels' fp8 forms; --draft-quantization fp8)
+    PyTorch commit   all kernels but the commit's K/V compaction as a gather and a scatter (ddtree/fast/cache.py)
+                     and the picks as torch.argmax (not tree.vocab_argmax's two kernels)
     heads N rows     all kernels with N rows per program of the attention-heads kernel (heads.ROWS_PER_PROGRAM:
                      2)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
@@ -40,17 +42,19 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import ddtree.fast
 import torch
 import triton
-from ddtree.fast import attention, gdn, gemm, heads, jit
+from ddtree.fast import attention, cache, gdn, gemm, heads, jit
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
 from ddtree.fast.hybrid import HybridFastPath
+from ddtree.fast.tree import vocab_argmax
 from ddtree.sampling import SamplingParams
 
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
-           quantizing_rows=True)  # what the fast path runs
+           quantizing_rows=True, commit="kernels")  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
@@ -59,9 +63,11 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "direct trees": {**ALL, "attention": "direct trees"},
             "no PDL": {**ALL, "pdl": False}, "compiled rows": {**ALL, "rows": "compiled", "quantizing_rows": False},
             "separate quantization": {**ALL, "quantizing_rows": False},
+            "PyTorch commit": {**ALL, "commit": "torch"},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
-                       attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False)}
+                       attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
+                       commit="torch")}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -88,6 +94,11 @@ def direct_trees(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: in
     if 16 < rows <= 1024:
         cfg = {**cfg, "block_m": 16, "block_n": 64, "splits": 1, "num_stages": 3}
     return cfg
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The picks as the fast path took them before tree.vocab_argmax."""
+    return logits.argmax(dim=-1)
 
 
 ATTENTION = {"now": TUNED_ATTENTION, "v13": v13_attention, "direct trees": direct_trees}
@@ -134,6 +145,9 @@ def main() -> None:
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         attention.launch_config = ATTENTION[variant["attention"]]
         jit.PDL = variant["pdl"]
+        kernel_commit = variant["commit"] == "kernels"
+        ddtree.fast.compact = cache.compact if kernel_commit else cache.compact_torch
+        ddtree.fast.vocab_argmax = vocab_argmax if kernel_commit else torch_argmax
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)
         trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]

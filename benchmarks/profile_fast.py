@@ -7,7 +7,8 @@ the target's projections alone (every linear of every layer plus the LM head, re
 at 1 and at B+1 rows: the floor that cuBLAS' GEMMs set for one step before any other kernel. With
 `--by-step`, also each step on its own: its graph replay time, and every kernel it launches.
 
-    PYTHONPATH=server python benchmarks/profile_fast.py --shape qwen3-8b --budgets 64 [--by-step]
+    PYTHONPATH=server python benchmarks/profile_fast.py --shape qwen3-8b --budgets 64 [--by-step] \
+        [--draft-vocab 16384 --draft-quantization fp8]
 """
 
 from __future__ import annotations
@@ -129,10 +130,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="kernels listed per method")
     parser.add_argument("--ops", action="store_true", help="also the PyTorch ops behind the kernels, with shapes")
     parser.add_argument("--by-step", action="store_true", help="also each step's replay time and all its kernels")
+    parser.add_argument("--draft-vocab", help="as ddtree bench's: a file of ids, or N for the N lowest ids")
+    parser.add_argument("--draft-quantization", choices=["fp8"])
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")
-    engine, _ = build_shape(args.shape, device, torch.bfloat16, args.prompt_tokens + 256)
+    engine, _ = build_shape(args.shape, device, torch.bfloat16, args.prompt_tokens + 256, args.draft_vocab,
+                            args.draft_quantization)
     prompt = torch.randint(0, 1000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     plans = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [1])]
     hybrid = isinstance(engine.fast, HybridFastPath)  # its layers are not `gemm_floor`'s

@@ -300,6 +300,42 @@ def test_row_kernels_equal_the_reference_norms_and_silu(dtype, n, width):
     rows_case(n, width, dtype, "cuda")
 
 
+def argmax_case(rows: int, vocab: int, dtype: torch.dtype, device: str, chunk: int | None = None) -> None:
+    """The verify's greedy picks (ddtree/fast/tree.py: vocab_argmax) are torch.argmax's: the lowest token among
+    tied maxima (ties within a chunk and across chunks, -0.0 with +0.0), a NaN above every number (+NaN or
+    -NaN, the first one wins), and token 0 for a row of -inf (a grammar that allows nothing)."""
+    from ddtree.fast.tree import ARGMAX_CHUNK, _vocab_argmax_on_gpu
+
+    chunk = chunk or ARGMAX_CHUNK
+    logits = distinct_logits(rows, vocab, seed=vocab).div(2).round() + 0.0  # a handful of values: many ties
+    logits[0, chunk - 1] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie between chunks (the lower wins)
+    logits[1, vocab // 2] = float("nan")
+    logits[1, vocab - 1] = -float("nan")
+    logits[2] = -float("inf")
+    logits[3, vocab - 1] = float("inf")  # the last token, in a chunk cut short by the vocabulary's end
+    logits[4] = -1.0
+    logits[4, 3], logits[4, 7] = -0.0, 0.0  # equal maxima: the lower token, whatever their signs
+    logits = logits.to(dtype).to(device)
+    got = _vocab_argmax_on_gpu(logits, chunk)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[:5].tolist() == [chunk - 1, vocab // 2, 0, vocab - 1, 3]
+
+
+def compaction_case(path: list[int], start: int, dtype: torch.dtype, device: str) -> None:
+    """The commit's in-place compaction of a [L, 2, kv, T, d] cache (ddtree/fast/cache.py) moves exactly the
+    path's rows to start.., bit for bit, and touches no other row, where the path reads rows that it also
+    overwrites (its nodes lie deeper than their depths)."""
+    from ddtree.fast.cache import compact
+
+    gen = torch.Generator().manual_seed(len(path) + start)
+    cache = torch.randn(3, 2, 2, 64, 16, generator=gen).to(dtype).to(device)
+    want = cache.clone()
+    for i, node in enumerate(path):  # from the untouched copy: every source read before any row is written
+        want[..., start + i, :] = cache[..., start + node, :]
+    compact(cache, torch.tensor(start, device=device), torch.tensor(path, device=device))
+    assert torch.equal(cache, want)
+
+
 def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> None:
     """An fp8 drafter's norms and SiLU · up write their rows quantized, in one kernel each: the same bits as the
     plain row kernel followed by the row quantization kernel (and, on a GPU, torch's quantize_rows), for row-strided
@@ -340,6 +376,18 @@ def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> 
     same(normed, plain)
     assert torch.equal(summed, want_sum)
     same(rows.silu_mul_fp8(gate_up), rows.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(5, 151936), (65, 151936), (129, 151936), (16, 16384), (5, 4097)])
+def test_the_argmax_kernels_equal_torchs_argmax(dtype, rows, vocab):
+    argmax_case(rows, vocab, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("path", "start"), [([0, 2, 5, 9], 7), ([0, 1, 2], 0), (list(range(0, 32, 2)), 20)])
+def test_the_compaction_kernel_moves_the_path_rows_in_place(dtype, path, start):
+    compaction_case(path, start, dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,7 +14,16 @@ from ddtree.engine import Engine
 from ddtree.fast import jit
 from ddtree.sampling import SamplingParams
 from test_agreement import prompt_logprobs_agree
-from test_cuda import attention_case, distinct_logits, gdn_case, gemv_case, quantized_rows_case, rows_case
+from test_cuda import (
+    argmax_case,
+    attention_case,
+    compaction_case,
+    distinct_logits,
+    gdn_case,
+    gemv_case,
+    quantized_rows_case,
+    rows_case,
+)
 from tiny import make_draft, make_hybrid_target, make_target
 
 triton = pytest.importorskip("triton")
@@ -198,6 +207,17 @@ def test_row_kernels_equal_the_reference_norms_and_silu(width):
     """The row kernels against the reference's functions in float32. Triton's interpreter truncates float32 to
     bfloat16 where a GPU rounds to nearest, so test_cuda.py checks the kernels' bfloat16 rounding."""
     rows_case(5, width, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("vocab", "chunk"), [(300, 64), (200, 128)])
+def test_the_argmax_kernels_equal_torchs_argmax(dtype, vocab, chunk):
+    argmax_case(5, vocab, dtype, "cpu", chunk)
+
+
+@pytest.mark.parametrize(("path", "start"), [([0, 2, 5, 9], 7), ([0, 1, 2], 0), ([0, 3, 4, 0, 0], 1)])
+def test_the_compaction_kernel_moves_the_path_rows_in_place(kernels_on_cpu, path, start):
+    compaction_case(path, start, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize(("vocab", "k", "dtype"), [(20, 2, torch.float32), (300, 16, torch.float32),

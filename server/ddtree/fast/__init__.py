@@ -36,13 +36,14 @@ from ddtree import grammar
 from ddtree.draft import DFlashDraft
 from ddtree.draft_vocab import DraftHead
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
+from ddtree.fast.cache import compact
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.gemm import linear
 from ddtree.fast.gemv import NORM, SILU, gemv, norm_gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
-from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size
+from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size, vocab_argmax
 from ddtree.quantize import Fp8Weight
 from ddtree.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
 from ddtree.target import HybridTarget, Target
@@ -163,7 +164,7 @@ class FastPath:
         self.kv = self._kv_cache(len(self.layers))
 
     def _kv_cache(self, layers: int) -> torch.Tensor:
-        """K and V of every attention layer in one tensor [L, 2, kv, T, d]: compaction is one gather + one scatter."""
+        """K and V of every attention layer in one tensor [L, 2, kv, T, d]: compaction is one launch (fast/cache.py)."""
         return torch.zeros((layers, 2, self.kv_heads, self.capacity, self.head_dim), dtype=self.dtype,
                            device=self.device)
 
@@ -520,8 +521,8 @@ class FastPath:
         A noise value of exactly 0 gives that token -inf (never picked), not +inf: the safe side.
         """
         if noise is None:
-            return processed.argmax(dim=-1)
-        return (processed - torch.log(-torch.log(noise))).argmax(dim=-1)
+            return vocab_argmax(processed)
+        return vocab_argmax(processed - torch.log(-torch.log(noise)))
 
     def commit(self, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor, taps: torch.Tensor | None,
                with_draft: bool, recurrent: object = None) -> None:
@@ -533,9 +534,7 @@ class FastPath:
         """
         rows = path.numel()
         if rows > 1:
-            src = self.start + path
-            dst = self.start + torch.arange(rows, device=self.device)
-            self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
+            compact(self.kv, self.start, path)
         if with_draft:
             self._extend_draft(taps.index_select(0, path), self.start + torch.arange(rows, device=self.device))
         self.start += length

@@ -77,13 +77,14 @@ def program_block(n: int, device: torch.device, gpu: int) -> int:
 
 def _probe(device: torch.device) -> None:
     """Every kernel on tiny inputs: a 2-row tree over an empty cache (in both loop forms, with and without a
-    merge), a vocabulary top-2, a budget-2 tree, a normed one-row GEMV, a two-row GEMM (with and without split
-    K), one row's attention heads."""
+    merge), a vocabulary top-2 and argmax, a budget-2 tree, a normed one-row GEMV, a two-row GEMM (with and
+    without split K), one row's attention heads, a cache compaction."""
     from ddtree.fast.attention import TreeMask, _triton_attention
+    from ddtree.fast.cache import compact_on_gpu
     from ddtree.fast.gemm import skinny_linear
     from ddtree.fast.gemv import NORM, gemv
     from ddtree.fast.heads import attention_heads
-    from ddtree.fast.tree import _build_on_gpu, _frontier, _vocab_top_on_gpu
+    from ddtree.fast.tree import _build_on_gpu, _frontier, _vocab_argmax_on_gpu, _vocab_top_on_gpu
 
     start = torch.zeros((), dtype=torch.long, device=device)
     mask = TreeMask(start, 2, None, visible=torch.ones(2, 2, dtype=torch.int8, device=device))
@@ -92,6 +93,7 @@ def _probe(device: torch.device) -> None:
         _triton_attention(q, cache, mask, dict(block_m=16, block_n=64, splits=splits, num_warps=4, num_stages=2,
                                                two_loops=two_loops))
     logp, tokens = _vocab_top_on_gpu(torch.zeros(3, 20, device=device), 2)
+    _vocab_argmax_on_gpu(torch.zeros(3, 20, device=device), 16)
     _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
     row, ones = torch.zeros(1, 16, device=device), torch.ones(16, device=device)
     gemv(row, torch.zeros(16, 16, device=device), NORM, row, ones, 1e-6)
@@ -100,6 +102,7 @@ def _probe(device: torch.device) -> None:
                       dict(block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=2))
     attention_heads(row, row, row, ones, ones, 1e-6, row, row, 1, 16, torch.zeros(2, 1, 4, 16, device=device),
                     torch.zeros(1, dtype=torch.long, device=device))
+    compact_on_gpu(torch.zeros(2, 8, 16, device=device), start, torch.zeros(2, dtype=torch.long, device=device))
     torch.cuda.synchronize(device)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ddtree.fast.jit import triton_works
+from ddtree.fast.jit import after_previous, pdl, program_block, triton_works
 
 try:
     import triton
@@ -84,6 +84,36 @@ def vocab_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         if top is not None:
             return top
     return _vocab_top_torch(logits, k)
+
+
+def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] int64: torch.argmax(dim=-1), the lowest token among equal maxima and any NaN above
+    every number. On CUDA two Triton kernels with programmatic dependent launch: each vocabulary chunk keeps its
+    best (logit, token) key, one program per row takes the best of its chunks' (torch's reduction took 22 µs
+    for a B = 64 verify's 65 rows of 151936 bf16 logits; RESULTS v24)."""
+    if triton_works(logits.device) and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] < 2 ** 31:
+        best = _attempt(("vocabulary argmax", *logits.shape, logits.dtype, logits.device), _vocab_argmax_on_gpu,
+                        logits, min(program_block(logits.shape[1], logits.device, ARGMAX_CHUNK), 1 << 16))
+        if best is not None:
+            return best
+    return logits.argmax(dim=-1)
+
+
+ARGMAX_CHUNK = 4096  # logits per chunk program on a GPU (`jit.program_block`); 16-bit keys hold at most 2**16
+
+
+def _vocab_argmax_on_gpu(logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    candidates = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
+    best = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    dependent = pdl(logits.device)
+    _chunk_argmax_kernel[(rows, chunks)](logits, logits.stride(0), vocab, candidates, chunks, CHUNK=chunk,
+                                         HALF=logits.element_size() == 2, PDL=dependent, num_warps=4,
+                                         launch_pdl=dependent)
+    _merge_argmax_kernel[(rows,)](candidates, best, chunks, CHUNKS=_pow2(chunks, least=2), PDL=dependent,
+                                  num_warps=1, launch_pdl=dependent)
+    return best
 
 
 def _vocab_top_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,6 +268,41 @@ if triton is not None:
         tl.store(Stats + (row * 2 + 1) * chunks + chunk, tl.sum(tl.exp(x - top), axis=0))
 
     @triton.jit
+    def _chunk_argmax_kernel(Logits, stride, vocab, Candidates, chunks, CHUNK: tl.constexpr, HALF: tl.constexpr,
+                             PDL: tl.constexpr):
+        """One vocabulary chunk of one row: an int64 key of its best logit (the logit's order-preserving image in
+        the high bits, the complement of its token in the low ones, so the lowest token wins ties, -0.0 and +0.0
+        among them); a NaN's image is the largest there is, above +inf's."""
+        after_previous(PDL)
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        local = tl.arange(0, CHUNK)
+        col = chunk * CHUNK + local
+        raw = tl.load(Logits + row.to(tl.int64) * stride + col, mask=col < vocab, other=float("-inf"))
+        wide = raw.to(tl.float32)
+        nan = wide != wide
+        if HALF:  # int32 keys: the logit's ordered 16 bits, then the complement of its column in the chunk
+            bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
+            ordered = tl.where(nan, 0x7FFF, _ordered16(tl.where(bits == -32768, 0, bits)))  # -0.0 ties +0.0
+            lowest16 = -2147483647 - 1
+            best16 = tl.max(tl.where(col < vocab, (ordered << 16) | (65535 - local), lowest16), axis=0)
+            best_col = chunk * CHUNK + 65535 - (best16 & 0xFFFF)
+            best = ((best16 >> 16).to(tl.int64) << 32) | (2147483647 - best_col).to(tl.int64)
+        else:
+            key = _key(tl.where(wide == 0.0, 0.0, wide), 2147483647 - col)  # -0.0 ties +0.0
+            key = tl.where(nan, (tl.full(key.shape, 0x7FFFFFFF, tl.int64) << 32) | (2147483647 - col), key)
+            best = tl.max(tl.where(col < vocab, key, -9223372036854775807), axis=0)
+        tl.store(Candidates + row * chunks + chunk, best)
+
+    @triton.jit
+    def _merge_argmax_kernel(Candidates, Best, chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+        """One row: the token of its chunks' best key."""
+        after_previous(PDL)
+        row = tl.program_id(0)
+        c = tl.arange(0, CHUNKS)
+        key = tl.max(tl.load(Candidates + row * chunks + c, mask=c < chunks, other=-9223372036854775807), axis=0)
+        tl.store(Best + row, 2147483647 - (key & 0xFFFFFFFF))
+
+    @triton.jit
     def _merge_top_kernel(Candidates, Stats, Logp, Tokens, chunks, k, SPAN: tl.constexpr, CHUNKS: tl.constexpr,
                           TOP: tl.constexpr):
         """One row: the best k of its chunks' candidates, minus the row's log-partition."""
@@ -313,7 +378,7 @@ def chain(draft_logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> 
     n = draft_logits.shape[0] + 1
     steps = torch.arange(n, device=draft_logits.device)
     causal = torch.ones(n, n, dtype=torch.bool, device=draft_logits.device).tril()
-    best = draft_logits.argmax(dim=-1)
+    best = vocab_argmax(draft_logits)
     return best if token_ids is None else token_ids[best], (steps - 1).clamp(min=0), steps, causal
 
 
