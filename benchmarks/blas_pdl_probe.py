@@ -169,13 +169,7 @@ def patched_capture(convert: bool) -> Callable:
     """FastPath._capture, keeping the graph to rewrite its edges before instantiating it."""
 
     def capture(self: FastPath, fn: Callable, arg: object) -> tuple[torch.cuda.CUDAGraph, object]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn(arg)
-                self.start.zero_()
-        torch.cuda.current_stream().wait_stream(stream)
+        self._warm_up(fn, arg)
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph):
             out = fn(arg)

@@ -321,8 +321,19 @@ class FastPath:
         return self._plans[key]
 
     def _capture(self, fn: Callable, arg: object) -> tuple[torch.cuda.CUDAGraph, object]:
-        """Warm up on a side stream, capture, replay once. Runs move `start`, so it is reset after each;
-        the captures happen before a prefill, which rewrites every row that a later round reads."""
+        """Warm up, capture, replay once. Runs move `start`, so it is reset after each; the captures happen
+        before a prefill, which rewrites every row that a later round reads."""
+        self._warm_up(fn, arg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(arg)
+        graph.replay()  # a capture runs nothing: the next step's warm-ups must read real outputs, not fresh memory
+        self.start.zero_()
+        return graph, out
+
+    def _warm_up(self, fn: Callable, arg: object) -> None:
+        """Run a step twice on a side stream before its capture (first calls compile, probe and allocate),
+        resetting `start` after each."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -330,12 +341,6 @@ class FastPath:
                 fn(arg)
                 self.start.zero_()
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn(arg)
-        graph.replay()  # a capture runs nothing: the next step's warm-ups must read real outputs, not fresh memory
-        self.start.zero_()
-        return graph, out
 
     # -- the steps --------------------------------------------------------------------------------------
 
