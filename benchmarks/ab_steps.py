@@ -27,6 +27,10 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
                      its own quantizes them (as before the norm kernels' fp8 forms; --draft-quantization fp8)
     PyTorch commit   all kernels but the commit's K/V compaction as a gather and a scatter (ddtree/fast/cache.py)
                      and the picks as torch.argmax (not tree.vocab_argmax's two kernels)
+    module RoPE      all kernels but each forward's cos and sin from the rotary modules (about eight kernels), not
+                     gathered from the table filled at start (ddtree/fast/rope.py)
+    PyTorch walk     all kernels but the acceptance walk as PyTorch steps (ddtree/fast/walk.py: accept_torch), not
+                     its one Triton program
     heads N rows     all kernels with N rows per program of the attention-heads kernel (heads.ROWS_PER_PROGRAM:
                      2)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
@@ -45,7 +49,7 @@ import itertools
 import ddtree.fast
 import torch
 import triton
-from ddtree.fast import attention, cache, gdn, gemm, heads, jit
+from ddtree.fast import attention, cache, gdn, gemm, heads, jit, walk
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
 from ddtree.fast.hybrid import HybridFastPath
@@ -54,7 +58,8 @@ from ddtree.sampling import SamplingParams
 
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
-           quantizing_rows=True, commit="kernels")  # what the fast path runs
+           quantizing_rows=True, commit="kernels", rope="table",
+           walk="kernel")  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
@@ -63,11 +68,12 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "direct trees": {**ALL, "attention": "direct trees"},
             "no PDL": {**ALL, "pdl": False}, "compiled rows": {**ALL, "rows": "compiled", "quantizing_rows": False},
             "separate quantization": {**ALL, "quantizing_rows": False},
-            "PyTorch commit": {**ALL, "commit": "torch"},
+            "PyTorch commit": {**ALL, "commit": "torch"}, "module RoPE": {**ALL, "rope": "module"},
+            "PyTorch walk": {**ALL, "walk": "torch"},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
-                       commit="torch")}
+                       commit="torch", rope="module", walk="torch")}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -124,6 +130,8 @@ def main() -> None:
     kernels.take_row_kernels()
     head_steps = {"kernel": heads.attention_heads, "compiled": compiled.attention_heads}
     row_steps = {"kernels": kernels, "compiled": compiled}
+    ropes = [rope for rope in (path.target_rope, getattr(path, "draft_rope", None)) if rope is not None]
+    tables = [rope.table for rope in ropes]
     prompts = [torch.randint(0, 150000, (512,), generator=torch.Generator().manual_seed(0)).tolist()]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = " | ".join(f"B = {b} round ms" for b in args.budgets)
@@ -148,6 +156,9 @@ def main() -> None:
         kernel_commit = variant["commit"] == "kernels"
         ddtree.fast.compact = cache.compact if kernel_commit else cache.compact_torch
         ddtree.fast.vocab_argmax = vocab_argmax if kernel_commit else torch_argmax
+        ddtree.fast.accept = walk.accept if variant["walk"] == "kernel" else walk.accept_torch
+        for rope, table in zip(ropes, tables, strict=True):
+            rope.table = table if variant["rope"] == "table" else None
         path._plans.clear()  # recapture with this variant's kernels
         ar = run(fast, prompts, "ar", 1, params)
         trees = [run(fast, prompts, "ddtree", budget, params) for budget in args.budgets]

@@ -22,7 +22,7 @@ from multiprocessing import get_context
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.fast.bench import cycled_us, weight_copies
+from ddtree.fast.bench import cycled_us, grid_us, weight_copies
 from ddtree.fast.gemm import LT_MAX_ROWS, MAX_ROWS, launch_config, linear, skinny_linear
 
 # name: (N, K, calls per step)
@@ -68,17 +68,8 @@ def tune(name: str, n: int, k: int, rows: int, quick: bool) -> tuple[float, floa
     lt = cycled_us(lambda w: linear(x, w), weights) if MAX_ROWS < rows <= LT_MAX_ROWS else None
     want = F.linear(x, weights[0]).float()
     default = cycled_us(lambda w: skinny_linear(x, w), weights)
-    tried = []
-    for cfg in configs(k, quick):
-        try:
-            got = skinny_linear(x, weights[0], cfg).float()
-        except triton.runtime.errors.OutOfResources:
-            continue
-        if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
-            print(f"| {name} | {rows} | {cfg} | WRONG {(got - want).abs().max().item():.3g} | |")
-            continue
-        tried.append((cycled_us(lambda w, cfg=cfg: skinny_linear(x, w, cfg), weights), str(cfg)))
-    tried.sort()
+    tried = grid_us(lambda w, cfg: skinny_linear(x, w, cfg), weights, want, configs(k, quick),
+                    lambda cfg, err: print(f"| {name} | {rows} | {cfg} | WRONG {err:.3g} | |"))
     print(f"| {name} | {rows} | cuBLAS | {cublas:.1f} | {nbytes / cublas / 1e6:.2f} |")
     if lt is not None:
         print(f"| {name} | {rows} | cuBLASLt (`linear`) | {lt:.1f} | {nbytes / lt / 1e6:.2f} |")

@@ -336,6 +336,39 @@ def compaction_case(path: list[int], start: int, dtype: torch.dtype, device: str
     assert torch.equal(cache, want)
 
 
+def walk_case(budget: int, accept_depth: int, seed: int, device: str) -> None:
+    """The acceptance walk's kernel (ddtree/fast/walk.py) gives the PyTorch steps' result, path, length and bonus,
+    and both give what walking the tree from the root gives: at each node, the child whose token is the target's
+    pick there. The picks accept a path of `accept_depth` nodes below the root (fewer when the tree is shallower),
+    and pick tokens no child holds elsewhere, so the walk must stop where the path ends."""
+    from ddtree.fast.tree import top_prefixes
+    from ddtree.fast.walk import _accept_kernel, accept_torch
+
+    gen = torch.Generator().manual_seed(seed)
+    max_depth, vocab = 15, 40
+    tokens, parents, depths, visible = top_prefixes(torch.randn(max_depth, vocab, generator=gen) * 3, budget)
+    ids = torch.cat([torch.tensor([7]), tokens])
+    n = ids.numel()
+    children = {node: [c for c in range(1, n) if parents[c] == node] for node in range(n)}
+    picks = torch.randint(vocab, 2 * vocab, (n,), generator=gen)  # no node holds these tokens
+    node = 0
+    for _ in range(accept_depth):
+        if not children[node]:
+            break
+        child = children[node][int(torch.randint(len(children[node]), (1,), generator=gen))]
+        picks[node], node = ids[child], child
+    walked = [0]
+    while (nxt := [c for c in children[walked[-1]] if ids[c] == picks[walked[-1]]]):
+        walked.append(nxt[0])
+    want_path = walked + [0] * (max_depth + 1 - len(walked))
+    want = (torch.tensor([len(walked), *picks[want_path].tolist()]), torch.tensor(want_path),
+            torch.tensor(len(walked)), picks[walked[-1]])
+    on = [t.to(device) for t in (ids, picks, parents, depths, visible)]
+    for got in (accept_torch(*on, max_depth), _accept_kernel(*on, max_depth)):
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.cpu(), w), (g, w)
+
+
 def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> None:
     """An fp8 drafter's norms and SiLU · up write their rows quantized, in one kernel each: the same bits as the
     plain row kernel followed by the row quantization kernel (and, on a GPU, torch's quantize_rows), for row-strided
@@ -388,6 +421,11 @@ def test_the_argmax_kernels_equal_torchs_argmax(dtype, rows, vocab):
 @pytest.mark.parametrize(("path", "start"), [([0, 2, 5, 9], 7), ([0, 1, 2], 0), (list(range(0, 32, 2)), 20)])
 def test_the_compaction_kernel_moves_the_path_rows_in_place(dtype, path, start):
     compaction_case(path, start, dtype, "cuda")
+
+
+@pytest.mark.parametrize(("budget", "accept_depth"), [(1, 1), (16, 0), (64, 3), (64, 15), (256, 6)])
+def test_the_walk_kernel_accepts_the_path_the_picks_spell(budget, accept_depth):
+    walk_case(budget, accept_depth, seed=budget + accept_depth, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -54,9 +54,9 @@ def test_chain_and_ancestors_match_the_host_versions():
 
 
 def test_a_kernel_that_cannot_launch_falls_back_once_and_says_so(capsys, monkeypatch):
-    from ddtree.fast import tree
+    from ddtree.fast import jit
 
-    monkeypatch.setattr(tree, "_DECLINED", set())
+    monkeypatch.setattr(jit, "_DECLINED", set())
     calls = []
 
     def out_of_shared_memory(*args):
@@ -64,8 +64,8 @@ def test_a_kernel_that_cannot_launch_falls_back_once_and_says_so(capsys, monkeyp
         raise RuntimeError("out of resource: shared memory")
 
     key = ("tree", 15, 256, 256, torch.device("cpu"))
-    assert tree._attempt(key, out_of_shared_memory, 1) is None
-    assert tree._attempt(key, out_of_shared_memory, 1) is None and len(calls) == 1  # not retried
+    assert jit.attempt(key, out_of_shared_memory, 1) is None
+    assert jit.attempt(key, out_of_shared_memory, 1) is None and len(calls) == 1  # not retried
     err = capsys.readouterr().err
     assert err.count("the tree kernel cannot run at (15, 256, 256) on this GPU (RuntimeError)") == 1
-    assert tree._attempt(("tree", 15, 64, 64, torch.device("cpu")), lambda: "built") == "built"  # other shapes
+    assert jit.attempt(("tree", 15, 64, 64, torch.device("cpu")), lambda: "built") == "built"  # other shapes

@@ -23,6 +23,7 @@ from test_cuda import (
     gemv_case,
     quantized_rows_case,
     rows_case,
+    walk_case,
 )
 from tiny import make_draft, make_hybrid_target, make_target
 
@@ -218,6 +219,11 @@ def test_the_argmax_kernels_equal_torchs_argmax(dtype, vocab, chunk):
 @pytest.mark.parametrize(("path", "start"), [([0, 2, 5, 9], 7), ([0, 1, 2], 0), ([0, 3, 4, 0, 0], 1)])
 def test_the_compaction_kernel_moves_the_path_rows_in_place(kernels_on_cpu, path, start):
     compaction_case(path, start, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(("budget", "accept_depth"), [(1, 1), (5, 0), (16, 15), (40, 3), (70, 4)])
+def test_the_walk_kernel_accepts_the_path_the_picks_spell(budget, accept_depth):
+    walk_case(budget, accept_depth, seed=budget + accept_depth, device="cpu")
 
 
 @pytest.mark.parametrize(("vocab", "k", "dtype"), [(20, 2, torch.float32), (300, 16, torch.float32),

@@ -43,7 +43,9 @@ from ddtree.fast.gemv import NORM, SILU, gemv, norm_gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
+from ddtree.fast.rope import RopeTable
 from ddtree.fast.tree import ancestors, chain, top_prefixes, tree_size, vocab_argmax
+from ddtree.fast.walk import accept
 from ddtree.quantize import Fp8Weight
 from ddtree.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
 from ddtree.target import HybridTarget, Target
@@ -121,6 +123,7 @@ class FastPath:
             if all(d & (d - 1) == 0 for d in head_dims):
                 self.ops.attention_heads = heads_kernel  # one Triton kernel instead of the compiled three
         self._build_target()
+        self.target_rope = RopeTable(self.model.rotary_emb, self.capacity, self.dtype, self.device)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # last committed token, not cached yet
         self.inv_temperature = torch.ones((), device=self.device)  # 1 / T of the sampled generation running
@@ -137,6 +140,7 @@ class FastPath:
             dc = draft.config
             self.block = dc.block_size
             self.fused_draft = Draft.of(draft)
+            self.draft_rope = RopeTable(draft.rotary, self.capacity, self.dtype, self.device)
             # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, self.capacity, dc.head_dim),
                                         dtype=self.dtype, device=self.device)
@@ -358,7 +362,7 @@ class FastPath:
         mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
         slots = self.start + torch.arange(n, device=self.device)
         x = self.model.embed_tokens(ids)
-        cos, sin = (t[0] for t in self.model.rotary_emb(x[None], positions[None]))
+        cos, sin = self.target_rope(positions)
         tapped: dict[int, torch.Tensor] = {}
         delta = None
         one_row = n == 1 and self.row_gemv
@@ -422,7 +426,7 @@ class FastPath:
         block[0] = self.root
         x = self.target.embed_tokens(block)
         slots = self.start + torch.arange(q_len, device=self.device)
-        cos, sin = (t[0] for t in draft.rotary(x[None], slots[None]))
+        cos, sin = self.draft_rope(slots)
         everything = torch.ones(q_len, q_len, dtype=torch.bool, device=self.device)  # the block is not causal
         masks = {window: tree_mask(self.start, everything, self.capacity, dc.num_heads // dc.num_kv_heads,
                                    dc.head_dim, self.dtype, window) for window in set(dc.layer_windows)}
@@ -449,25 +453,16 @@ class FastPath:
         needs). The packed masks `allowed` [n, words] restrict each node's pick (a grammar: before any
         other processing).
         """
-        n = parents.numel()
         ids = torch.cat([self.root.view(1), tokens])
         logits, taps, recurrent = self.forward(ids, self.start + depths, visible)
         logits = self.before_pick(logits, allowed, adjusted, ids, visible)
         processed = self.processed(logits, noise is not None, filters)
         picks = self.pick(processed, noise)
-        steps = torch.arange(n, device=self.device)
-        matches = (ids == picks[parents]) | (steps == 0)
-        accepted = ~(visible & ~matches[None, :]).any(dim=1)
-        length = accepted.sum()
-        slot = torch.where(accepted, depths, max_depth + 1)
-        path = torch.zeros(max_depth + 2, dtype=torch.long, device=self.device).scatter_(0, slot, steps)
-        path = path[:max_depth + 1]
-        emitted = picks[path]
-        bonus = emitted.gather(0, (length - 1).view(1))[0]
+        result, path, length, bonus = accept(ids, picks, parents, depths, visible, max_depth)
+        emitted = result[1:]
         if adjusted:  # what this round emits, for the penalties of the next
             valid = torch.arange(max_depth + 1, device=self.device) < length
             self.emitted_counts.index_add_(0, emitted, valid.float())
-        result = torch.cat([length.view(1), emitted])
         rows = self._token_logprobs(processed.index_select(0, path), emitted) if logprobs else None
         return result, path, length, bonus, taps, rows, recurrent
 
@@ -551,7 +546,7 @@ class FastPath:
         draft, fused, dc = self.draft, self.fused_draft, self.draft.config
         ctx, _ = self.ops.normed(fused.fc(feats), None, draft.hidden_norm.weight, dc.rms_norm_eps,
                                  fused.context_kv.fp8)
-        cos, sin = (t[0] for t in draft.rotary(feats[None], positions[None]))  # (feats: for its dtype and device)
+        cos, sin = self.draft_rope(positions)
         kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
                                     dc.num_kv_heads, dc.head_dim)
         self.draft_kv.index_copy_(3, positions, kv)

@@ -42,7 +42,7 @@ from ddtree.draft_vocab import load_draft_vocab
 from ddtree.engine import DTYPES, Engine
 from ddtree.errors import DDTreeError
 from ddtree.fast.fused import weight_of
-from ddtree.fast.jit import triton_works
+from ddtree.fast.jit import OutOfResources, triton_works
 from ddtree.quantize import Fp8Linear, Fp8Weight
 from ddtree.sampling import SamplingParams
 from ddtree.target import HybridTarget, Target
@@ -308,6 +308,24 @@ def cycled_us(fn: Callable[..., object], weights: list, rewrite: Callable[[int],
         for i in range(CYCLED_CALLS):
             fn(weights[i % len(weights)])
     return 1e3 * graph_ms(calls, rewrite=rewrite) / CYCLED_CALLS
+
+
+def grid_us(call: Callable[[object, dict], torch.Tensor], weights: list, want: torch.Tensor, configs: Iterable[dict],
+            wrong: Callable[[dict, float], None]) -> list[tuple[float, str]]:
+    """(µs per call, config) of `call(weight, config)` for each launch config of a tuning grid, fastest first
+    (cycled_us over `weights`). Each config's output for weights[0] is checked against `want` first: a wrong one
+    goes to `wrong(config, largest difference)` and is not timed; one whose tiles outgrow the GPU is left out."""
+    timed = []
+    for cfg in configs:
+        try:
+            got = call(weights[0], cfg).float()
+        except OutOfResources:
+            continue
+        if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+            wrong(cfg, (got - want).abs().max().item())
+            continue
+        timed.append((cycled_us(lambda w, cfg=cfg: call(w, cfg), weights), str(cfg)))
+    return sorted(timed)
 
 
 def copy_bandwidth(device: torch.device) -> float | None:

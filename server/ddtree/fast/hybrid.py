@@ -115,10 +115,7 @@ class HybridFastPath(FastPath):
         mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
         slots = self.start + torch.arange(n, device=self.device)
         x = self.model.embed_tokens(ids)
-        rows = positions[None]
-        if hasattr(self.model.rotary_emb, "mrope_section"):  # Qwen3.5's M-RoPE: three rows, all the text position
-            rows = positions.view(1, 1, n).expand(3, 1, n)
-        cos, sin = (t[0] for t in self.model.rotary_emb(x[None], rows))
+        cos, sin = self.target_rope(positions)
         past = self.conv_width - 1
         layers, channels = self.conv_state.shape[0], self.conv_state.shape[2]
         heads, d_k, d_v = self.recurrent_state.shape[1:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -104,6 +105,24 @@ def _probe(device: torch.device) -> None:
                     torch.zeros(1, dtype=torch.long, device=device))
     compact_on_gpu(torch.zeros(2, 8, 16, device=device), start, torch.zeros(2, dtype=torch.long, device=device))
     torch.cuda.synchronize(device)
+
+
+_DECLINED: set[tuple] = set()  # (kernel, shape...) whose Triton launch failed: the PyTorch code serves them
+
+
+def attempt(key: tuple, launch: Callable[..., Any], *args: Any) -> Any:
+    """`launch(*args)`, unless it failed before for this shape; None when it fails (this shape then takes the
+    PyTorch path for good). A shape's first call is a warm-up, never inside a graph capture, and a failure
+    to build or launch (too little shared memory on this GPU for a big budget) happens before any work."""
+    if key in _DECLINED:
+        return None
+    try:
+        return launch(*args)
+    except Exception as exc:  # a compile error or OutOfResources from Triton
+        _DECLINED.add(key)
+        print(f"ddtree fast path: the {key[0]} kernel cannot run at {key[1:-1]} on this GPU "
+              f"({type(exc).__name__}); using PyTorch for it", file=sys.stderr)
+        return None
 
 
 def launch_fitting(launch: Callable[[dict[str, int]], None], tiles: dict[str, int], shrink: tuple[str, int],

@@ -5,13 +5,9 @@ Same trees as ddtree.tree (the host's best-first search), as tensors a CUDA grap
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from ddtree.fast.jit import after_previous, pdl, program_block, triton_works
+from ddtree.fast.jit import after_previous, attempt, pdl, program_block, triton_works
 
 try:
     import triton
@@ -49,7 +45,7 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int,
     pairs = _frontier(budget, k, device)
     n = tree_size(max_depth, vocab, budget)
     if triton_works(device):
-        built = _attempt(("tree", max_depth, k, budget, device), _build_on_gpu, logp, tok, pairs, budget, n)
+        built = attempt(("tree", max_depth, k, budget, device), _build_on_gpu, logp, tok, pairs, budget, n)
         if built is not None:
             return built
     scores = logp.new_full((max_depth, budget), float("-inf"))
@@ -79,8 +75,8 @@ def vocab_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     several kernels and ~75 µs for 15 rows; these take a few).
     """
     if triton_works(logits.device):
-        top = _attempt(("vocabulary top-k", *logits.shape, k, logits.dtype, logits.device), _vocab_top_on_gpu,
-                       logits, k)
+        top = attempt(("vocabulary top-k", *logits.shape, k, logits.dtype, logits.device), _vocab_top_on_gpu,
+                      logits, k)
         if top is not None:
             return top
     return _vocab_top_torch(logits, k)
@@ -92,8 +88,8 @@ def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
     best (logit, token) key, one program per row takes the best of its chunks' (torch's reduction took 22 µs
     for a B = 64 verify's 65 rows of 151936 bf16 logits; RESULTS v24)."""
     if triton_works(logits.device) and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] < 2 ** 31:
-        best = _attempt(("vocabulary argmax", *logits.shape, logits.dtype, logits.device), _vocab_argmax_on_gpu,
-                        logits, min(program_block(logits.shape[1], logits.device, ARGMAX_CHUNK), 1 << 16))
+        best = attempt(("vocabulary argmax", *logits.shape, logits.dtype, logits.device), _vocab_argmax_on_gpu,
+                       logits, min(program_block(logits.shape[1], logits.device, ARGMAX_CHUNK), 1 << 16))
         if best is not None:
             return best
     return logits.argmax(dim=-1)
@@ -121,24 +117,6 @@ def _vocab_top_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     logits = logits.float()
     top, tok = logits.topk(k, dim=-1)
     return top - logits.logsumexp(dim=-1, keepdim=True), tok
-
-
-_DECLINED: set[tuple] = set()  # (kernel, shape...) whose Triton launch failed: the PyTorch code serves them
-
-
-def _attempt(key: tuple, launch: Callable[..., Any], *args: Any) -> Any:
-    """`launch(*args)`, unless it failed before for this shape; None when it fails (this shape then takes the
-    PyTorch path for good). A shape's first call is a warm-up, never inside a graph capture, and a failure
-    to build or launch (too little shared memory on this GPU for a big budget) happens before any work."""
-    if key in _DECLINED:
-        return None
-    try:
-        return launch(*args)
-    except Exception as exc:  # a compile error or OutOfResources from Triton
-        _DECLINED.add(key)
-        print(f"ddtree fast path: the {key[0]} kernel cannot run at {key[1:-1]} on this GPU "
-              f"({type(exc).__name__}); using PyTorch for it", file=sys.stderr)
-        return None
 
 
 _FRONTIERS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
