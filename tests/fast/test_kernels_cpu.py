@@ -279,6 +279,32 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(jit, "INTERPRETED_ON_CPU", True)
 
 
+def test_a_walk_kernel_that_cannot_launch_leaves_the_walk_to_pytorch(kernels_on_cpu, monkeypatch, capsys):
+    """A GPU where the walk's kernel cannot build or launch (an old Triton, too little shared memory at a large
+    budget) still gets every round's right answer: `accept` takes the PyTorch steps for that shape, says so once,
+    and does not try the kernel again."""
+    from ddtree.fast import jit, walk
+    from ddtree.fast.tree import top_prefixes
+
+    monkeypatch.setattr(jit, "_DECLINED", set())
+    tries = []
+
+    def cannot_launch(*args):
+        tries.append(args)
+        raise jit.OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(walk, "_accept_kernel", cannot_launch)
+    tokens, parents, depths, visible = top_prefixes(torch.randn(15, 30, generator=torch.Generator().manual_seed(3)), 20)
+    ids = torch.cat([torch.tensor([4]), tokens])
+    picks = torch.roll(ids, -1)  # the root's pick is node 1's token: node 1 is accepted
+    want = walk.accept_torch(ids, picks, parents, depths, visible, 15)
+    for _ in range(2):
+        got = walk.accept(ids, picks, parents, depths, visible, 15)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) and int(got[2]) >= 2
+    assert len(tries) == 1
+    assert capsys.readouterr().err.count("the acceptance walk kernel cannot run at (21, 15) on this GPU") == 1
+
+
 def test_linear_takes_the_gemv_for_one_row_of_a_narrow_weight(kernels_on_cpu, monkeypatch):
     """One row of a weight up to ROW_GEMV_MAX_N wide goes through the GEMV (wider ones, and DDTREE_ROW_GEMV=0,
     keep F.linear); either way the product is F.linear's."""
