@@ -49,7 +49,7 @@ import itertools
 import ddtree.fast
 import torch
 import triton
-from ddtree.fast import attention, cache, gdn, gemm, heads, jit, walk
+from ddtree.fast import attention, cache, gdn, gemm, heads, jit, walk, wgmma
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Ops
 from ddtree.fast.hybrid import HybridFastPath
@@ -59,7 +59,7 @@ from ddtree.sampling import SamplingParams
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
            quantizing_rows=True, commit="kernels", rope="table",
-           walk="kernel")  # what the fast path runs
+           walk="kernel", wgmma=True)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
@@ -69,11 +69,11 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "no PDL": {**ALL, "pdl": False}, "compiled rows": {**ALL, "rows": "compiled", "quantizing_rows": False},
             "separate quantization": {**ALL, "quantizing_rows": False},
             "PyTorch commit": {**ALL, "commit": "torch"}, "module RoPE": {**ALL, "rope": "module"},
-            "PyTorch walk": {**ALL, "walk": "torch"},
+            "PyTorch walk": {**ALL, "walk": "torch"}, "cuBLASLt trees": {**ALL, "wgmma": False},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
-                       commit="torch", rope="module", walk="torch")}
+                       commit="torch", rope="module", walk="torch", wgmma=False)}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -151,6 +151,7 @@ def main() -> None:
         path.ops.quantizing_rows = variant["quantizing_rows"]
         heads.ROWS_PER_PROGRAM = variant["head_rows"]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
+        wgmma.ENABLED = variant["wgmma"]
         attention.launch_config = ATTENTION[variant["attention"]]
         jit.PDL = variant["pdl"]
         kernel_commit = variant["commit"] == "kernels"

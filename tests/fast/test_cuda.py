@@ -529,10 +529,13 @@ def test_skinny_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, row
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [33, 65, 128, 129])
 def test_many_row_projections_go_through_cublaslt_and_equal_a_float64_product(monkeypatch, dtype, rows):
-    """`linear` hands half-precision rows past the skinny kernel's, up to LT_MAX_ROWS, to cuBLASLt by way of a
-    zero bias, and the product stays right; float32 and wider trees keep cuBLAS."""
+    """Without the wgmma kernel (not Hopper, or DDTREE_WGMMA=0), `linear` hands half-precision rows past the skinny
+    kernel's, up to LT_MAX_ROWS, to cuBLASLt by way of a zero bias, and the product stays right; float32 and
+    wider trees keep cuBLAS."""
     import torch.nn.functional as F
-    from ddtree.fast import gemm
+    from ddtree.fast import gemm, wgmma
+
+    monkeypatch.setattr(wgmma, "ENABLED", False)
 
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(6144, 4096, generator=gen) / 32).to(dtype).cuda()
@@ -544,6 +547,60 @@ def test_many_row_projections_go_through_cublaslt_and_equal_a_float64_product(mo
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(y.double(), F.linear(x.double(), weight.double()), atol=tolerance, rtol=tolerance)
     assert biases == ([6144] if dtype == torch.bfloat16 and rows <= gemm.LT_MAX_ROWS else [])
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "n", "k", "tiles"), [
+    (65, 6144, 4096, None), (65, 4096, 12288, None), (65, 24576, 4096, None), (33, 4100, 4096, None),
+    (129, 1000, 256, None), (136, 4096, 4096, None), (40, 200, 1024, (1, 2, 4)), (72, 384, 512, (3, 3, 1))])
+def test_wgmma_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows, n, k, tiles):
+    """The Hopper GEMM for a verify's rows against float64: rows padded to a multiple of 8 (zeros from TMA),
+    weights whose rows end inside a tile, K split over blocks (the last one sums in split order), a stage ring
+    that wraps; two launches give the same bits (the tickets reset), and `gemm.linear` routes these rows to it."""
+    import torch.nn.functional as F
+    from ddtree.fast import gemm, wgmma
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).cuda()
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype).cuda()
+    config = None if tiles is None else wgmma.Config(tiles[0], wgmma.padded_rows(rows), tiles[1], tiles[2])
+    y = wgmma.linear(x, weight, config)
+    want = F.linear(x.double(), weight.double())
+    assert y.dtype == dtype and torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(wgmma.linear(x, weight, config), y)
+    if tiles is None:
+        assert wgmma.supported(x, weight) and torch.equal(gemm.linear(x, weight), y)
+
+
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+def test_wgmma_gemm_in_a_graph_reads_what_the_kernel_before_it_wrote():
+    """Captured after a Triton row kernel and launched as its programmatic dependent, the GEMM loads its first
+    weight tiles early but the rows only after that kernel is done: replays over new inputs give eager bits."""
+    from ddtree.fast import wgmma
+    from ddtree.fast.rows import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(4096, 4096, generator=gen) / 32).to(torch.bfloat16).cuda()
+    norm = torch.rand(4096, generator=gen).to(torch.bfloat16).cuda() + 0.5
+    x = torch.empty(65, 4096, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> torch.Tensor:
+        return wgmma.linear(rms_norm(x, norm, 1e-6), weight)
+
+    x.copy_(torch.randn(65, 4096, generator=gen))
+    step()  # compiled and loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        x.copy_(torch.randn(65, 4096, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        assert torch.equal(out, step())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

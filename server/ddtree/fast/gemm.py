@@ -8,8 +8,9 @@ side (y^T = W x^T), so rows only pad up to 16 or 32. Narrow weights also split K
 that the GPU fills; the last program of a column tile to finish sums the float32 partials in a fixed order
 (deterministic, no atomics on the values) and leaves its counter at zero for the next launch.
 
-More rows pad the product to 64 or 128 and make it compute-bound in Triton: there cuBLAS (which pads rows
-to a multiple of 8) wins, so `linear` hands those to it. DDTREE_SKINNY=0 turns the kernel off, for A/B runs.
+More rows pad the product to 64 or 128 and make it compute-bound in Triton: there a kernel that pads rows to a
+multiple of 8 wins, so `linear` hands those to ours on Hopper (ddtree/fast/wgmma.py) and to cuBLAS elsewhere.
+DDTREE_SKINNY=0 turns the kernel off, for A/B runs.
 
 The same kernel takes an fp8 drafter's projections (ddtree.quantize; `skinny_fp8`): e4m3 weights and rows,
 half the bytes, on the fp8 tensor cores, at any row count (a prompt's context rows in tiles).
@@ -22,9 +23,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ddtree.fast import wgmma
 from ddtree.fast.gemv import gemv
 from ddtree.fast.gemv import supported as gemv_supported
-from ddtree.fast.jit import after_previous, launch_fitting, pdl, triton_works
+from ddtree.fast.jit import after_previous, attempt, launch_fitting, pdl, triton_works
 from ddtree.quantize import Fp8Weight, QuantizedRows
 from ddtree.quantize import linear as quantized_linear
 
@@ -55,7 +57,8 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
     of 32-127 nodes), go to cuBLASLt, which cuBLAS' heuristics do not pick there: an 8B shape's B = 32 round took
     6.44 against 6.59 ms, B = 64 6.77 against 6.84. DDTREE_CUBLASLT=0 keeps cuBLAS, for A/B runs. An fp8 weight
     (a quantized drafter's, ddtree.quantize) takes the same kernel on fp8 operands (`skinny_fp8`), and rows already
-    quantized for it (QuantizedRows) need one."""
+    quantized for it (QuantizedRows) need one. On a Hopper GPU, 33-136 half-precision rows take our own wgmma GEMM
+    first (ddtree/fast/wgmma.py: it launches as a programmatic dependent, which cuBLASLt's kernels cannot)."""
     if isinstance(weight, Fp8Weight):
         return quantized_linear(x, weight, bias)
     if bias is None and x.dim() == 2 and x.dtype == weight.dtype:
@@ -64,6 +67,11 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
             return gemv(x, weight)[0]
         if ENABLED and supported(x, weight) and triton_works(x.device):
             return skinny_linear(x, weight)
+        if x.shape[0] > MAX_ROWS and wgmma.supported(x, weight):
+            # None where NVRTC or the driver cannot build or launch it: cuBLASLt below, from then on
+            y = attempt(("wgmma", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.linear, x, weight)
+            if y is not None:
+                return y
         if LT and x.is_cuda and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             return F.linear(x, weight, _zero_bias(weight.shape[0], x))
     return F.linear(x, weight, bias)

@@ -1,0 +1,186 @@
+"""A tree verify's projections (33-136 half-precision rows) on Hopper: our own wgmma GEMM (wgmma.cu).
+
+cuBLASLt's nvjet kernels are the fastest library GEMMs at these rows, but they do not execute
+griddepcontrol.wait, so they cannot launch as programmatic dependents (benchmarks/RESULTS.md v22, v23): every
+one of a B = 64 verify's 145 projections starts only after the kernel before it has drained, and the norm
+or attention kernel after it waits for its tail. Triton pads 65 rows to 128 and turns compute-bound (v25).
+This kernel pads them to a multiple of 8 (the wgmma N side), streams the weight by TMA, and prefetches its
+first tiles while the kernel before it drains. On the 8B shape, in one process, a B = 64 round took 5.71 ms
+against 5.92 with cuBLASLt, a B = 32 round 5.42 against 5.68 (RESULTS v26).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddtree.fast import nvrtc
+from ddtree.fast.jit import pdl
+
+MIN_ROWS, MAX_ROWS = 33, 136  # the rows the kernel takes: past 256 wgmma has no N; past 136 untested
+SHARED_BYTES = 227 * 1024  # an H100/H200 block's dynamic shared memory
+ENABLED = os.environ.get("DDTREE_WGMMA", "1") != "0"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile and grid of one product: `consumers` warpgroups of 64 weight rows each, `bn` padded rows, `stages`
+    shared-memory stages, K split over `splits` blocks; `evict_first`: the weight's lines are the first L2 evicts."""
+
+    consumers: int
+    bn: int
+    stages: int
+    splits: int
+    evict_first: bool = False
+
+    @property
+    def block_rows(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.stages * (self.block_rows + self.bn) * 128 + 1024  # + alignment slack for the 1024-byte tiles
+
+
+def padded_rows(rows: int) -> int:
+    return -(-rows // 8) * 8
+
+
+def max_stages(consumers: int, bn: int) -> int:
+    return min(8, (SHARED_BYTES - 2048) // ((64 * consumers + bn) * 128))
+
+
+MIN_FILL = 0.7  # the least share of the SMs a launch's waves keep busy for the kernel to take a product (below)
+
+
+@functools.cache
+def launch_config(n: int, k: int, rows: int, sms: int = 132) -> Config:
+    """The narrowest weight tile (1-3 warpgroups of 64 rows) whose blocks fit one wave of `sms`, then K splits
+    while the blocks still do (each split at least 8 K tiles); the widest tile where none fits (an LM head).
+
+    From benchmarks/wgmma_probe.py on an H200 at 65 rows (RESULTS v26): narrow tiles and few splits won, e.g. q/k/v
+    16.5 µs with 64-row tiles and no split against 19.0 with 192-row tiles over 4 splits, o (11.6 µs) and down
+    with 64-row tiles over 2 splits; a split costs a float32 round trip of the partial tiles. The weight's lines
+    are marked first to evict from L2, which the rows' tile, read by every block, is not: faster in 31 of the 34
+    configs tried, most by 1-6 %.
+    """
+    bn, k_tiles = padded_rows(rows), k // 64
+    consumers = next((c for c in (1, 2, 3) if -(-n // (64 * c)) <= sms), 3)
+    blocks = -(-n // (64 * consumers))
+    splits = 1
+    while blocks * splits * 2 <= sms and k_tiles % (splits * 2) == 0 and k_tiles // (splits * 2) >= 8:
+        splits *= 2
+    return Config(consumers, bn, max_stages(consumers, bn), splits, evict_first=True)
+
+
+def fill(config: Config, n: int, sms: int) -> float:
+    """The share of the SMs that have a block, averaged over the launch's waves."""
+    blocks = -(-n // config.block_rows) * config.splits
+    return blocks / (-(-blocks // sms) * sms)
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this product: 33-136 half-precision rows, K a multiple of 64, both operands
+    row-major with 16-byte aligned rows, on a Hopper GPU (sm_90; wgmma is not in later architectures' base
+    instruction sets), where its blocks keep at least MIN_FILL of the SMs busy. Below that cuBLASLt's split-K
+    kernels were the faster: a Qwen3.6-27B-shaped hybrid's 5120-row projections make 80 blocks on 132 SMs, and
+    its B = 64 round took 26.7 ms with every projection here against 25.8 with cuBLASLt (RESULTS v26); the 8B
+    shape's projections fill 0.73-1.0."""
+    if not (ENABLED and x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
+            and x.dtype in nvrtc.TENSOR_MAP_TYPES and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 64 == 0 and x.stride(1) == 1
+            and weight.stride(1) == 1 and _aligned(x) and _aligned(weight)
+            and torch.cuda.get_device_capability(x.device) == (9, 0)):
+        return False
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return fill(launch_config(weight.shape[0], x.shape[1], x.shape[0], sms), weight.shape[0], sms) >= MIN_FILL
+
+
+def _aligned(matrix: torch.Tensor) -> bool:
+    """What a TMA descriptor needs: 16-byte aligned start and rows."""
+    return matrix.data_ptr() % 16 == 0 and (matrix.stride(0) * matrix.element_size()) % 16 == 0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+    """x [rows, k] @ weight [n, k]^T -> [rows, n]."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if config is None:
+        config = launch_config(n, k, rows, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    kernel = _kernel(config, x.dtype, x.device.index or 0)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    tiles = -(-n // config.block_rows)
+    partials, tickets = _workspace(x.device, tiles * config.splits * config.block_rows * config.bn, tiles)
+    kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
+                  [_weight_map(weight, config.block_rows), nvrtc.tensor_map(x, config.bn, 64),
+                   ctypes.c_void_p(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(n),
+                   ctypes.c_int(k // 64 // config.splits), ctypes.c_void_p(partials.data_ptr()),
+                   ctypes.c_void_p(tickets.data_ptr())], dependent=pdl(x.device))
+    return out
+
+
+def source(config: Config, dtype: torch.dtype) -> str:
+    """wgmma.cu with its tile sizes and the wgmma call for `config.bn` columns in front."""
+    element = "bf16" if dtype == torch.bfloat16 else "f16"
+    regs = config.bn // 2
+    outputs = ", ".join(f"%{j}" for j in range(regs))
+    operands = ", ".join(f'"+f"(d[{j}])' for j in range(regs))
+    mma = (
+        f"__device__ __forceinline__ void mma_tile(float (&d)[{regs}], unsigned long long a, unsigned long long b) {{\n"
+        f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
+        f'        "wgmma.mma_async.sync.aligned.m64n{config.bn}k16.f32.{element}.{element} '
+        f'{{{outputs}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+        f'        : {operands}\n'
+        f'        : "l"(a), "l"(b), "r"(1));\n}}\n')
+    head = (f"#define CONSUMERS {config.consumers}\n#define BN {config.bn}\n#define STAGES {config.stages}\n"
+            f'#define SPLITS {config.splits}\n#define EVICT_FIRST {int(config.evict_first)}\n'
+            f'#define ELEMENT "{element}"\n')
+    return head + mma + Path(__file__).with_name("wgmma.cu").read_text()
+
+
+def compile_options() -> list[str]:
+    return ["--gpu-architecture=sm_90a", "-std=c++17", "--use_fast_math", "-default-device"]
+
+
+@functools.cache
+def cubin(config: Config, dtype: torch.dtype) -> bytes:
+    return nvrtc.compile_cubin(source(config, dtype), "wgmma.cu", compile_options())
+
+
+@functools.cache
+def _kernel(config: Config, dtype: torch.dtype, device: int) -> nvrtc.Kernel:
+    with torch.cuda.device(device):
+        return nvrtc.Kernel(cubin(config, dtype), "wgmma_linear", config.shared_bytes)
+
+
+_WEIGHT_MAPS: dict[tuple[int, ...], nvrtc.TensorMap] = {}
+
+
+def _weight_map(weight: torch.Tensor, block_rows: int) -> nvrtc.TensorMap:
+    """A weight's descriptor, made once: weights do not move."""
+    key = (weight.data_ptr(), *weight.shape, weight.stride(0), block_rows)
+    if key not in _WEIGHT_MAPS:
+        _WEIGHT_MAPS[key] = nvrtc.tensor_map(weight, block_rows, 64)
+    return _WEIGHT_MAPS[key]
+
+
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[torch.Tensor] = []  # workspaces replaced by larger ones: graphs captured earlier still use them
+
+
+def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split K's float32 partials and per-tile tickets, shared by every call on a device: calls on one stream run
+    one after another (each waits for the one before), and the last block of a tile leaves its ticket at 0."""
+    partials, tickets = _WORKSPACES.get(device, (None, None))
+    if partials is None or partials.numel() < floats or tickets.numel() < tiles:
+        if partials is not None:
+            _OUTGROWN.extend((partials, tickets))
+        partials = torch.empty(max(floats, 1 << 22), dtype=torch.float32, device=device)
+        tickets = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _WORKSPACES[device] = (partials, tickets)
+    return partials, tickets
