@@ -174,8 +174,9 @@ _OUTGROWN: list[torch.Tensor] = []  # workspaces replaced by larger ones: graphs
 
 
 def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split K's float32 partials and per-tile tickets, shared by every call on a device: calls on one stream run
-    one after another (each waits for the one before), and the last block of a tile leaves its ticket at 0."""
+    """Split K's float32 partials and per-tile tickets, shared by every call on a device: the fast path queues
+    its steps (warm-ups, captures, replays) on one timeline, where each call waits for the one before, and the
+    last block of a tile leaves its ticket at 0. Two streams running these GEMMs at once would race here."""
     partials, tickets = _WORKSPACES.get(device, (None, None))
     if partials is None or partials.numel() < floats or tickets.numel() < tiles:
         if partials is not None:
