@@ -116,11 +116,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     tiles = -(-n // config.block_rows)
     partials, tickets = _workspace(x.device, tiles * config.splits * config.block_rows * config.bn, tiles)
-    kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
-                  [_weight_map(weight, config.block_rows), nvrtc.tensor_map(x, config.bn, 64),
-                   ctypes.c_void_p(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(n),
-                   ctypes.c_int(k // 64 // config.splits), ctypes.c_void_p(partials.data_ptr()),
-                   ctypes.c_void_p(tickets.data_ptr())], dependent=pdl(x.device))
+    with torch.cuda.device(x.device):  # the module's context and the stream of x's device
+        kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
+                      [_weight_map(weight, config.block_rows), nvrtc.tensor_map(x, config.bn, 64),
+                       ctypes.c_void_p(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(n),
+                       ctypes.c_int(k // 64 // config.splits), ctypes.c_void_p(partials.data_ptr()),
+                       ctypes.c_void_p(tickets.data_ptr())], dependent=pdl(x.device))
     return out
 
 
