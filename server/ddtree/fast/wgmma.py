@@ -48,14 +48,16 @@ class Config:
 
 
 def padded_rows(rows: int) -> int:
+    """The rows' tile: a multiple of 8, wgmma's N step."""
     return -(-rows // 8) * 8
 
 
 def max_stages(consumers: int, bn: int) -> int:
+    """As many stages as shared memory holds, up to 8 (the deepest benchmarks/wgmma_probe.py tried)."""
     return min(8, (SHARED_BYTES - 2048) // ((64 * consumers + bn) * 128))
 
 
-MIN_FILL = 0.7  # the least share of the SMs a launch's waves keep busy for the kernel to take a product (below)
+MIN_FILL = 0.7  # the least share of the SMs a launch's waves keep busy for the kernel to take a product (`supported`)
 
 
 @functools.cache
@@ -145,16 +147,19 @@ def source(config: Config, dtype: torch.dtype) -> str:
 
 
 def compile_options() -> list[str]:
+    """NVRTC's options: wgmma needs the architecture-specific sm_90a target."""
     return ["--gpu-architecture=sm_90a", "-std=c++17", "--use_fast_math", "-default-device"]
 
 
 @functools.cache
 def cubin(config: Config, dtype: torch.dtype) -> bytes:
+    """The kernel for one config, built once per process (0.1-0.4 s each on a CPU)."""
     return nvrtc.compile_cubin(source(config, dtype), "wgmma.cu", compile_options())
 
 
 @functools.cache
 def _kernel(config: Config, dtype: torch.dtype, device: int) -> nvrtc.Kernel:
+    """The kernel loaded into a device's context, once."""
     with torch.cuda.device(device):
         return nvrtc.Kernel(cubin(config, dtype), "wgmma_linear", config.shared_bytes)
 
