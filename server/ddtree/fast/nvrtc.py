@@ -48,6 +48,7 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 
 
 def _driver() -> ctypes.CDLL:
+    """libcuda (the driver API, present wherever a GPU is), with the argument types of the calls used here."""
     if "cuda" not in _LIBS:
         lib = ctypes.CDLL("libcuda.so.1")
         p, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
