@@ -157,11 +157,17 @@ class Kernel:
         _check(_driver().cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None), "cuLaunchKernelEx")
 
 
+def tma_compatible(matrix: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can describe this matrix: row-major, with a 16-byte aligned start and rows."""
+    return (matrix.stride(1) == 1 and matrix.data_ptr() % 16 == 0
+            and (matrix.stride(0) * matrix.element_size()) % 16 == 0)
+
+
 def tensor_map(matrix: torch.Tensor, box_rows: int, box_cols: int) -> TensorMap:
     """The TMA descriptor of a row-major half-precision matrix, read in [box_rows, box_cols] tiles with the
     128-byte swizzle (box_cols * 2 = 128 bytes); reads past its rows or columns arrive as zeros."""
     rows, cols = matrix.shape
-    if matrix.stride(1) != 1 or (matrix.stride(0) * 2) % 16 or matrix.data_ptr() % 16:
+    if not tma_compatible(matrix):
         raise ValueError("a TMA descriptor needs a row-major matrix with 16-byte aligned rows")
     out = TensorMap()
     dims = (ctypes.c_uint64 * 2)(cols, rows)

@@ -95,17 +95,12 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     shape's projections fill 0.73-1.0."""
     if not (ENABLED and x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in nvrtc.TENSOR_MAP_TYPES and MIN_ROWS <= x.shape[0] <= MAX_ROWS
-            and x.shape[1] == weight.shape[1] and x.shape[1] % 64 == 0 and x.stride(1) == 1
-            and weight.stride(1) == 1 and _aligned(x) and _aligned(weight)
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 64 == 0
+            and nvrtc.tma_compatible(x) and nvrtc.tma_compatible(weight)
             and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return False
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     return fill(launch_config(weight.shape[0], x.shape[1], x.shape[0], sms), weight.shape[0], sms) >= MIN_FILL
-
-
-def _aligned(matrix: torch.Tensor) -> bool:
-    """What a TMA descriptor needs: 16-byte aligned start and rows."""
-    return matrix.data_ptr() % 16 == 0 and (matrix.stride(0) * matrix.element_size()) % 16 == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
