@@ -112,7 +112,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
     kernel = _kernel(config, x.dtype, x.device.index or 0)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     tiles = -(-n // config.block_rows)
-    partials, tickets = _workspace(x.device, tiles * config.splits * config.block_rows * config.bn, tiles)
+    # an unsplit launch (SPLITS == 1) writes its tiles straight to `out` and never touches the workspace
+    split = config.splits > 1
+    partials, tickets = _workspace(x.device, split * tiles * config.splits * config.block_rows * config.bn,
+                                   split * tiles)
     with torch.cuda.device(x.device):  # the module's context and the stream of x's device
         kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
                       [_weight_map(weight, config.block_rows), nvrtc.tensor_map(x, config.bn, 64),
