@@ -51,7 +51,7 @@ def test_the_source_carries_the_tile_and_a_wgmma_of_bn_columns(bn, dtype, elemen
 
 
 def test_rows_on_the_cpu_never_reach_the_kernel():
-    """CPU tensors (every row count) take torch's product; the row bounds are checked on the GPU (test_cuda.py)."""
+    """CPU tensors (every row count) take torch's product; test_cuda.py checks that 33-136 rows take the kernel."""
     weight = torch.zeros(64, 128, dtype=torch.bfloat16)
     for rows in (1, 17, 65):
         assert not wgmma.supported(torch.zeros(rows, 128, dtype=torch.bfloat16), weight)
