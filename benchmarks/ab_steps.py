@@ -22,6 +22,8 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     compiled rows    all kernels but a multi-row forward's norms and SiLU · up as torch.compile's kernels, not
                      ddtree/fast/rows.py's
     direct trees     all kernels but trees' attention in one split of 16-row tiles (no merge kernel)
+    v26 attention    all kernels but trees of 129-384 grouped rows read the new rows' keys in the split that also
+                     ends the committed keys, over 3 splits (not in a split of their own: ddtree/fast/attention.py)
     separate quantization
                      all kernels but an fp8 drafter's norms and SiLU · up write their rows, and a kernel of
                      its own quantizes them (as before the norm kernels' fp8 forms; --draft-quantization fp8)
@@ -33,7 +35,15 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
                      its one Triton program
     heads N rows     all kernels with N rows per program of the attention-heads kernel (heads.ROWS_PER_PROGRAM:
                      2)
+    separate SiLU    all kernels but a tree's SiLU · up as the row kernel after the gate/up GEMM, not in that GEMM's
+                     epilogue (ddtree/fast/wgmma.py, Config.glu)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
+
+Two more time what a multi-row target layer would take without a step, as bounds on what folding it away could
+gain. Their tokens are wrong (the layer skips the step's arithmetic), their times are real:
+
+    bound: no tree norms       the target's multi-row layers skip both norms (and the residual adds in them)
+    bound: no tree attention   the target's multi-row layers hand the queries on as the attention's output
 
     PYTHONPATH=server python benchmarks/ab_steps.py
     PYTHONPATH=server python benchmarks/ab_steps.py --draft-vocab 16384 --draft-quantization fp8 \
@@ -49,9 +59,10 @@ import itertools
 import ddtree.fast
 import torch
 import triton
-from ddtree.fast import attention, cache, gdn, gemm, heads, jit, walk, wgmma
+from ddtree.fast import attention, cache, decoder_layer, gdn, gemm, heads, jit, walk, wgmma
+from ddtree.fast.attention import TreeMask, tree_attention
 from ddtree.fast.bench import build_shape, run
-from ddtree.fast.fused import Ops
+from ddtree.fast.fused import Layer, Ops, TargetLayer
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.fast.tree import vocab_argmax
 from ddtree.sampling import SamplingParams
@@ -59,21 +70,24 @@ from ddtree.sampling import SamplingParams
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
            quantizing_rows=True, commit="kernels", rope="table",
-           walk="kernel", wgmma=True)  # what the fast path runs
+           walk="kernel", wgmma=True, glu=True, bound=None)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
             "compiled heads": {**ALL, "skinny": False, "heads": "compiled"}, "PyTorch GDN tree": {**ALL, "gdn": "row"},
             "PyTorch GDN step": {**ALL, "gdn": "none"}, "v13 attention": {**ALL, "attention": "v13"},
-            "direct trees": {**ALL, "attention": "direct trees"},
-            "no PDL": {**ALL, "pdl": False}, "compiled rows": {**ALL, "rows": "compiled", "quantizing_rows": False},
+            "direct trees": {**ALL, "attention": "direct trees"}, "v26 attention": {**ALL, "attention": "v26"},
+            "no PDL": {**ALL, "pdl": False},
+            "compiled rows": {**ALL, "rows": "compiled", "quantizing_rows": False, "glu": False},
             "separate quantization": {**ALL, "quantizing_rows": False},
             "PyTorch commit": {**ALL, "commit": "torch"}, "module RoPE": {**ALL, "rope": "module"},
             "PyTorch walk": {**ALL, "walk": "torch"}, "cuBLASLt trees": {**ALL, "wgmma": False},
+            "separate SiLU": {**ALL, "glu": False}, "bound: no tree norms": {**ALL, "bound": "norms"},
+            "bound: no tree attention": {**ALL, "bound": "attention"},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
-                       commit="torch", rope="module", walk="torch", wgmma=False)}
+                       commit="torch", rope="module", walk="torch", wgmma=False, glu=False, bound=None)}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -102,12 +116,50 @@ def direct_trees(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: in
     return cfg
 
 
+def without_norms(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
+                  mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decoder_layer without its norms (a bound, wrong tokens): the rows go to the projections as they come."""
+    if not isinstance(layer, TargetLayer):
+        return decoder_layer(ops, layer, x, delta, cache, mask, slots, cos, sin, eps)
+    q = ops.attention_heads(*layer.project(x), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
+                            layer.head_dim, cache, slots)
+    return x, x, layer.mlp(ops, layer.o(tree_attention(q, cache, mask)))
+
+
+def without_attention(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
+                      mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decoder_layer without its attention kernels (a bound, wrong tokens): the grouped queries, viewed as the
+    attention's [n, H * d] output, go to the output projection."""
+    if not isinstance(layer, TargetLayer):
+        return decoder_layer(ops, layer, x, delta, cache, mask, slots, cos, sin, eps)
+    h, x = ops.normed(x, delta, layer.input_norm, eps, layer.fp8)
+    entering = x
+    q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
+                            layer.head_dim, cache, slots)
+    h, x = ops.normed(x, layer.o(q.view(mask.n, -1)), layer.post_norm, eps, layer.fp8)
+    return entering, x, layer.mlp(ops, h)
+
+
+LAYERS = {None: decoder_layer, "norms": without_norms, "attention": without_attention}
+
+
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The picks as the fast path took them before tree.vocab_argmax."""
     return logits.argmax(dim=-1)
 
 
-ATTENTION = {"now": TUNED_ATTENTION, "v13": v13_attention, "direct trees": direct_trees}
+def v26_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
+    """attention.launch_config as v26 had it: trees of 129-384 rows at d 128 over 3 splits, the new rows' keys in
+    the split that also ends the committed keys."""
+    cfg = TUNED_ATTENTION(rows, capacity, kv_heads, sms, head_dim)
+    if cfg["two_loops"] == 2:
+        cfg = {**cfg, "splits": min(cfg["splits"], 3), "two_loops": 1}
+    return cfg
+
+
+ATTENTION = {"now": TUNED_ATTENTION, "v13": v13_attention, "direct trees": direct_trees, "v26": v26_attention}
 
 
 def main() -> None:
@@ -152,6 +204,8 @@ def main() -> None:
         heads.ROWS_PER_PROGRAM = variant["head_rows"]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         wgmma.ENABLED = variant["wgmma"]
+        path.ops.folding_silu = variant["glu"]
+        ddtree.fast.decoder_layer = LAYERS[variant["bound"]]
         attention.launch_config = ATTENTION[variant["attention"]]
         jit.PDL = variant["pdl"]
         kernel_commit = variant["commit"] == "kernels"

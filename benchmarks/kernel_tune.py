@@ -19,6 +19,7 @@ one loop. The last table is the fastest config per row count.
     PYTHONPATH=server python benchmarks/kernel_tune.py [--sweep] [--part tree|attention] [--rows 4 64 260 516]
         # --sweep: launch configs; --part: only one of the two parts; --rows: only these row counts
         # --warps 8: the sweep tries only the 8-warp tiles; --heads 4 6 256: another head layout
+        # --new-split: the trees' loop forms (the new rows' keys in a split of their own or not)
 """
 
 from __future__ import annotations
@@ -76,6 +77,17 @@ def pipeline_grid(fastest: list[dict[str, int]]) -> list[dict[str, int]]:
     return [{**cfg, "block_n": block_n, "num_stages": stages} for cfg in fastest for block_n, stages in PIPELINES]
 
 
+NEW_SPLITS = (2, 3, 4, 5, 6)
+NEW_PIPELINES = ((64, 2), (64, 3), (32, 3))  # (block_n, num_stages)
+
+
+def new_split_grid(default: dict[str, int]) -> list[dict[str, int]]:
+    """The trees' loop forms around `default`'s tile: the new rows' keys in the split that also ends the
+    committed keys (two_loops 1) or in a split of their own (two_loops 2), over 2-6 splits and three pipelines."""
+    return [{**default, "splits": splits, "block_n": block_n, "num_stages": stages, "two_loops": form}
+            for form in (1, 2) for splits in NEW_SPLITS for block_n, stages in NEW_PIPELINES]
+
+
 def check_and_time(q: torch.Tensor, caches: list[torch.Tensor], fast: TreeMask, want: torch.Tensor,
                    cfg: dict[str, int]) -> float | str:
     """µs per layer call with `cfg`, or why it is not timed: an output that is not SDPA's, or a launch the GPU
@@ -90,7 +102,8 @@ def check_and_time(q: torch.Tensor, caches: list[torch.Tensor], fast: TreeMask, 
 
 
 def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: int,
-              sweep: bool, warps: list[int] | None) -> tuple[dict[str, int], dict[str, float | str]]:
+              sweep: bool, warps: list[int] | None,
+              new_split: bool = False) -> tuple[dict[str, int], dict[str, float | str]]:
     """The default config for `rows` grouped query rows (a causal block of rows // GROUPS tokens), and every
     variant tried: name -> µs per layer call, or why it was not timed."""
     dev, n = start.device, rows // GROUPS
@@ -109,6 +122,8 @@ def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: i
                 results[str(cfg)] = check_and_time(q, caches, fast, want, cfg)
 
     grid = shape_grid(rows, warps) if sweep else []
+    if new_split and rows > AR_ROWS:
+        grid += new_split_grid(default)
     measure([default, *grid])
     if sweep and rows > AR_ROWS:
         fastest = sorted((c for c in grid if isinstance(results[str(c)], float)), key=lambda c: results[str(c)])
@@ -116,7 +131,7 @@ def row_count(rows: int, caches: list[torch.Tensor], start: torch.Tensor, sms: i
     return default, results
 
 
-def attention(sweep: bool, row_counts: list[int], warps: list[int] | None) -> None:
+def attention(sweep: bool, row_counts: list[int], warps: list[int] | None, new_split: bool = False) -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     caches = [torch.randn(2, KV, CAPACITY, D, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -124,7 +139,7 @@ def attention(sweep: bool, row_counts: list[int], warps: list[int] | None) -> No
     fastest = []
     print("| rows | variant | us per layer |\n|---|---|---|")
     for rows in row_counts:
-        default, results = row_count(rows, caches, start, sms, sweep, warps)
+        default, results = row_count(rows, caches, start, sms, sweep, warps, new_split)
         timed = sorted((us, name) for name, us in results.items() if isinstance(us, float))
         for us, name in timed:
             print(f"| {rows} | {'default ' if name == str(default) else ''}{name} | {us:.1f} |")
@@ -203,6 +218,8 @@ if __name__ == "__main__":
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 64, 260, 516],
                         help="grouped query rows (GROUPS x new tokens) for the attention part")
     parser.add_argument("--warps", type=int, nargs="+", help="sweep only the tree tiles with these warps")
+    parser.add_argument("--new-split", action="store_true",
+                        help="time the trees' loop forms (new_split_grid) around the default tile")
     parser.add_argument("--heads", type=int, nargs=3, metavar=("KV", "GROUPS", "D"), default=[KV, GROUPS, D],
                         help="K/V heads, query heads per K/V head, head dim (Qwen3.6-27B: 4 6 256)")
     args = parser.parse_args()
@@ -210,4 +227,4 @@ if __name__ == "__main__":
     if args.part != "attention":
         tree_ops(args.sweep)
     if args.part != "tree":
-        attention(args.sweep, args.rows, args.warps)
+        attention(args.sweep, args.rows, args.warps, args.new_split)

@@ -4,9 +4,12 @@ Every config's output is first checked against torch's (float32 reference: the s
 bf16 product, and the same bits on a second run). Each timing is a CUDA graph of 36 calls cycling over distinct
 weights (ddtree.fast.bench.cycled_us): ours launch as programmatic dependents of each other, so a call's first
 weight tiles load while the call before it drains; cuBLASLt's do not. `--chain` puts a row kernel (a residual
-add + RMSNorm, ddtree/fast/rows.py) in front of every call, as in a verify's layers.
+add + RMSNorm, ddtree/fast/rows.py) in front of every call, as in a verify's layers. `--glu` times a layer's
+MLP instead: the gate/up product, then the SiLU · up row kernel, against SiLU · up in the product's epilogue
+(Config.glu), alone and with the down projection after it.
 
     PYTHONPATH=server python benchmarks/wgmma_probe.py [--rows 65 33 129] [--only qkv o] [--grid] [--chain]
+    PYTHONPATH=server python benchmarks/wgmma_probe.py --glu [--rows 33 65]
 """
 
 from __future__ import annotations
@@ -56,7 +59,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="these projections only")
     ap.add_argument("--grid", action="store_true", help="time a grid of configs, not only the default")
     ap.add_argument("--chain", action="store_true", help="a residual add + RMSNorm kernel before every call")
+    ap.add_argument("--glu", action="store_true", help="SiLU · up in the gate/up product's epilogue, or after it")
     args = ap.parse_args()
+    if args.glu:
+        for rows in args.rows:
+            mlp_probe(rows)
+        return
     shapes = {name: s for name, s in SHAPES.items() if not args.only or name in args.only}
     print("| proj | rows | variant | µs |\n|---|---|---|---|")
     for rows in args.rows:
@@ -89,6 +97,33 @@ def probe(name: str, n: int, k: int, rows: int, full_grid: bool, chain: bool) ->
     weights.clear()
     torch.cuda.empty_cache()
     return blas, best
+
+
+def mlp_probe(rows: int) -> None:
+    """The 8B MLP at `rows` rows: SiLU · up after the gate/up product or in its epilogue, alone and then down (µs a
+    layer, 36 layers cycling over distinct weights); the two activations are checked equal first."""
+    from ddtree.fast.rows import silu_mul
+
+    (n, k, _), (down_n, down_k, _) = SHAPES["gate_up"], SHAPES["down"]
+    # as many layers as there are gate/up copies (the wider weight: fewer fit the 2 GiB)
+    layers = list(zip(weight_copies(n, k), weight_copies(down_n, down_k), strict=False))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+
+    def plain(layer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return silu_mul(wgmma.linear(x, layer[0]))
+
+    def folded(layer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return wgmma.silu_mul_linear(x, layer[0])
+
+    if not torch.equal(plain(layers[0]), folded(layers[0])):
+        print(f"| MLP | {rows} | the epilogue's SiLU · up | WRONG: not the row kernel's bits |")
+        return
+    for label, act in (("gate/up, then the SiLU · up kernel", plain), ("SiLU · up in the epilogue", folded)):
+        print(f"| MLP | {rows} | {label} | {cycled_us(act, layers):.1f} |", flush=True)
+        print(f"| MLP | {rows} | {label}, then down | {cycled_us(lambda w, a=act: linear(a(w), w[1]), layers):.1f} |",
+              flush=True)
+    layers.clear()
+    torch.cuda.empty_cache()
 
 
 def _row_kernel(x: torch.Tensor):

@@ -3,12 +3,14 @@
 These run where CUDA is (the GPU machine: `pytest tests/fast/test_cuda.py`); CI has no GPU.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from ddtree.engine import Engine
+from ddtree.fast import fused
 from ddtree.fast.heads import attention_heads as heads_kernel
 from ddtree.fast.jit import triton_works
 from ddtree.sampling import SamplingParams
@@ -553,6 +555,14 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+def _fills_the_gpu(n: int, k: int, rows: int) -> bool:
+    """The wgmma kernel's fill rule for an [n, k] weight at `rows` rows on this GPU."""
+    from ddtree.fast import wgmma
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return wgmma.fill(wgmma.launch_config(n, k, rows, sms), n, sms) >= wgmma.MIN_FILL
+
+
 @pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "n", "k", "tiles"), [
@@ -573,8 +583,71 @@ def test_wgmma_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows
     want = F.linear(x.double(), weight.double())
     assert y.dtype == dtype and torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2)
     assert torch.equal(wgmma.linear(x, weight, config), y)
+    if tiles is None:  # `gemm.linear` routes these rows to it, unless its blocks would leave many SMs idle
+        assert wgmma.supported(x, weight) == _fills_the_gpu(n, k, rows)
+        assert not wgmma.supported(x, weight) or torch.equal(gemm.linear(x, weight), y)
+
+
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "n", "k", "tiles"), [
+    (65, 24576, 4096, None), (33, 6000, 1024, None), (129, 2000, 256, None), (136, 8192, 4096, None),
+    (40, 400, 1024, (1, 2, 4)), (72, 768, 512, (3, 3, 1)), (65, 4096, 12288, None)])
+def test_wgmma_silu_epilogue_equals_the_row_kernel_after_the_product(dtype, rows, n, k, tiles):
+    """SiLU(gate) · up in the gate/up product's epilogue gives the bits of ddtree/fast/rows.py's kernel run on the
+    plain product: gate widths that end inside a block (3000 of 96 a block), K split over blocks, a stage ring that
+    wraps; and `gemm.silu_mul_linear` takes these rows where the fill rule lets the kernel take the product."""
+    from ddtree.fast import gemm, wgmma
+    from ddtree.fast import rows as row_kernels
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = (torch.randn(n, k, generator=gen) / 16).to(dtype).cuda()
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype).cuda()
+    plain = None if tiles is None else wgmma.Config(tiles[0], wgmma.padded_rows(rows), tiles[1], tiles[2])
+    want = row_kernels.silu_mul(wgmma.linear(x, weight, plain))
     if tiles is None:
-        assert wgmma.supported(x, weight) and torch.equal(gemm.linear(x, weight), y)
+        got = wgmma.silu_mul_linear(x, weight)
+        assert wgmma.supported(x, weight) == _fills_the_gpu(n, k, rows)
+        fused_act = gemm.silu_mul_linear(x, weight)
+        assert fused_act is None if not _fills_the_gpu(n, k, rows) else torch.equal(fused_act, got)
+    else:
+        got = wgmma.linear(x, weight, dataclasses.replace(plain, glu=True))
+    assert got.shape == (rows, n // 2) and want.abs().max() > 0.5
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+def test_the_silu_epilogue_changes_no_bit_of_a_round(fast_ckpt, monkeypatch):
+    """With the fill rule off, the tiny target's tree projections run on the Hopper GEMM, and its MLPs take SiLU · up
+    in the gate/up product's epilogue: the same rounds with the row kernel after the plain product give the same
+    tokens and log-probabilities, bit for bit."""
+    from ddtree.fast import gemm, wgmma
+
+    monkeypatch.setattr(wgmma, "MIN_FILL", 0.0)
+    folded = []
+
+    def counted(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        act = gemm.silu_mul_linear(x, weight)
+        if act is not None:
+            folded.append(x.shape[0])
+        return act
+
+    monkeypatch.setattr(fused, "silu_mul_linear", counted)
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="bfloat16",
+                                    fast=True, fast_capacity=256)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=2)
+
+    def decode() -> list:
+        engine.fast._plans.clear()  # recaptured with the current steps
+        return [[(r.token_ids, r.logprobs) for r in engine.stream(list(range(60, 90)), params, method="ddtree",
+                                                                 budget=budget)] for budget in (32, 64)]
+
+    assert engine.fast.ops.folding_silu
+    with_epilogue = decode()
+    assert {33, 65} <= set(folded)
+    engine.fast.ops.folding_silu = False
+    folded.clear()
+    assert decode() == with_epilogue and not folded
 
 
 @pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")

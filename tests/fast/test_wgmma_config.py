@@ -3,6 +3,8 @@
 The kernel itself runs only on a Hopper GPU (tests/fast/test_cuda.py); what is pure is checked here.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from ddtree.fast import gemm, wgmma
@@ -17,6 +19,9 @@ def test_launch_configs_fit_the_gpu_and_split_k_into_whole_tiles(n, k, rows):
     assert cfg.bn % 8 == 0 and rows <= cfg.bn < rows + 8  # rows pad to the wgmma N step, not a power of two
     assert 1 <= cfg.consumers <= 3 and cfg.stages >= 2
     assert cfg.shared_bytes + 2048 <= wgmma.SHARED_BYTES
+    # one block an SM: two never fit, so a dependent launch cannot crowd its blocks onto the SMs freed first
+    assert cfg.shared_bytes <= cfg.launch_shared_bytes <= wgmma.SHARED_BYTES
+    assert 2 * (cfg.launch_shared_bytes + 1024) > wgmma.SM_SHARED_BYTES
     k_tiles = k // 64
     assert k_tiles % cfg.splits == 0
     assert cfg.splits == 1 or k_tiles // cfg.splits >= 8
@@ -50,6 +55,16 @@ def test_the_source_carries_the_tile_and_a_wgmma_of_bn_columns(bn, dtype, elemen
     assert src.index("mma_tile(float") < src.index("wgmma_linear(")
 
 
+def test_the_silu_epilogue_is_a_switch_of_the_source_and_needs_room_for_both_tiles():
+    """Config.glu compiles the same kernel with SiLU · up in its epilogue, whose gate and up tiles meet in the stages'
+    shared memory: a config whose stages cannot hold them is refused before anything is built."""
+    assert "#define GLU 1" in wgmma.source(wgmma.Config(3, 72, 6, 1, glu=True), torch.bfloat16)
+    assert "#define GLU 0" in wgmma.source(wgmma.Config(3, 72, 6, 1), torch.bfloat16)
+    wgmma.Config(1, 40, 2, 4, glu=True)  # 26 KB of stages for a 5 KB tile
+    with pytest.raises(ValueError, match="cannot hold"):
+        wgmma.Config(3, 136, 1, 1, glu=True)  # 41 KB of stages, 52 KB of tiles
+
+
 def test_rows_on_the_cpu_never_reach_the_kernel():
     """CPU tensors (every row count) take torch's product; test_cuda.py checks that 33-136 rows take the kernel."""
     weight = torch.zeros(64, 128, dtype=torch.bfloat16)
@@ -58,6 +73,7 @@ def test_rows_on_the_cpu_never_reach_the_kernel():
     x = torch.randn(65, 128).to(torch.bfloat16)
     w = torch.randn(64, 128).to(torch.bfloat16)
     assert torch.equal(gemm.linear(x, w), torch.nn.functional.linear(x, w))
+    assert gemm.silu_mul_linear(x, w) is None  # the caller runs the product, then SiLU · up
 
 
 def _nvrtc_found() -> bool:
@@ -76,5 +92,6 @@ def test_every_8b_tile_compiles_without_a_gpu(dtype):
     """NVRTC builds the kernel for each tile the 8B shape's trees take (no GPU needed), so a change to the CUDA
     source that does not assemble fails here, before any device run."""
     configs = {wgmma.launch_config(n, k, rows) for n, k in PROJECTIONS for rows in (33, 65, 129)}
+    configs |= {dataclasses.replace(wgmma.launch_config(24576, 4096, rows), glu=True) for rows in (33, 65, 129)}
     for cfg in configs:
         assert wgmma.cubin(cfg, dtype)[:4] == b"\x7fELF", cfg

@@ -82,7 +82,9 @@ def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
     wants many splits to fill the GPU, and one loop over its few keys; a draft block or a small tree (up to
     128 rows), short and narrow tiles over 4 splits; trees up to 256 nodes, 64-row tiles over 3 splits.
     Past a single row the committed keys get a loop of their own, without the visibility reads, which
-    pipelines (12.9 against 16.3 µs a layer at 260 rows). At head dim 256 (Qwen3.5/3.6) the trees' key
+    pipelines (12.9 against 16.3 µs a layer at 260 rows). Trees of 129-384 rows (B = 32, 64) do better still
+    with the new rows' keys in a split of their own (`--new-split`: 10.4 against 11.8 µs at 260 rows, 9.3
+    against 9.7 at 132 over 4 splits; more programs than SMs lost). At head dim 256 (Qwen3.5/3.6) the trees' key
     tiles are half as wide and three deep (17.3 against 22.9 µs at 390 rows, 4 K/V heads). Larger blocks
     (prompt chunks): wide tiles and one split (no merge: their query rows already make enough programs), in
     one loop.
@@ -93,8 +95,10 @@ def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
         block_m, block_n, splits, stages, two_loops = 16, 32, 4, 3, 1
     elif rows <= 1024 and head_dim > 128:
         block_m, block_n, splits, stages, two_loops = 64, 32, 3, 3, 1
+    elif rows <= 384:
+        block_m, block_n, splits, stages, two_loops = 64, 64, 4 if rows <= 192 else 3, 3, 2
     elif rows <= 1024:
-        block_m, block_n, splits, stages, two_loops = 64, 64, 3, 3 if rows <= 384 else 2, 1
+        block_m, block_n, splits, stages, two_loops = 64, 64, 3, 2, 1
     else:
         block_m, block_n, splits, stages, two_loops = 16, 128, 1, 2, 0
     return dict(block_m=block_m, block_n=block_n, splits=max(1, min(splits, triton.cdiv(capacity, 64), 64)),
@@ -110,6 +114,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4  # 4: interpreted
         cfg = launch_config(rows, capacity, kv_heads, sms, d)
     splits = cfg["splits"]
+    two_loops = min(cfg["two_loops"], 1 if splits == 1 else 2)  # one split holds every key
     out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)
     direct = splits == 1
     if direct:  # the split kernel writes `out` itself; Acc and Stats are never touched
@@ -126,14 +131,14 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, n, rows // n, 1.0 / math.sqrt(d), splits,
             WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=tiles["block_n"],
-            IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=cfg["two_loops"], PDL=dependent,
+            IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=two_loops, PDL=dependent,
             num_warps=cfg["num_warps"], num_stages=tiles["num_stages"], launch_pdl=dependent)
 
     # the tuned tiles fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
     # target's prompt chunk) needs narrower key tiles. The fit is kept per kernel build: the loop form and
     # the direct store are part of it.
     launch_fitting(launch, {"num_stages": cfg["num_stages"], "block_n": cfg["block_n"]}, ("block_n", 16),
-                   ("attention", d, q.dtype, q.device, cfg["block_m"], cfg["two_loops"], direct))
+                   ("attention", d, q.dtype, q.device, cfg["block_m"], two_loops, direct))
     if direct:
         return out
     block_r = min(16, triton.next_power_of_2(rows))
@@ -178,7 +183,9 @@ if triton is not None:
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
                       TWO_LOOPS: tl.constexpr, PDL: tl.constexpr):
         """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats
-        for _merge_kernel, or, when DIRECT (one split, the whole key range), the finished output in its layout."""
+        for _merge_kernel, or, when DIRECT (one split, the whole key range), the finished output in its layout.
+        TWO_LOOPS: the committed keys in a loop without visibility reads, then the new rows' keys; 2: the new
+        rows' keys in the last split alone, the committed keys evenly over the others."""
         after_previous(PDL)
         head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(Start).to(tl.int32)
@@ -186,6 +193,10 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, total)
+        if TWO_LOOPS == 2:  # (never with one split: _triton_attention)
+            chunk = tl.cdiv(tl.cdiv(start, SPLITS - 1), BLOCK_N) * BLOCK_N
+            lo = tl.where(split == SPLITS - 1, start, split * chunk)
+            hi = tl.where(split == SPLITS - 1, total, tl.minimum(lo + chunk, start))
         r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         t = r % n  # the query's token among the new rows
         dims = tl.arange(0, HEAD_DIM)

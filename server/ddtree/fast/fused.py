@@ -31,7 +31,7 @@ from torch import nn
 
 from ddtree.draft import rms_norm
 from ddtree.fast import rows
-from ddtree.fast.gemm import fp8_supported, linear
+from ddtree.fast.gemm import fp8_supported, linear, silu_mul_linear
 from ddtree.fast.moe import Experts
 from ddtree.quantize import Fp8Linear, Fp8Weight, QuantizedRows, rows_of
 
@@ -100,6 +100,7 @@ class Ops:
         for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul):
             setattr(self, fn.__name__, self.wrap(fn))
         self.quantizing_rows = False  # the row kernels' fp8 forms (see normed), once take_row_kernels has run
+        self.folding_silu = False  # SiLU · up in the gate/up GEMM (see swiglu), likewise: the row kernel's bits
 
     def normed(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                fp8: bool = False) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
@@ -114,6 +115,16 @@ class Ops:
         else:
             h, x = self.add_rms_norm(x, delta, weight, eps)
         return (rows_of(h) if fp8 else h), x
+
+    def swiglu(self, h: torch.Tensor, gate_up: Proj) -> torch.Tensor:
+        """SiLU(gate) · up of the normed rows h through the fused gate/up projection: in the projection's own
+        epilogue where the row kernels run and our Hopper GEMM takes the product (the same bits as the SiLU · up
+        kernel after it: ddtree/fast/wgmma.py), else the projection, then silu_mul."""
+        if self.folding_silu and gate_up.bias is None and not gate_up.fp8:
+            act = silu_mul_linear(h, gate_up.weight)
+            if act is not None:
+                return act
+        return self.silu_mul(gate_up(h))
 
     def silu_mul_fp8(self, gate_up: torch.Tensor) -> QuantizedRows:
         """silu_mul's rows quantized for an fp8 projection: by the SiLU kernel itself where the row kernels run."""
@@ -136,7 +147,7 @@ class Ops:
         self.add_rms_norm = lambda x, d, w, eps: (rows.add_rms_norm(x, d, w, eps) if rows.supported(x, w)
                                                   and rows.supported(d, w) else add_norm(x, d, w, eps))
         self.silu_mul = lambda x: rows.silu_mul(x) if rows.supported(x) else silu(x)
-        self.quantizing_rows = True
+        self.quantizing_rows = self.folding_silu = True
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -208,7 +219,7 @@ def swiglu(mlp: nn.Module, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:
     """A SwiGLU MLP module (gate_proj, up_proj, down_proj) as a function of its normed rows: gate and up as one
     weight (`fuse`), SiLU · up as one step, then down."""
     gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
-    return lambda h: linear(ops.silu_mul(gate_up(h)), mlp.down_proj.weight, mlp.down_proj.bias)
+    return lambda h: linear(ops.swiglu(h, gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -240,8 +251,7 @@ class Layer:
 
     def mlp(self, ops: Ops, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """The MLP's output for the normed rows h."""
-        gate_up = self.gate_up(h)
-        return self.down(ops.silu_mul_fp8(gate_up) if self.fp8 else ops.silu_mul(gate_up))
+        return self.down(ops.silu_mul_fp8(self.gate_up(h)) if self.fp8 else ops.swiglu(h, self.gate_up))
 
 
 @dataclass(frozen=True)

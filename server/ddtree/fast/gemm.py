@@ -42,6 +42,7 @@ ENABLED = os.environ.get("DDTREE_SKINNY", "1") != "0"
 ROW_GEMV = os.environ.get("DDTREE_ROW_GEMV", "1") != "0"
 ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
 LT = os.environ.get("DDTREE_CUBLASLT", "1") != "0"
+GLU = os.environ.get("DDTREE_GLU", "1") != "0"
 LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129 and 512 rows, no faster
 _KEPT_ZEROS: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
@@ -75,6 +76,16 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
         if LT and x.is_cuda and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             return F.linear(x, weight, _zero_bias(weight.shape[0], x))
     return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """fused.silu_mul(linear(x, weight)) for a SwiGLU's fused [gate; up] weight in one launch, where our Hopper
+    GEMM takes `linear`'s product (33-136 half-precision rows; its epilogue computes SiLU · up with
+    ddtree/fast/rows.py's bits); None elsewhere, where the caller runs the product and then SiLU · up."""
+    if not (GLU and x.dim() == 2 and x.shape[0] > MAX_ROWS and weight.dim() == 2 and weight.shape[0] % 2 == 0
+            and wgmma.supported(x, weight)):
+        return None
+    return attempt(("wgmma SiLU", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.silu_mul_linear, x, weight)
 
 
 def _zero_bias(n: int, x: torch.Tensor) -> torch.Tensor:

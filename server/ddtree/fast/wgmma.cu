@@ -1,7 +1,7 @@
 // y [rows, n] = x [rows, k] @ w [n, k]^T for a tree verify's 33-136 half-precision rows on Hopper (sm_90a).
 //
 // Compiled at run time by NVRTC (ddtree/fast/nvrtc.py); ddtree/fast/wgmma.py prepends the tile sizes as
-// macros (CONSUMERS, BN, STAGES, SPLITS, ELEMENT) and `mma_tile`, the wgmma call for BN columns.
+// macros (CONSUMERS, BN, STAGES, SPLITS, EVICT_FIRST, GLU, ELEMENT) and `mma_tile`, the wgmma call for BN columns.
 //
 // The product runs transposed, y^T = w x^T, so the weight fills the MMA's 64-row side and the rows only pad to
 // BN, a multiple of 8 (65 rows: 72), where a power-of-two tile pads them to 128. A block owns BM = 64 *
@@ -10,6 +10,10 @@
 // warpgroup multiplies its 64 weight rows by the rows' tile with wgmma. Narrow weights split K over gridDim.y
 // blocks: each writes its float32 partial tile, and the last block of a tile to finish sums them in split order
 // (deterministic) and leaves the tile's ticket at zero for the next launch.
+//
+// GLU (a SwiGLU MLP's fused [gate; up] weight of 2I rows): a block's BM weight rows are BM / 2 gate rows and the
+// same up rows, I further, and it writes SiLU(gate) * up [rows, I] for its BM / 2 columns, as ddtree/fast/rows.py's
+// kernel after the plain product would: one launch, and no [rows, 2I] projection through memory, where two were.
 //
 // Programmatic dependent launch: the weight does not depend on the kernel before, so the producer loads the
 // first stages' weight tiles before griddepcontrol.wait, while that kernel drains; the rows, and every write,
@@ -73,6 +77,17 @@ __device__ __forceinline__ void tma_load_once(void* dst, const TensorMap* map, u
 #define load_weight tma_load
 #endif
 
+// A stage's weight tile: BM rows from `row0`, or with GLU BM / 2 gate rows from `row0` and the up rows `half` further.
+__device__ __forceinline__ void load_weight_tile(void* dst, const TensorMap* map, u64* bar, int inner, int row0,
+                                                 int half) {
+#if GLU
+    load_weight(dst, map, bar, inner, row0);
+    load_weight((unsigned char*)dst + W_TILE_BYTES / 2, map, bar, inner, row0 + half);
+#else
+    load_weight(dst, map, bar, inner, row0);
+#endif
+}
+
 __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
@@ -110,6 +125,45 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], unsigned sh
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 128) : "memory"); }
 
+#if GLU
+__device__ __forceinline__ float to_float(unsigned short h) {
+    float v;
+    asm("cvt.f32." ELEMENT " %0, %1;" : "=f"(v) : "h"(h));
+    return v;
+}
+
+// rows.py's _swiglu with the instructions Triton makes of it: SiLU as g / (1 + ex2.approx(-g log2 e)) with
+// div.full, rounded to ELEMENT, times up, rounded: the same bits as the row kernel after the plain product.
+__device__ __forceinline__ unsigned short swiglu(unsigned short gate, unsigned short up) {
+    float silu, product;
+    asm("{\n.reg .f32 e;\nmul.rn.f32 e, %1, 0fBFB8AA3B;\nex2.approx.f32 e, e;\nadd.rn.f32 e, e, 0f3F800000;\n"
+        "div.full.f32 %0, %1, e;\n}" : "=f"(silu) : "f"(to_float(gate)));
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(product) : "f"(to_float(to_element(silu))), "f"(to_float(up)));
+    return to_element(product);
+}
+
+// The block's gate and up tiles, rounded as the projection's output, through shared memory (token-major, `tile`:
+// BN x BM values in the stages' memory, which every consumer is done with), then SiLU(gate) * up for its BM / 2
+// columns [col0, col0 + BM / 2) of out [rows, width], consecutive threads on consecutive columns.
+__device__ __forceinline__ void store_glu(const float (&d)[BN / 2], unsigned short* tile, unsigned short* out,
+                                          int rows, int width, int col0, int c, int t) {
+    const int lane = t % 32, weight_row = c * 64 + 16 * (t / 32) + lane / 4;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            tile[(8 * i + 2 * (lane % 4) + (e & 1)) * BM + weight_row + 8 * (e >> 1)] = to_element(d[4 * i + e]);
+    }
+    consumers_sync();
+    for (int idx = c * 128 + t; idx < rows * (BM / 2); idx += CONSUMERS * 128) {
+        const int token = idx / (BM / 2), j = idx % (BM / 2);
+        if (col0 + j < width)
+            out[(size_t)token * width + col0 + j] = swiglu(tile[token * BM + j], tile[token * BM + BM / 2 + j]);
+    }
+}
+#endif
+
+
 extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map,
              unsigned short* __restrict__ out, int rows, int n, int k_tiles, float* __restrict__ partials,
@@ -121,7 +175,8 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
     __shared__ int last_split;
 
     const int tile = blockIdx.x, split = blockIdx.y;
-    const int n0 = tile * BM, k0 = split * k_tiles;  // k_tiles: 64-wide K tiles per split
+    // k_tiles: 64-wide K tiles per split; with GLU the block's gate rows start at n0, its up rows n / 2 further
+    const int n0 = tile * (GLU ? BM / 2 : BM), k0 = split * k_tiles, half = n / 2;
     const int group = threadIdx.x / 128, t = threadIdx.x % 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -137,7 +192,7 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
             const int ahead = k_tiles < STAGES ? k_tiles : STAGES;
             for (int s = 0; s < ahead; ++s) {
                 bar_expect(&full[s], STAGE_BYTES);
-                load_weight(stages + s * STAGE_BYTES, &w_map, &full[s], (k0 + s) * BK, n0);
+                load_weight_tile(stages + s * STAGE_BYTES, &w_map, &full[s], (k0 + s) * BK, n0, half);
             }
             grid_wait();
             grid_launch_dependents();
@@ -147,7 +202,7 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
                 const int s = kt % STAGES;
                 bar_wait(&empty[s], ((kt / STAGES) + 1) & 1);
                 bar_expect(&full[s], STAGE_BYTES);
-                load_weight(stages + s * STAGE_BYTES, &w_map, &full[s], (k0 + kt) * BK, n0);
+                load_weight_tile(stages + s * STAGE_BYTES, &w_map, &full[s], (k0 + kt) * BK, n0, half);
                 tma_load(stages + s * STAGE_BYTES + W_TILE_BYTES, &x_map, &full[s], (k0 + kt) * BK, 0);
             }
         }
@@ -175,9 +230,13 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
         bar_arrive(&empty[s]);
     }
 
-    const int row0 = n0 + c * 64;
     if (SPLITS == 1) {
-        store_tile(d, out, rows, n, row0, t);
+#if GLU
+        consumers_sync();  // every consumer's wgmma is done with the stages before they hold the tile
+        store_glu(d, (unsigned short*)stages, out, rows, half, n0, c, t);
+#else
+        store_tile(d, out, rows, n, n0 + c * 64, t);
+#endif
         return;
     }
     // split K: this split's partial tile, stored so that each float4 store of a warp is contiguous
@@ -210,6 +269,10 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
         d[4 * i + 2] = sum.z;
         d[4 * i + 3] = sum.w;
     }
-    store_tile(d, out, rows, n, row0, t);
     if (threadIdx.x == 128) tickets[tile] = 0;
+#if GLU
+    store_glu(d, (unsigned short*)stages, out, rows, half, n0, c, t);  // the syncs above: the stages are free
+#else
+    store_tile(d, out, rows, n, n0 + c * 64, t);
+#endif
 }

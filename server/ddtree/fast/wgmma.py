@@ -7,11 +7,16 @@ or attention kernel after it waits for its tail. Triton pads 65 rows to 128 and 
 This kernel pads them to a multiple of 8 (the wgmma N side), streams the weight by TMA, and prefetches its
 first tiles while the kernel before it drains. On the 8B shape, in one process, a B = 64 round took 5.71 ms
 against 5.92 with cuBLASLt, a B = 32 round 5.42 against 5.68 (RESULTS v26).
+
+A SwiGLU MLP's gate/up product can take SiLU · up in its epilogue (`Config.glu`, `silu_mul_linear`): the kernel
+writes the activation the down projection reads, with the row kernel's bits, so the row kernel between the two
+GEMMs, one launch a layer, goes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -24,19 +29,27 @@ from ddtree.fast.jit import pdl
 
 MIN_ROWS, MAX_ROWS = 33, 136  # the rows the kernel takes: past 256 wgmma has no N; past 136 untested
 SHARED_BYTES = 227 * 1024  # an H100/H200 block's dynamic shared memory
+SM_SHARED_BYTES = 228 * 1024  # an SM's, which also holds 1 KB for each resident block
 ENABLED = os.environ.get("DDTREE_WGMMA", "1") != "0"
 
 
 @dataclass(frozen=True)
 class Config:
     """Tile and grid of one product: `consumers` warpgroups of 64 weight rows each, `bn` padded rows, `stages`
-    shared-memory stages, K split over `splits` blocks; `evict_first`: the weight's lines are the first L2 evicts."""
+    shared-memory stages, K split over `splits` blocks; `evict_first`: the weight's lines are the first L2 evicts;
+    `glu`: the weight is a fused [gate; up], each block takes half its rows from each, and the kernel writes
+    SiLU(gate) · up (the block's gate and up tiles meet in shared memory, which the stages must hold)."""
 
     consumers: int
     bn: int
     stages: int
     splits: int
     evict_first: bool = False
+    glu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.glu and self.stages * (self.block_rows + self.bn) * 128 < 2 * self.block_rows * self.bn:
+            raise ValueError(f"{self}: the stages cannot hold the gate and up tiles")
 
     @property
     def block_rows(self) -> int:
@@ -45,6 +58,14 @@ class Config:
     @property
     def shared_bytes(self) -> int:
         return self.stages * (self.block_rows + self.bn) * 128 + 1024  # + alignment slack for the 1024-byte tiles
+
+    @property
+    def launch_shared_bytes(self) -> int:
+        """The shared memory a block asks for: at least half an SM's, so that no SM ever runs two blocks. A launch
+        whose blocks fill SMs as the kernel before them drains (a programmatic dependent) would otherwise pack two
+        blocks of 8 stages of 40 rows into each SM freed first and leave others idle: behind the SiLU epilogue the
+        8B down projection at 33 rows took 84.0 against 78.7 µs a layer (RESULTS v27)."""
+        return max(self.shared_bytes, SM_SHARED_BYTES // 2)
 
 
 def padded_rows(rows: int) -> int:
@@ -104,25 +125,39 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
-    """x [rows, k] @ weight [n, k]^T -> [rows, n]."""
+    """x [rows, k] @ weight [n, k]^T -> [rows, n]; with `config.glu`, SiLU(gate) · up [rows, n / 2] of it, gate
+    the weight's first n / 2 rows (`silu_mul_linear`)."""
     rows, k = x.shape
     n = weight.shape[0]
     if config is None:
         config = launch_config(n, k, rows, torch.cuda.get_device_properties(x.device).multi_processor_count)
     kernel = _kernel(config, x.dtype, x.device.index or 0)
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    tiles = -(-n // config.block_rows)
+    width = n // 2 if config.glu else n
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    tiles = -(-width // (config.block_rows // 2 if config.glu else config.block_rows))
     # an unsplit launch (SPLITS == 1) writes its tiles straight to `out` and never touches the workspace
     split = config.splits > 1
     partials, tickets = _workspace(x.device, split * tiles * config.splits * config.block_rows * config.bn,
                                    split * tiles)
     with torch.cuda.device(x.device):  # the module's context and the stream of x's device
         kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
-                      [_weight_map(weight, config.block_rows), nvrtc.tensor_map(x, config.bn, 64),
+                      [_weight_map(weight, config.block_rows // 2 if config.glu else config.block_rows),
+                       nvrtc.tensor_map(x, config.bn, 64),
                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(n),
                        ctypes.c_int(k // 64 // config.splits), ctypes.c_void_p(partials.data_ptr()),
                        ctypes.c_void_p(tickets.data_ptr())], dependent=pdl(x.device))
     return out
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fused.silu_mul(linear(x, weight)) for a SwiGLU's fused [gate; up] weight [2I, k], SiLU · up in the
+    product's epilogue (the caller checks `supported`): the tiles `linear` would take, each block's half of gate
+    rows and half of the matching up rows."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"a fused gate/up weight has an even number of rows, not {weight.shape[0]}")
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    config = dataclasses.replace(launch_config(weight.shape[0], x.shape[1], x.shape[0], sms), glu=True)
+    return linear(x, weight, config)
 
 
 def source(config: Config, dtype: torch.dtype) -> str:
@@ -140,6 +175,7 @@ def source(config: Config, dtype: torch.dtype) -> str:
         f'        : "l"(a), "l"(b), "r"(1));\n}}\n')
     head = (f"#define CONSUMERS {config.consumers}\n#define BN {config.bn}\n#define STAGES {config.stages}\n"
             f'#define SPLITS {config.splits}\n#define EVICT_FIRST {int(config.evict_first)}\n'
+            f'#define GLU {int(config.glu)}\n'
             f'#define ELEMENT "{element}"\n')
     return head + mma + Path(__file__).with_name("wgmma.cu").read_text()
 
@@ -159,7 +195,7 @@ def cubin(config: Config, dtype: torch.dtype) -> bytes:
 def _kernel(config: Config, dtype: torch.dtype, device: int) -> nvrtc.Kernel:
     """The kernel loaded into a device's context, once."""
     with torch.cuda.device(device):
-        return nvrtc.Kernel(cubin(config, dtype), "wgmma_linear", config.shared_bytes)
+        return nvrtc.Kernel(cubin(config, dtype), "wgmma_linear", config.launch_shared_bytes)
 
 
 _WEIGHT_MAPS: dict[tuple[int, ...], nvrtc.TensorMap] = {}
