@@ -84,7 +84,7 @@ def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
     Past a single row the committed keys get a loop of their own, without the visibility reads, which
     pipelines (12.9 against 16.3 µs a layer at 260 rows). Trees of 129-384 rows (B = 32, 64) do better still
     with the new rows' keys in a split of their own (`--new-split`: 10.4 against 11.8 µs at 260 rows, 9.3
-    against 9.7 at 132 over 4 splits; more programs than SMs lost). At head dim 256 (Qwen3.5/3.6) the trees' key
+    against 9.7 at 132 over 4 splits; more splits lost). At head dim 256 (Qwen3.5/3.6) the trees' key
     tiles are half as wide and three deep (17.3 against 22.9 µs at 390 rows, 4 K/V heads). Larger blocks
     (prompt chunks): wide tiles and one split (no merge: their query rows already make enough programs), in
     one loop.

@@ -62,9 +62,8 @@ class Config:
     @property
     def launch_shared_bytes(self) -> int:
         """The shared memory a block asks for: at least half an SM's, so that no SM ever runs two blocks. A launch
-        whose blocks fill SMs as the kernel before them drains (a programmatic dependent) would otherwise pack two
-        blocks of 8 stages of 40 rows into each SM freed first and leave others idle: behind the SiLU epilogue the
-        8B down projection at 33 rows took 84.0 against 78.7 µs a layer (RESULTS v27)."""
+        whose blocks fill SMs as the kernel before them drains (a programmatic dependent) could otherwise pack two
+        small blocks (8 stages of 40 rows) into each SM freed first and leave others idle."""
         return max(self.shared_bytes, SM_SHARED_BYTES // 2)
 
 
