@@ -22,8 +22,8 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     compiled rows    all kernels but a multi-row forward's norms and SiLU · up as torch.compile's kernels, not
                      ddtree/fast/rows.py's
     direct trees     all kernels but trees' attention in one split of 16-row tiles (no merge kernel)
-    v26 attention    all kernels but trees of 129-384 grouped rows read the new rows' keys in the split that also
-                     ends the committed keys, over 3 splits (not in a split of their own: ddtree/fast/attention.py)
+    v26 attention    all kernels but blocks of 17-1024 grouped rows read the new rows' keys in the split that also
+                     ends the committed keys, at v26's tiles (not in a split of their own: ddtree/fast/attention.py)
     separate quantization
                      all kernels but an fp8 drafter's norms and SiLU · up write their rows, and a kernel of
                      its own quantizes them (as before the norm kernels' fp8 forms; --draft-quantization fp8)
@@ -151,11 +151,11 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def v26_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
-    """attention.launch_config as v26 had it: trees of 129-384 rows at d 128 over 3 splits, the new rows' keys in
-    the split that also ends the committed keys."""
+    """attention.launch_config as v26 had it: the new rows' keys in the split that also ends the committed keys."""
     cfg = TUNED_ATTENTION(rows, capacity, kv_heads, sms, head_dim)
     if cfg["two_loops"] == 2:
-        cfg = {**cfg, "splits": min(cfg["splits"], 3), "two_loops": 1}
+        block_n, splits, stages = (32, 4, 3) if rows <= 128 else (64, 3, 3 if rows <= 384 else 2)
+        cfg = {**cfg, "block_n": block_n, "splits": splits, "num_stages": stages, "two_loops": 1}
     return cfg
 
 

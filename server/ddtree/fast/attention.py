@@ -82,23 +82,26 @@ def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
     wants many splits to fill the GPU, and one loop over its few keys; a draft block or a small tree (up to
     128 rows), short and narrow tiles over 4 splits; trees up to 256 nodes, 64-row tiles over 3 splits.
     Past a single row the committed keys get a loop of their own, without the visibility reads, which
-    pipelines (12.9 against 16.3 µs a layer at 260 rows). Trees of 129-384 rows (B = 32, 64) do better still
-    with the new rows' keys in a split of their own (`--new-split`: 10.4 against 11.8 µs at 260 rows, 9.3
-    against 9.7 at 132 over 4 splits; more splits lost). At head dim 256 (Qwen3.5/3.6) the trees' key
+    pipelines (12.9 against 16.3 µs a layer at 260 rows). At head dim 128 every block past a single row does
+    better still with the new rows' keys in a split of their own (`--new-split`: 10.4 against 11.8 µs at 260
+    rows, 9.3 against 9.7 at 132 over 4 splits, 16.0 against 17.9 at 516, 7.4 against 8.5 for a draft block's
+    64; more splits lost). At head dim 256 (Qwen3.5/3.6) the trees' key
     tiles are half as wide and three deep (17.3 against 22.9 µs at 390 rows, 4 K/V heads). Larger blocks
     (prompt chunks): wide tiles and one split (no merge: their query rows already make enough programs), in
     one loop.
     """
     if rows <= 16:
         block_m, block_n, splits, stages, two_loops = 16, 64, triton.cdiv(2 * sms, kv_heads), 2, 0
-    elif rows <= 128:
+    elif rows <= 128 and head_dim > 128:
         block_m, block_n, splits, stages, two_loops = 16, 32, 4, 3, 1
+    elif rows <= 128:
+        block_m, block_n, splits, stages, two_loops = 16, 64, 4, 3, 2
     elif rows <= 1024 and head_dim > 128:
         block_m, block_n, splits, stages, two_loops = 64, 32, 3, 3, 1
     elif rows <= 384:
         block_m, block_n, splits, stages, two_loops = 64, 64, 4 if rows <= 192 else 3, 3, 2
     elif rows <= 1024:
-        block_m, block_n, splits, stages, two_loops = 64, 64, 3, 2, 1
+        block_m, block_n, splits, stages, two_loops = 64, 32, 3, 3, 2
     else:
         block_m, block_n, splits, stages, two_loops = 16, 128, 1, 2, 0
     return dict(block_m=block_m, block_n=block_n, splits=max(1, min(splits, triton.cdiv(capacity, 64), 64)),
