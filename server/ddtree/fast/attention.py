@@ -193,13 +193,14 @@ if triton is not None:
         head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(Start).to(tl.int32)
         total = start + n
-        chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, total)
         if TWO_LOOPS == 2:  # (never with one split: _triton_attention)
             chunk = tl.cdiv(tl.cdiv(start, SPLITS - 1), BLOCK_N) * BLOCK_N
             lo = tl.where(split == SPLITS - 1, start, split * chunk)
             hi = tl.where(split == SPLITS - 1, total, tl.minimum(lo + chunk, start))
+        else:
+            chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, total)
         r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         t = r % n  # the query's token among the new rows
         dims = tl.arange(0, HEAD_DIM)

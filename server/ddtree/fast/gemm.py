@@ -82,8 +82,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     """fused.silu_mul(linear(x, weight)) for a SwiGLU's fused [gate; up] weight in one launch, where our Hopper
     GEMM takes `linear`'s product (33-136 half-precision rows; its epilogue computes SiLU · up with
     ddtree/fast/rows.py's bits); None elsewhere, where the caller runs the product and then SiLU · up."""
-    if not (GLU and x.dim() == 2 and x.shape[0] > MAX_ROWS and weight.dim() == 2 and weight.shape[0] % 2 == 0
-            and wgmma.supported(x, weight)):
+    if not (GLU and wgmma.supported(x, weight) and weight.shape[0] % 2 == 0):
         return None
     return attempt(("wgmma SiLU", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.silu_mul_linear, x, weight)
 

@@ -132,16 +132,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
         config = launch_config(n, k, rows, torch.cuda.get_device_properties(x.device).multi_processor_count)
     kernel = _kernel(config, x.dtype, x.device.index or 0)
     width = n // 2 if config.glu else n
+    # the weight rows one TMA load brings, and the columns of `out` a block writes
+    box = config.block_rows // 2 if config.glu else config.block_rows
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    tiles = -(-width // (config.block_rows // 2 if config.glu else config.block_rows))
+    tiles = -(-width // box)
     # an unsplit launch (SPLITS == 1) writes its tiles straight to `out` and never touches the workspace
     split = config.splits > 1
     partials, tickets = _workspace(x.device, split * tiles * config.splits * config.block_rows * config.bn,
                                    split * tiles)
     with torch.cuda.device(x.device):  # the module's context and the stream of x's device
         kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
-                      [_weight_map(weight, config.block_rows // 2 if config.glu else config.block_rows),
-                       nvrtc.tensor_map(x, config.bn, 64),
+                      [_weight_map(weight, box), nvrtc.tensor_map(x, config.bn, 64),
                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(n),
                        ctypes.c_int(k // 64 // config.splits), ctypes.c_void_p(partials.data_ptr()),
                        ctypes.c_void_p(tickets.data_ptr())], dependent=pdl(x.device))
