@@ -80,11 +80,9 @@ __device__ __forceinline__ void tma_load_once(void* dst, const TensorMap* map, u
 // A stage's weight tile: BM rows from `row0`, or with GLU BM / 2 gate rows from `row0` and the up rows `half` further.
 __device__ __forceinline__ void load_weight_tile(void* dst, const TensorMap* map, u64* bar, int inner, int row0,
                                                  int half) {
+    load_weight(dst, map, bar, inner, row0);
 #if GLU
-    load_weight(dst, map, bar, inner, row0);
     load_weight((unsigned char*)dst + W_TILE_BYTES / 2, map, bar, inner, row0 + half);
-#else
-    load_weight(dst, map, bar, inner, row0);
 #endif
 }
 
@@ -163,6 +161,16 @@ __device__ __forceinline__ void store_glu(const float (&d)[BN / 2], unsigned sho
 }
 #endif
 
+// The block's finished tile: with GLU SiLU(gate) * up through the stages' memory (every consumer must be done with
+// it), else the product.
+__device__ __forceinline__ void store_block(const float (&d)[BN / 2], unsigned char* stages, unsigned short* out,
+                                            int rows, int n, int n0, int c, int t) {
+#if GLU
+    store_glu(d, (unsigned short*)stages, out, rows, n / 2, n0, c, t);
+#else
+    store_tile(d, out, rows, n, n0 + c * 64, t);
+#endif
+}
 
 extern "C" __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map,
@@ -231,12 +239,8 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
     }
 
     if (SPLITS == 1) {
-#if GLU
-        consumers_sync();  // every consumer's wgmma is done with the stages before they hold the tile
-        store_glu(d, (unsigned short*)stages, out, rows, half, n0, c, t);
-#else
-        store_tile(d, out, rows, n, n0 + c * 64, t);
-#endif
+        if (GLU) consumers_sync();  // every consumer's wgmma is done with the stages before they hold the tile
+        store_block(d, stages, out, rows, n, n0, c, t);
         return;
     }
     // split K: this split's partial tile, stored so that each float4 store of a warp is contiguous
@@ -270,9 +274,5 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
         d[4 * i + 3] = sum.w;
     }
     if (threadIdx.x == 128) tickets[tile] = 0;
-#if GLU
-    store_glu(d, (unsigned short*)stages, out, rows, half, n0, c, t);  // the syncs above: the stages are free
-#else
-    store_tile(d, out, rows, n, n0 + c * 64, t);
-#endif
+    store_block(d, stages, out, rows, n, n0, c, t);  // the syncs above: the stages are free
 }
