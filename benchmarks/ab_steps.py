@@ -155,7 +155,8 @@ def v26_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
     cfg = TUNED_ATTENTION(rows, capacity, kv_heads, sms, head_dim)
     if cfg["two_loops"] == 2:
         block_n, splits, stages = (32, 4, 3) if rows <= 128 else (64, 3, 3 if rows <= 384 else 2)
-        cfg = {**cfg, "block_n": block_n, "splits": splits, "num_stages": stages, "two_loops": 1}
+        cfg = {**cfg, "block_n": block_n, "splits": min(splits, triton.cdiv(capacity, 64)), "num_stages": stages,
+               "two_loops": 1}  # as launch_config, no more splits than the cache has 64-key blocks
     return cfg
 
 
