@@ -37,6 +37,9 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
                      2)
     separate SiLU    all kernels but a tree's SiLU · up as the row kernel after the gate/up GEMM, not in that GEMM's
                      epilogue (ddtree/fast/wgmma.py, Config.glu)
+    torch gathers    all kernels but the embeddings, the rotary rows and the path's tap rows through torch's
+                     index_select, and a draft vocabulary's token ids through an index kernel after the top-k
+                     (not ddtree/fast/gather.py's kernel, and the ids in the top-k's merge kernel)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
 Two more time what a multi-row target layer would take without a step, as bounds on what folding it away could
@@ -59,7 +62,8 @@ import itertools
 import ddtree.fast
 import torch
 import triton
-from ddtree.fast import attention, cache, decoder_layer, gdn, gemm, heads, jit, walk, wgmma
+from ddtree.fast import attention, cache, decoder_layer, gather, gdn, gemm, heads, jit, walk, wgmma
+from ddtree.fast import tree as tree_build
 from ddtree.fast.attention import TreeMask, tree_attention
 from ddtree.fast.bench import build_shape, run
 from ddtree.fast.fused import Layer, Ops, TargetLayer
@@ -70,7 +74,7 @@ from ddtree.sampling import SamplingParams
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
            quantizing_rows=True, commit="kernels", rope="table",
-           walk="kernel", wgmma=True, glu=True, bound=None)  # what the fast path runs
+           walk="kernel", wgmma=True, glu=True, gather=True, bound=None)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
@@ -83,11 +87,12 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "PyTorch commit": {**ALL, "commit": "torch"}, "module RoPE": {**ALL, "rope": "module"},
             "PyTorch walk": {**ALL, "walk": "torch"}, "cuBLASLt trees": {**ALL, "wgmma": False},
             "separate SiLU": {**ALL, "glu": False}, "bound: no tree norms": {**ALL, "bound": "norms"},
-            "bound: no tree attention": {**ALL, "bound": "attention"},
+            "bound: no tree attention": {**ALL, "bound": "attention"}, "torch gathers": {**ALL, "gather": False},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
-                       commit="torch", rope="module", walk="torch", wgmma=False, glu=False, bound=None)}
+                       commit="torch", rope="module", walk="torch", wgmma=False, glu=False, gather=False,
+                       bound=None)}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -143,6 +148,15 @@ def without_attention(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tens
 
 
 LAYERS = {None: decoder_layer, "norms": without_norms, "attention": without_attention}
+
+
+VOCAB_TOP = tree_build.vocab_top
+
+
+def ids_after_top(logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """tree.vocab_top as before v30: the kernels' columns, then token_ids[columns] (an index kernel of torch's)."""
+    logp, columns = VOCAB_TOP(logits, k)
+    return logp, columns if token_ids is None else token_ids[columns]
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -205,6 +219,8 @@ def main() -> None:
         heads.ROWS_PER_PROGRAM = variant["head_rows"]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         wgmma.ENABLED = variant["wgmma"]
+        gather.ENABLED = variant["gather"]
+        tree_build.vocab_top = VOCAB_TOP if variant["gather"] else ids_after_top
         path.ops.folding_silu = variant["glu"]
         ddtree.fast.decoder_layer = LAYERS[variant["bound"]]
         attention.launch_config = ATTENTION[variant["attention"]]

@@ -438,6 +438,33 @@ def test_quantizing_row_kernels_equal_the_row_kernels_then_torchs_quantization(d
     quantized_rows_case(n, width, dtype, "cuda")
 
 
+def quantized_attention_case(n: int, groups: int, kv_heads: int, d: int, dtype: torch.dtype, device: str,
+                             config: dict | None = None) -> None:
+    """An fp8 drafter's attention hands its o projection quantized rows: merging the splits and quantizing in one
+    kernel gives the same bits as the merge kernel, then the row quantization (a draft block sees itself whole)."""
+    from ddtree.fast.attention import _triton_attention, tree_mask
+    from ddtree.quantize import rows_of
+
+    gen = torch.Generator().manual_seed(n * groups)
+    capacity, start = 128, 40
+    q = (torch.randn(kv_heads, groups * n, d, generator=gen) * 2).to(dtype).to(device)
+    cache = (torch.randn(2, kv_heads, capacity, d, generator=gen) * 2).to(dtype).to(device)
+    mask = tree_mask(torch.tensor(start, device=device), torch.ones(n, n, dtype=torch.bool, device=device), capacity,
+                     groups, d, dtype)
+    fused = _triton_attention(q, cache, mask, config, quantized=True)
+    after = rows_of(_triton_attention(q, cache, mask, config))
+    assert fused.dtype == dtype and fused.values.shape == (n, kv_heads * groups * d)
+    assert torch.equal(fused.values.view(torch.uint8), after.values.view(torch.uint8))
+    assert torch.equal(fused.scale, after.scale)
+
+
+@pytest.mark.parametrize(("n", "groups"), [(16, 4), (9, 2)])
+def test_the_quantizing_attention_merge_equals_the_merge_then_the_quantization(n, groups):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
+    quantized_attention_case(n, groups, 8, 128, torch.bfloat16, "cuda")
+
+
 def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, nodes: int = 1) -> tuple[tuple, tuple]:
     """A random Qwen3.5 Gated DeltaNet layer over a random tree of `nodes` (one: an AR step): the kernel's
     (output, conv window columns, keys, u, G) and the same from the PyTorch steps it replaces (the conv and

@@ -21,6 +21,7 @@ from test_cuda import (
     distinct_logits,
     gdn_case,
     gemv_case,
+    quantized_attention_case,
     quantized_rows_case,
     rows_case,
     walk_case,
@@ -251,6 +252,33 @@ def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k, dtype):
     assert torch.allclose(logp, top - wide.logsumexp(dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize(("vocab", "k"), [(20, 2), (300, 16)])
+def test_vocab_top_kernels_map_a_draft_vocabularys_columns_to_token_ids(vocab, k):
+    """A draft vocabulary's column c is token token_ids[c]: the merge kernel writes the ids, as the CPU path does."""
+    from ddtree.fast.tree import _vocab_top_on_gpu, vocab_top
+
+    logits = distinct_logits(3, vocab, seed=vocab)
+    token_ids = torch.randperm(5 * vocab, generator=torch.Generator().manual_seed(k))[:vocab]
+    logp, tokens = _vocab_top_on_gpu(logits, k, token_ids)
+    want_logp, want_tokens = vocab_top(logits, k, token_ids)  # the CPU path: torch.topk, then the ids
+    assert torch.equal(tokens, want_tokens)
+    assert torch.equal(tokens, token_ids[_vocab_top_on_gpu(logits, k)[1]])
+    assert torch.allclose(logp, want_logp, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("rows", "width", "dtype"), [(16, 64, torch.bfloat16), (5, 7, torch.float32),
+                                                      (1, 3000, torch.float32), (0, 64, torch.float32)])
+def test_the_gather_kernel_equals_index_select(kernels_on_cpu, rows, width, dtype):
+    """Embeddings, rotary rows and tap features go through it: any index, repeated or not, any row width (one
+    slice per program on a GPU), and no rows at all."""
+    from ddtree.fast.gather import gather_rows
+
+    gen = torch.Generator().manual_seed(rows + width)
+    table = torch.randn(40, width, generator=gen).to(dtype)
+    index = torch.randint(0, 40, (rows,), generator=gen)
+    assert torch.equal(gather_rows(table, index), table.index_select(0, index))
+
+
 def test_the_read_bandwidth_kernel_reads_every_element_once():
     """`ddtree bench` times its read floor with this kernel: its sums prove it read all the bytes it counts."""
     from ddtree.fast.bench import READ_BLOCK, read_sums
@@ -428,6 +456,12 @@ def test_quantizing_row_kernels_equal_the_row_kernels_then_the_quantization_kern
     """Interpreted, against the interpreted kernels they fold together (which share the interpreter's e4m3 cast:
     see above); test_cuda.py holds them to torch's cast too."""
     quantized_rows_case(n, width, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_quantizing_attention_merge_equals_the_merge_then_the_quantization(kernels_on_cpu, dtype):
+    quantized_attention_case(5, 4, 2, 16, dtype, "cpu",
+                             dict(block_m=16, block_n=16, splits=3, num_warps=4, num_stages=1, two_loops=2))
 
 
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 64), (16, 96, 256), (5, 100, 512), (70, 48, 128)])

@@ -38,6 +38,7 @@ from ddtree.draft_vocab import DraftHead
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.cache import compact
 from ddtree.fast.fused import Draft, Layer, Ops, TargetLayer
+from ddtree.fast.gather import embed, gather_rows
 from ddtree.fast.gemm import linear
 from ddtree.fast.gemv import NORM, SILU, gemv, norm_gemv
 from ddtree.fast.gemv import supported as gemv_supported
@@ -126,6 +127,7 @@ class FastPath:
         self.target_rope = RopeTable(self.model.rotary_emb, self.capacity, self.dtype, self.device)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # tokens committed to the caches
         self.root = torch.zeros((), dtype=torch.long, device=self.device)  # last committed token, not cached yet
+        self.steps = torch.arange(self.capacity, device=self.device)  # start + steps[:n]: n new rows' cache slots
         self.inv_temperature = torch.ones((), device=self.device)  # 1 / T of the sampled generation running
         # A request's logit bias and penalties, as device buffers its plans read (one plan for every setting):
         # the bias per token, (repetition, frequency, presence), how often each token was emitted, and
@@ -139,6 +141,10 @@ class FastPath:
         if draft is not None:
             dc = draft.config
             self.block = dc.block_size
+            # The draft block's tokens, [root, mask x D]: the root is its first entry, so committing one writes it
+            self.draft_block = torch.full((self.block,), dc.mask_token_id, device=self.device)
+            self.root = self.draft_block[0]
+            self.block_visible = torch.ones(self.block, self.block, dtype=torch.bool, device=self.device)  # not causal
             self.fused_draft = Draft.of(draft)
             self.draft_rope = RopeTable(draft.rotary, self.capacity, self.dtype, self.device)
             # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
@@ -360,8 +366,8 @@ class FastPath:
         """
         n, ops, eps = ids.numel(), self.ops, self.eps
         mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
-        slots = self.start + torch.arange(n, device=self.device)
-        x = self.model.embed_tokens(ids)
+        slots = self.start + self.steps[:n]
+        x = embed(self.model.embed_tokens, ids)
         cos, sin = self.target_rope(positions)
         tapped: dict[int, torch.Tensor] = {}
         delta = None
@@ -421,14 +427,10 @@ class FastPath:
         the draft head's tokens."""
         draft, dc, fused, ops = self.draft, self.draft.config, self.fused_draft, self.ops
         eps = dc.rms_norm_eps
-        q_len = self.block
-        block = torch.full((q_len,), dc.mask_token_id, device=self.device)
-        block[0] = self.root
-        x = self.target.embed_tokens(block)
-        slots = self.start + torch.arange(q_len, device=self.device)
+        x = embed(self.target.embed_tokens, self.draft_block)
+        slots = self.start + self.steps[:self.block]
         cos, sin = self.draft_rope(slots)
-        everything = torch.ones(q_len, q_len, dtype=torch.bool, device=self.device)  # the block is not causal
-        masks = {window: tree_mask(self.start, everything, self.capacity, dc.num_heads // dc.num_kv_heads,
+        masks = {window: tree_mask(self.start, self.block_visible, self.capacity, dc.num_heads // dc.num_kv_heads,
                                    dc.head_dim, self.dtype, window) for window in set(dc.layer_windows)}
         delta = None
         for i, layer in enumerate(fused.layers):
@@ -536,7 +538,7 @@ class FastPath:
         if rows > 1:
             compact(self.kv, self.start, path)
         if with_draft:
-            self._extend_draft(taps.index_select(0, path), self.start + torch.arange(rows, device=self.device))
+            self._extend_draft(gather_rows(taps, path), self.start + self.steps[:rows])
         self.start += length
         self.root.copy_(bonus)
 
@@ -567,7 +569,8 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
     entering = x
     q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
                             layer.head_dim, cache, slots)
-    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.fp8)
+    attended = tree_attention(q, cache, mask, quantized=layer.fp8 and ops.quantizing_rows)
+    h, x = ops.normed(x, layer.o(attended), layer.post_norm, eps, layer.fp8)
     return entering, x, layer.mlp(ops, h)
 
 

@@ -31,6 +31,7 @@ from ddtree.fast import FastPath, gdn
 from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
 from ddtree.fast.fused import fuse, swiglu
+from ddtree.fast.gather import embed
 from ddtree.fast.gemm import linear
 from ddtree.fast.jit import triton_works
 from ddtree.fast.moe import Experts
@@ -113,8 +114,8 @@ class HybridFastPath(FastPath):
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Recurrent]:
         n = ids.numel()
         mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
-        slots = self.start + torch.arange(n, device=self.device)
-        x = self.model.embed_tokens(ids)
+        slots = self.start + self.steps[:n]
+        x = embed(self.model.embed_tokens, ids)
         cos, sin = self.target_rope(positions)
         past = self.conv_width - 1
         layers, channels = self.conv_state.shape[0], self.conv_state.shape[2]

@@ -79,9 +79,10 @@ def program_block(n: int, device: torch.device, gpu: int) -> int:
 def _probe(device: torch.device) -> None:
     """Every kernel on tiny inputs: a 2-row tree over an empty cache (in both loop forms, with and without a
     merge), a vocabulary top-2 and argmax, a budget-2 tree, a normed one-row GEMV, a two-row GEMM (with and
-    without split K), one row's attention heads, a cache compaction."""
+    without split K), one row's attention heads, a cache compaction, a row gather."""
     from ddtree.fast.attention import TreeMask, _triton_attention
     from ddtree.fast.cache import compact_on_gpu
+    from ddtree.fast.gather import _gather
     from ddtree.fast.gemm import skinny_linear
     from ddtree.fast.gemv import NORM, gemv
     from ddtree.fast.heads import attention_heads
@@ -93,7 +94,7 @@ def _probe(device: torch.device) -> None:
     for splits, two_loops in ((1, 0), (2, 1)):  # one split writes the output itself; more go through the merge
         _triton_attention(q, cache, mask, dict(block_m=16, block_n=64, splits=splits, num_warps=4, num_stages=2,
                                                two_loops=two_loops))
-    logp, tokens = _vocab_top_on_gpu(torch.zeros(3, 20, device=device), 2)
+    logp, tokens = _vocab_top_on_gpu(torch.zeros(3, 20, device=device), 2, torch.arange(20, device=device))
     _vocab_argmax_on_gpu(torch.zeros(3, 20, device=device), 16)
     _build_on_gpu(logp, tokens, _frontier(2, 2, device), budget=2, n=2)
     row, ones = torch.zeros(1, 16, device=device), torch.ones(16, device=device)
@@ -104,6 +105,7 @@ def _probe(device: torch.device) -> None:
     attention_heads(row, row, row, ones, ones, 1e-6, row, row, 1, 16, torch.zeros(2, 1, 4, 16, device=device),
                     torch.zeros(1, dtype=torch.long, device=device))
     compact_on_gpu(torch.zeros(2, 8, 16, device=device), start, torch.zeros(2, dtype=torch.long, device=device))
+    _gather(ones.view(2, 8), torch.zeros(1, dtype=torch.long, device=device))
     torch.cuda.synchronize(device)
 
 

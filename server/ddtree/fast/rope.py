@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddtree.fast.gather import gather_rows
+
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
@@ -36,7 +38,7 @@ class RopeTable:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.table is None:
             return self._from_module(positions)
-        both = self.table.index_select(0, positions)
+        both = gather_rows(self.table.view(self.table.shape[0], -1), positions).view(-1, *self.table.shape[1:])
         return both[:, 0], both[:, 1]
 
     def _from_module(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

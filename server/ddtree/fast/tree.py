@@ -39,9 +39,7 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int,
     max_depth, vocab = draft_logits.shape
     k = min(budget, vocab)
     device = draft_logits.device
-    logp, tok = vocab_top(draft_logits, k)
-    if token_ids is not None:
-        tok = token_ids[tok]
+    logp, tok = vocab_top(draft_logits, k, token_ids)
     pairs = _frontier(budget, k, device)
     n = tree_size(max_depth, vocab, budget)
     if triton_works(device):
@@ -67,19 +65,22 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int,
             ancestors(parents, max_depth))
 
 
-def vocab_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the k most probable tokens, best first: (log-probabilities [D, k] float32, tokens [D, k]).
+def vocab_top(logits: torch.Tensor, k: int,
+              token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the k most probable tokens, best first: (log-probabilities [D, k] float32, tokens [D, k]);
+    column c is token token_ids[c] when given.
 
     On CUDA two Triton kernels read the logits once: every vocabulary chunk keeps its own top k and its
-    max / sum of exponentials, and one program per row merges them (torch.topk and logsumexp take
-    several kernels and ~75 µs for 15 rows; these take a few).
+    max / sum of exponentials, and one program per row merges them and maps the columns to token ids
+    (torch.topk and logsumexp take several kernels and ~75 µs for 15 rows; these take a few).
     """
     if triton_works(logits.device):
         top = attempt(("vocabulary top-k", *logits.shape, k, logits.dtype, logits.device), _vocab_top_on_gpu,
-                      logits, k)
+                      logits, k, token_ids)
         if top is not None:
             return top
-    return _vocab_top_torch(logits, k)
+    logp, tok = _vocab_top_torch(logits, k)
+    return logp, tok if token_ids is None else token_ids[tok]
 
 
 def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -139,7 +140,8 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
 
 
-def _vocab_top_on_gpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _vocab_top_on_gpu(logits: torch.Tensor, k: int,
+                      token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
     top = _pow2(k)
     chunk = _chunk_width(vocab, top)
@@ -151,8 +153,9 @@ def _vocab_top_on_gpu(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
                                       TOP=top, HALF=half, num_warps=_chunk_warps(chunk, half))
     logp = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
     tokens = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
-    _merge_top_kernel[(rows,)](candidates, stats, logp, tokens, chunks, k, SPAN=_pow2(chunks * top),
-                               CHUNKS=_pow2(chunks), TOP=top, num_warps=4)
+    _merge_top_kernel[(rows,)](candidates, stats, logp, tokens, tokens if token_ids is None else token_ids, chunks, k,
+                               SPAN=_pow2(chunks * top), CHUNKS=_pow2(chunks), TOP=top, MAPPED=token_ids is not None,
+                               num_warps=4)
     return logp, tokens
 
 
@@ -281,9 +284,10 @@ if triton is not None:
         tl.store(Best + row, 2147483647 - (key & 0xFFFFFFFF))
 
     @triton.jit
-    def _merge_top_kernel(Candidates, Stats, Logp, Tokens, chunks, k, SPAN: tl.constexpr, CHUNKS: tl.constexpr,
-                          TOP: tl.constexpr):
-        """One row: the best k of its chunks' candidates, minus the row's log-partition."""
+    def _merge_top_kernel(Candidates, Stats, Logp, Tokens, TokenIds, chunks, k, SPAN: tl.constexpr,
+                          CHUNKS: tl.constexpr, TOP: tl.constexpr, MAPPED: tl.constexpr):
+        """One row: the best k of its chunks' candidates, minus the row's log-partition; with MAPPED each
+        column's token id from TokenIds."""
         row = tl.program_id(0)
         c = tl.arange(0, CHUNKS)
         top = tl.load(Stats + row * 2 * chunks + c, mask=c < chunks, other=float("-inf"))
@@ -295,7 +299,10 @@ if triton is not None:
         best = tl.topk(key, TOP)
         j = tl.arange(0, TOP)
         tl.store(Logp + row * k + j, _key_score(best) - log_partition, mask=j < k)
-        tl.store(Tokens + row * k + j, 2147483647 - (best & 0xFFFFFFFF), mask=j < k)
+        column = 2147483647 - (best & 0xFFFFFFFF)
+        if MAPPED:
+            column = tl.load(TokenIds + column, mask=j < k, other=0)
+        tl.store(Tokens + row * k + j, column, mask=j < k)
 
     @triton.jit
     def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, NodeOf, Tokens, Parents, Depths, Visible, num_pairs, k,
