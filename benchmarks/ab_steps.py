@@ -40,6 +40,9 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     torch gathers    all kernels but the embeddings, the rotary rows and the path's tap rows through torch's
                      index_select, and a draft vocabulary's token ids through an index kernel after the top-k
                      (not ddtree/fast/gather.py's kernel, and the ids in the top-k's merge kernel)
+    separate q and k/v
+                     all kernels but a draft layer's q and k/v projections in two launches, not one
+                     (ddtree/fast/gemm.py, pair_linear)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
 Two more time what a multi-row target layer would take without a step, as bounds on what folding it away could
@@ -74,7 +77,7 @@ from ddtree.sampling import SamplingParams
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
            quantizing_rows=True, commit="kernels", rope="table",
-           walk="kernel", wgmma=True, glu=True, gather=True, bound=None)  # what the fast path runs
+           walk="kernel", wgmma=True, glu=True, gather=True, paired=True, bound=None)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
@@ -88,11 +91,12 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "PyTorch walk": {**ALL, "walk": "torch"}, "cuBLASLt trees": {**ALL, "wgmma": False},
             "separate SiLU": {**ALL, "glu": False}, "bound: no tree norms": {**ALL, "bound": "norms"},
             "bound: no tree attention": {**ALL, "bound": "attention"}, "torch gathers": {**ALL, "gather": False},
+            "separate q and k/v": {**ALL, "paired": False},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
                        commit="torch", rope="module", walk="torch", wgmma=False, glu=False, gather=False,
-                       bound=None)}
+                       paired=False, bound=None)}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -220,6 +224,7 @@ def main() -> None:
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         wgmma.ENABLED = variant["wgmma"]
         gather.ENABLED = variant["gather"]
+        gemm.PAIRED = variant["paired"]
         tree_build.vocab_top = VOCAB_TOP if variant["gather"] else ids_after_top
         path.ops.folding_silu = variant["glu"]
         ddtree.fast.decoder_layer = LAYERS[variant["bound"]]

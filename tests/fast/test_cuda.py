@@ -118,6 +118,39 @@ def test_the_fp8_gemm_equals_a_float64_product_of_its_operands_and_repeats_bit_f
     assert torch.allclose(bf16.float(), got, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+def paired_projection_case(rows: int, n1: int, n2: int, k: int, fp8: bool, device: str) -> None:
+    """A draft layer's q and k/v in one launch (gemm.pair_linear, float32 or fp8 operands): each side equals the
+    float64 product with its own weight, and a second launch repeats it bit for bit."""
+    from ddtree import quantize
+    from ddtree.fast import gemm
+
+    gen = torch.Generator().manual_seed(n1 + n2 + k)
+    dense = [torch.randn(n, k, generator=gen).to(device) for n in (n1, n2)]
+    x = torch.randn(rows, k, generator=gen).to(device)
+    if fp8:
+        weights = [quantize.quantize_weight(w) for w in dense]
+        xq, xs = quantize.quantize_rows(x)
+        given = quantize.QuantizedRows(xq, xs, torch.float32)
+        want = [(xq.double() @ w.data.double().T) * (xs.double()[:, None] * w.scale.double()[None, :]) for w in weights]
+    else:
+        weights, given = dense, x
+        want = [x.double() @ w.double().T for w in weights]
+    got = gemm.pair_linear(given, *weights)
+    assert got is not None and got.shape == (rows, n1 + n2)
+    want = torch.cat(want, dim=1)
+    error = ((got.double() - want).norm() / want.norm()).item()
+    assert error < (5e-4 if fp8 else 1e-5), error  # float32: a 4096-long sum's rounding, as the skinny test allows
+    assert torch.equal(gemm.pair_linear(given, *weights), got)
+    assert not gemm._counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_draft_layers_q_and_kv_in_one_launch_equal_their_own_products(fp8):
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9+")
+    paired_projection_case(16, 4096, 2048, 4096, fp8, "cuda")
+
+
 def _loaded(fast_ckpt: Path) -> tuple:
     """The float32 qwen3 pair on CUDA: (target, draft, tokenizer)."""
     engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32")
@@ -436,33 +469,6 @@ def test_quantizing_row_kernels_equal_the_row_kernels_then_torchs_quantization(d
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9+")
     quantized_rows_case(n, width, dtype, "cuda")
-
-
-def quantized_attention_case(n: int, groups: int, kv_heads: int, d: int, dtype: torch.dtype, device: str,
-                             config: dict | None = None) -> None:
-    """An fp8 drafter's attention hands its o projection quantized rows: merging the splits and quantizing in one
-    kernel gives the same bits as the merge kernel, then the row quantization (a draft block sees itself whole)."""
-    from ddtree.fast.attention import _triton_attention, tree_mask
-    from ddtree.quantize import rows_of
-
-    gen = torch.Generator().manual_seed(n * groups)
-    capacity, start = 128, 40
-    q = (torch.randn(kv_heads, groups * n, d, generator=gen) * 2).to(dtype).to(device)
-    cache = (torch.randn(2, kv_heads, capacity, d, generator=gen) * 2).to(dtype).to(device)
-    mask = tree_mask(torch.tensor(start, device=device), torch.ones(n, n, dtype=torch.bool, device=device), capacity,
-                     groups, d, dtype)
-    fused = _triton_attention(q, cache, mask, config, quantized=True)
-    after = rows_of(_triton_attention(q, cache, mask, config))
-    assert fused.dtype == dtype and fused.values.shape == (n, kv_heads * groups * d)
-    assert torch.equal(fused.values.view(torch.uint8), after.values.view(torch.uint8))
-    assert torch.equal(fused.scale, after.scale)
-
-
-@pytest.mark.parametrize(("n", "groups"), [(16, 4), (9, 2)])
-def test_the_quantizing_attention_merge_equals_the_merge_then_the_quantization(n, groups):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("fp8 needs compute capability 8.9+")
-    quantized_attention_case(n, groups, 8, 128, torch.bfloat16, "cuda")
 
 
 def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, nodes: int = 1) -> tuple[tuple, tuple]:

@@ -21,7 +21,7 @@ from test_cuda import (
     distinct_logits,
     gdn_case,
     gemv_case,
-    quantized_attention_case,
+    paired_projection_case,
     quantized_rows_case,
     rows_case,
     walk_case,
@@ -458,12 +458,6 @@ def test_quantizing_row_kernels_equal_the_row_kernels_then_the_quantization_kern
     quantized_rows_case(n, width, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_quantizing_attention_merge_equals_the_merge_then_the_quantization(kernels_on_cpu, dtype):
-    quantized_attention_case(5, 4, 2, 16, dtype, "cpu",
-                             dict(block_m=16, block_n=16, splits=3, num_warps=4, num_stages=1, two_loops=2))
-
-
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 64), (16, 96, 256), (5, 100, 512), (70, 48, 128)])
 def test_the_fp8_gemm_equals_the_reference_on_the_same_quantized_rows(rows, n, k, monkeypatch):
     """One row tile with and without K splits (512: two 256-wide slices summed by the last program), and 70 rows
@@ -480,6 +474,12 @@ def test_the_fp8_gemm_equals_the_reference_on_the_same_quantized_rows(rows, n, k
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(gemm.skinny_fp8(xq, xs, weight, torch.float32), got)  # K splits summed in a fixed order
     assert not gemm._counters(xq.device, 1).any()
+
+
+@pytest.mark.parametrize(("rows", "n2", "fp8"), [(5, 40, False), (16, 128, False), (5, 40, True)])
+def test_paired_projections_equal_their_own_products(kernels_on_cpu, rows, n2, fp8):
+    """The second weight's rows fill the columns after the first's 64: a ragged last tile, K split or not."""
+    paired_projection_case(rows, 64, n2, 256, fp8, "cpu")
 
 
 @pytest.mark.slow

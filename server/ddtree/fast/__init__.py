@@ -569,8 +569,7 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
     entering = x
     q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
                             layer.head_dim, cache, slots)
-    attended = tree_attention(q, cache, mask, quantized=layer.fp8 and ops.quantizing_rows)
-    h, x = ops.normed(x, layer.o(attended), layer.post_norm, eps, layer.fp8)
+    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.fp8)
     return entering, x, layer.mlp(ops, h)
 
 

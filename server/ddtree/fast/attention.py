@@ -23,10 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.fast import rows as row_steps
-from ddtree.fast.gemm import fp8_supported
 from ddtree.fast.jit import after_previous, launch_fitting, pdl, triton_works
-from ddtree.quantize import QuantizedRows, rows_of
 
 try:
     import triton
@@ -67,17 +64,14 @@ def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups:
     return TreeMask(start, n, window, additive=additive.repeat(groups, 1)[None, None])
 
 
-def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
-                   quantized: bool = False) -> torch.Tensor | QuantizedRows:
-    """Grouped queries q [kv, groups*n, d] over cache [2, kv, T, d] -> [n, H*d] (H = kv * groups); with
-    `quantized`, those rows as an fp8 projection reads them (ddtree.quantize.rows_of: the same bits)."""
+def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torch.Tensor:
+    """Grouped queries q [kv, groups*n, d] over cache [2, kv, T, d] -> [n, H*d] (H = kv * groups)."""
     kv_heads, rows, d = q.shape
     n = mask.n
     if mask.visible is not None:
-        return _triton_attention(q, cache, mask, quantized=quantized)
+        return _triton_attention(q, cache, mask)
     out = F.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None], attn_mask=mask.additive)[0]
-    out = out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)
-    return rows_of(out) if quantized else out
+    return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)
 
 
 def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
@@ -114,8 +108,8 @@ def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
                 num_warps=4, num_stages=stages, two_loops=two_loops)
 
 
-def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask, config: dict[str, int] | None = None,
-                      quantized: bool = False) -> torch.Tensor | QuantizedRows:
+def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
+                      config: dict[str, int] | None = None) -> torch.Tensor:
     kv_heads, rows, d = q.shape
     n, capacity = mask.n, cache.shape[2]
     cfg = config
@@ -149,32 +143,14 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask, conf
     launch_fitting(launch, {"num_stages": cfg["num_stages"], "block_n": cfg["block_n"]}, ("block_n", 16),
                    ("attention", d, q.dtype, q.device, cfg["block_m"], two_loops, direct))
     if direct:
-        return rows_of(out) if quantized else out
-    if quantized and fp8_supported(out):
-        return _merge_quantized(acc, stats, q.dtype, n, rows // n, splits)
+        return out
     block_r = min(16, triton.next_power_of_2(rows))
     row_blocks = triton.cdiv(rows, block_r)
     block_d = d if kv_heads * row_blocks >= 64 else min(d, 32)  # few rows: spread the head dim over programs
     _merge_kernel[(kv_heads, row_blocks, d // block_d)](
         acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
         PDL=dependent, num_warps=4 if block_d == d else 1, launch_pdl=dependent)
-    return rows_of(out) if quantized else out
-
-
-def _merge_quantized(acc: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype, n: int, groups: int,
-                     splits: int) -> QuantizedRows:
-    """The splits merged into the [n, H*d] rows and quantized for an fp8 projection, one program per row: the
-    merge kernel's sums and rounding to `dtype`, then rows.quantize's scale and e4m3 values, in one launch
-    where the two kernels took two (an fp8 drafter's attention)."""
-    _, kv_heads, rows, d = acc.shape
-    width = kv_heads * groups * d
-    values, scale = row_steps.quantized_like(torch.empty((n, width), dtype=dtype, device=acc.device))
-    block = triton.next_power_of_2(width)
-    dependent = pdl(acc.device)
-    _merge_fp8_kernel[(n,)](acc, stats, values, scale, torch.empty(0, dtype=dtype, device=acc.device), rows, n,
-                            groups, KV_HEADS=kv_heads, HEAD_DIM=d, BLOCK=block, SPLITS=splits, PDL=dependent,
-                            num_warps=min(16, max(4, block // 512)), launch_pdl=dependent)
-    return QuantizedRows(values, scale, dtype)
+    return out
 
 
 if triton is not None:
@@ -289,30 +265,3 @@ if triton is not None:
         dst = t * (heads * groups * HEAD_DIM) + (head * groups + group) * HEAD_DIM
         tl.store(Out + dst[:, None] + dims[None, :], (acc / total[:, None]).to(Out.dtype.element_ty),
                  mask=valid[:, None])
-
-    @triton.jit
-    def _merge_fp8_kernel(Acc, Stats, Values, Scale, Like, rows, n, groups, KV_HEADS: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-        """Row t of the output, every head: _merge_kernel's softmax-weighted sum of the splits (the same
-        operations in the same order), rounded to Like's dtype (Like is never read), then quantized as
-        rows.quantize does it (`store_rows`)."""
-        after_previous(PDL)
-        t = tl.program_id(0)
-        c = tl.arange(0, BLOCK)
-        width = KV_HEADS * groups * HEAD_DIM
-        valid = c < width
-        head, dim = c // HEAD_DIM, c % HEAD_DIM  # output head kv * groups + group, the grouped row group * n + t
-        kv, r = head // groups, (head % groups) * n + t
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for s in tl.static_range(SPLITS):
-            m = tl.maximum(m, tl.load(Stats + (s * KV_HEADS + kv) * rows + r, mask=valid, other=float("-inf")))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros((BLOCK,), tl.float32)
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for s in tl.static_range(SPLITS):
-            idx = (s * KV_HEADS + kv) * rows + r
-            w = tl.exp(tl.load(Stats + idx, mask=valid, other=float("-inf")) - m)
-            total += w * tl.load(Stats + SPLITS * KV_HEADS * rows + idx, mask=valid, other=0.0)
-            acc += w * tl.load(Acc + idx * HEAD_DIM + dim, mask=valid, other=0.0)
-        out = tl.where(valid, acc / total, 0.0).to(Like.dtype.element_ty)  # masked entries must be 0
-        row_steps.store_rows(Values, Scale, out[None, :], t + tl.arange(0, 1), c, valid[None, :], n, width, True)

@@ -31,7 +31,7 @@ from torch import nn
 
 from ddtree.draft import rms_norm
 from ddtree.fast import rows
-from ddtree.fast.gemm import fp8_supported, linear, silu_mul_linear
+from ddtree.fast.gemm import fp8_supported, linear, pair_linear, silu_mul_linear
 from ddtree.fast.moe import Experts
 from ddtree.quantize import Fp8Linear, Fp8Weight, QuantizedRows, rows_of
 
@@ -291,7 +291,13 @@ class DraftLayer(Layer):
     kv: Proj
 
     def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.q(h), *self.kv(h).chunk(2, dim=-1)  # fp8: h was quantized once for both
+        """q and k/v in one launch where the few-row kernel takes both weights (`pair_linear`), else two; fp8: h
+        was quantized once for both."""
+        both = pair_linear(h, self.q.weight, self.kv.weight) if self.q.bias is None and self.kv.bias is None else None
+        if both is None:
+            return self.q(h), *self.kv(h).chunk(2, dim=-1)
+        q, kv = both.split([self.q.weight.shape[0], self.kv.weight.shape[0]], dim=-1)
+        return q, *kv.chunk(2, dim=-1)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ddtree.fast import wgmma
 from ddtree.fast.gemv import gemv
 from ddtree.fast.gemv import supported as gemv_supported
 from ddtree.fast.jit import after_previous, attempt, launch_fitting, pdl, triton_works
-from ddtree.quantize import Fp8Weight, QuantizedRows
+from ddtree.quantize import Fp8Weight, QuantizedRows, rows_of
 from ddtree.quantize import linear as quantized_linear
 
 try:
@@ -43,6 +43,7 @@ ROW_GEMV = os.environ.get("DDTREE_ROW_GEMV", "1") != "0"
 ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
 LT = os.environ.get("DDTREE_CUBLASLT", "1") != "0"
 GLU = os.environ.get("DDTREE_GLU", "1") != "0"
+PAIRED = os.environ.get("DDTREE_PAIRED", "1") != "0"
 LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129 and 512 rows, no faster
 _KEPT_ZEROS: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
@@ -85,6 +86,37 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     if not (GLU and wgmma.supported(x, weight) and weight.shape[0] % 2 == 0):
         return None
     return attempt(("wgmma SiLU", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.silu_mul_linear, x, weight)
+
+
+def pair_linear(x: torch.Tensor | QuantizedRows, first: torch.Tensor | Fp8Weight,
+                second: torch.Tensor | Fp8Weight) -> torch.Tensor | None:
+    """[linear(x, first), linear(x, second)] side by side [M, N1 + N2] in one launch of the few-row kernel, which
+    takes the second weight's rows as the columns past the first's: a DFlash draft layer's q and its k/v, whose
+    weights live apart (k/v are rows of the all-layer context projection), 14 µs in two launches of the fp8 kernel
+    on the 8B draft (RESULTS v21). None where that kernel does not take both (the caller runs two products), and
+    with DDTREE_PAIRED=0, for A/B runs."""
+    if not PAIRED or triton is None or first.shape[1] != second.shape[1]:
+        return None
+    if isinstance(first, Fp8Weight) and isinstance(second, Fp8Weight):
+        rows = x if isinstance(x, QuantizedRows) else rows_of(x)
+        if not (fp8_supported(rows.values) and _pairable(first.data, second.data)):
+            return None
+        n = first.shape[0] + second.shape[0]
+        return _skinny(rows.values, rows.scale, first.data, first.scale, rows.dtype,
+                       launch_config(n, rows.values.shape[1], fp8=True), second=(second.data, second.scale))
+    if (isinstance(x, torch.Tensor) and isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
+            and ENABLED and supported(x, first) and supported(x, second) and triton_works(x.device)
+            and _pairable(first, second)):
+        n = first.shape[0] + second.shape[0]
+        return _skinny(x, None, first, None, x.dtype, launch_config(n, x.shape[1]), second=(second, None))
+    return None
+
+
+def _pairable(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether one launch takes both weights: the same row stride, contiguous rows, and the first's rows ending on
+    a column tile (64), so that no tile reads both."""
+    return (first.stride(1) == second.stride(1) == 1 and first.stride(0) == second.stride(0)
+            and first.shape[0] % 64 == 0 and first.dtype == second.dtype)
 
 
 def _zero_bias(n: int, x: torch.Tensor) -> torch.Tensor:
@@ -147,10 +179,14 @@ def skinny_fp8(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dty
 
 
 def _skinny(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, w_scale: torch.Tensor | None,
-            dtype: torch.dtype, cfg: dict[str, int]) -> torch.Tensor:
-    """One launch of _skinny_kernel: half-precision or float32 operands, or (with the scales) fp8 ones."""
+            dtype: torch.dtype, cfg: dict[str, int],
+            second: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """One launch of _skinny_kernel: half-precision or float32 operands, or (with the scales) fp8 ones; with
+    `second` (a weight and its scales, `pair_linear`) its rows as further columns."""
     rows, k = x.shape
-    n = weight.shape[0]
+    first_n = weight.shape[0]
+    after, after_scale = second if second is not None else (weight, w_scale)
+    n = first_n + (after.shape[0] if second is not None else 0)
     fp8 = x_scale is not None
     block_m = max(16, triton.next_power_of_2(rows)) if not fp8 or rows <= FP8_ROW_TILE else FP8_ROW_TILE
     row_tiles = triton.cdiv(rows, block_m)
@@ -160,11 +196,12 @@ def _skinny(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
     partials = torch.empty((split_k, rows, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     counters = _counters(x.device, tiles)
     dependent = pdl(x.device)
-    scales = (x_scale, w_scale) if fp8 else (y, y)  # unread without FP8
+    scales = (x_scale, w_scale, after_scale) if fp8 else (y, y, y)  # unread without FP8
 
     def launch(fit: dict[str, int]) -> None:
         _skinny_kernel[(tiles, split_k, row_tiles)](
-            x, scales[0], weight, scales[1], y, partials, counters, rows, n, x.stride(0), weight.stride(0), K=k,
+            x, scales[0], weight, scales[1], after, scales[2], y, partials, counters, rows, first_n, n, x.stride(0),
+            weight.stride(0), K=k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
             BLOCK_K=fit["block_k"], SPLIT_K=split_k, FP8=fp8, PDL=dependent, num_warps=cfg["num_warps"],
             num_stages=fit["num_stages"], launch_pdl=dependent)
@@ -202,12 +239,13 @@ def _kept_zeros(use: str, n: int, dtype: torch.dtype, device: torch.device, leas
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(X, XS, W, WS, Y, Part, Count, M, N, stride_x, stride_w, K: tl.constexpr,
+    def _skinny_kernel(X, XS, W, WS, W2, WS2, Y, Part, Count, M, N1, N, stride_x, stride_w, K: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
         """Columns pid_n * BLOCK_N.. of y for the rows of tile pid_m, over the K slice pid_k of SPLIT_K (float32
         inputs take the exact product, not TF32: the float32 tests hold the fast path to the reference's tokens).
-        FP8: e4m3 operands, scaled after the sum by XS (per row) and WS (per column)."""
+        Columns from N1 on are rows of the second weight W2 (N1 = N: none; N1 ends on a column tile).
+        FP8: e4m3 operands, scaled after the sum by XS (per row) and WS or WS2 (per column)."""
         after_previous(PDL)
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         span: tl.constexpr = K // SPLIT_K
@@ -216,7 +254,8 @@ if triton is not None:
         rk = pid_k * span + tl.arange(0, BLOCK_K)
         col_ok = rn < N
         row_ok = rm < M
-        w_ptrs = W + rn[:, None] * stride_w + rk[None, :]
+        second = pid_n * BLOCK_N >= N1
+        w_ptrs = tl.where(second, W2 + (rn - N1)[:, None] * stride_w, W + rn[:, None] * stride_w) + rk[None, :]
         x_ptrs = X + rm[None, :] * stride_x + rk[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for _ in range(0, span, BLOCK_K):
@@ -229,7 +268,7 @@ if triton is not None:
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if FP8:  # (column scale x row scale), for the store
-            w_scale = tl.load(WS + rn, mask=col_ok, other=0.0)
+            w_scale = tl.load(tl.where(second, WS2 + (rn - N1), WS + rn), mask=col_ok, other=0.0)
             scale = w_scale[:, None] * tl.load(XS + rm, mask=row_ok, other=0.0)[None, :]
         out_ptrs = Y + rm[None, :] * N + rn[:, None]
         out_ok = col_ok[:, None] & row_ok[None, :]

@@ -59,7 +59,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 def rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[QuantizedRows, torch.Tensor]:
     """(rms_norm(x) quantized, x), or with `delta` (add_rms_norm's output quantized, x + delta): one kernel."""
-    values, scale = quantized_like(x)
+    values, scale = _quantized(x)
     summed = x if delta is None else torch.empty_like(x)
     _norm(x, x if delta is None else delta, summed, weight, values, eps, has_delta=delta is not None, scale=scale)
     return QuantizedRows(values, scale, x.dtype), summed
@@ -94,7 +94,7 @@ def _quantize(x: torch.Tensor, k: int, silu: bool) -> tuple[torch.Tensor, torch.
     """One launch of _quantize_kernel over rows x [M, K] (with `silu`, SiLU · up of rows [M, 2K]), one program
     per row (every row in one program when interpreted)."""
     rows = x.shape[0]
-    values, scale = quantized_like(x[:, :k])
+    values, scale = _quantized(x[:, :k])
     block = triton.next_power_of_2(k)
     block_r = program_block(rows, x.device, 1)
     dependent = pdl(x.device)
@@ -104,7 +104,7 @@ def _quantize(x: torch.Tensor, k: int, silu: bool) -> tuple[torch.Tensor, torch.
     return values, scale
 
 
-def quantized_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty e4m3 values and float32 scales for rows shaped like x [M, K]."""
     return (torch.empty(x.shape, dtype=FP8, device=x.device),
             torch.empty(x.shape[0], dtype=torch.float32, device=x.device))
@@ -129,7 +129,7 @@ if triton is not None:
     _TINY = tl.constexpr(TINY)
 
     @triton.jit
-    def store_rows(Out, S, y, r, cols, ok, rows, K, FP8: tl.constexpr):
+    def _store_rows(Out, S, y, r, cols, ok, rows, K, FP8: tl.constexpr):
         """Rows y [BLOCK_R, BLOCK] to Out as they are, or with FP8 as quantize_rows makes them: scale = largest
         magnitude (at least TINY) x float32(1 / FP8_MAX), values / scale (correctly rounded: div_rn) in e4m3,
         rounded to nearest even, the scales to S. Masked entries must be 0."""
@@ -146,7 +146,7 @@ if triton is not None:
     def _norm_kernel(X, Delta, Summed, W, Out, S, rows, K, stride_x, stride_d, eps, BLOCK_R: tl.constexpr,
                      BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
         """BLOCK_R rows: (x + delta, rounded, stored to Summed when HAS_DELTA) RMS-normed and scaled by W, then
-        stored (`store_rows`: quantized with FP8)."""
+        stored (`_store_rows`: quantized with FP8)."""
         cols = tl.arange(0, BLOCK)
         w = tl.load(W + cols, mask=cols < K, other=0.0)  # a constant weight: read before the wait
         after_previous(PDL)
@@ -161,7 +161,7 @@ if triton is not None:
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / K + eps)
         h = (xf * rstd[:, None]).to(dtype).to(tl.float32)
-        store_rows(Out, S, (w.to(tl.float32)[None, :] * h).to(dtype), r, cols, ok, rows, K, FP8)
+        _store_rows(Out, S, (w.to(tl.float32)[None, :] * h).to(dtype), r, cols, ok, rows, K, FP8)
 
     @triton.jit
     def _swiglu(src, half, ok, dtype):
@@ -183,7 +183,7 @@ if triton is not None:
     @triton.jit
     def _quantize_kernel(X, Q, S, rows, K, stride_x, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-        """BLOCK_R rows as ddtree.quantize.quantize_rows makes them (`store_rows`): X's rows, or with SILU their
+        """BLOCK_R rows as ddtree.quantize.quantize_rows makes them (`_store_rows`): X's rows, or with SILU their
         SiLU · up (`_swiglu`: the gates in X's first K columns, the ups in the next K)."""
         after_previous(PDL)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -191,4 +191,4 @@ if triton is not None:
         ok = (r < rows)[:, None] & (cols < K)[None, :]
         src = X + r[:, None] * stride_x + cols[None, :]
         y = _swiglu(src, K, ok, X.dtype.element_ty) if SILU else tl.load(src, mask=ok, other=0.0)
-        store_rows(Q, S, y, r, cols, ok, rows, K, True)
+        _store_rows(Q, S, y, r, cols, ok, rows, K, True)
