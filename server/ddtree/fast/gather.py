@@ -15,7 +15,7 @@ import os
 import torch
 from torch import nn
 
-from ddtree.fast.jit import after_previous, pdl, triton_works
+from ddtree.fast.jit import after_previous, pdl, program_block, triton_works
 
 try:
     import triton
@@ -49,7 +49,7 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width), dtype=table.dtype, device=table.device)
     if rows == 0:
         return out
-    block = min(triton.next_power_of_2(width), SLICE) if table.is_cuda else triton.next_power_of_2(width)
+    block = program_block(width, table.device, min(triton.next_power_of_2(width), SLICE))
     dependent = pdl(table.device)
     _gather_kernel[(rows, triton.cdiv(width, block))](table, index, out, width, table.stride(0), BLOCK=block,
                                                       PDL=dependent, num_warps=4, launch_pdl=dependent)
