@@ -43,6 +43,10 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     separate q and k/v
                      all kernels but a draft layer's q and k/v projections in two launches, not one
                      (ddtree/fast/gemm.py, pair_linear)
+    late launches    all kernels but a tree's norms, heads and attention kernels let the next kernel launch only
+                     once they have waited for the one before (not first: jit.early_pdl)
+    late norms, late heads, late attention
+                     the same for that step alone
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
 Two more time what a multi-row target layer would take without a step, as bounds on what folding it away could
@@ -77,7 +81,8 @@ from ddtree.sampling import SamplingParams
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
            quantizing_rows=True, commit="kernels", rope="table",
-           walk="kernel", wgmma=True, glu=True, gather=True, paired=True, bound=None)  # what the fast path runs
+           walk="kernel", wgmma=True, glu=True, gather=True, paired=True, early=jit.EARLY_LAUNCH,
+           bound=None)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
@@ -91,12 +96,14 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "PyTorch walk": {**ALL, "walk": "torch"}, "cuBLASLt trees": {**ALL, "wgmma": False},
             "separate SiLU": {**ALL, "glu": False}, "bound: no tree norms": {**ALL, "bound": "norms"},
             "bound: no tree attention": {**ALL, "bound": "attention"}, "torch gathers": {**ALL, "gather": False},
-            "separate q and k/v": {**ALL, "paired": False},
+            "separate q and k/v": {**ALL, "paired": False}, "late launches": {**ALL, "early": frozenset()},
+            **{f"late {label}": {**ALL, "early": ALL["early"] - {step}}
+               for label, step in (("norms", "norm"), ("heads", "heads"), ("attention", "attention"))},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
                        commit="torch", rope="module", walk="torch", wgmma=False, glu=False, gather=False,
-                       paired=False, bound=None)}
+                       paired=False, early=frozenset(), bound=None)}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -230,6 +237,7 @@ def main() -> None:
         ddtree.fast.decoder_layer = LAYERS[variant["bound"]]
         attention.launch_config = ATTENTION[variant["attention"]]
         jit.PDL = variant["pdl"]
+        jit.EARLY_LAUNCH = variant["early"]
         kernel_commit = variant["commit"] == "kernels"
         ddtree.fast.compact = cache.compact if kernel_commit else cache.compact_torch
         ddtree.fast.vocab_argmax = vocab_argmax if kernel_commit else torch_argmax

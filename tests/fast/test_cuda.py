@@ -181,9 +181,11 @@ def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, mo
 
 def test_dependent_launches_change_no_bits(fast_ckpt, monkeypatch):
     """On Hopper and later the Triton kernels launch as programmatic dependents: inside a graph each may start
-    while the kernel before it drains, and waits for it before touching its outputs. The same rounds with
-    that off give the same tokens and log-probabilities, bit for bit; a kernel that read another's output
-    before its wait would race, and round AR steps (all Triton) and trees differently."""
+    while the kernel before it drains, and waits for it before touching its outputs; a B = 64 tree's norms,
+    heads and attention kernels let the next kernel launch before they wait (jit.early_pdl). The same rounds
+    with early launches off, and with PDL off, give the same tokens and log-probabilities, bit for bit; a kernel
+    that read another's output before its wait would race, and round AR steps (all Triton) and trees
+    differently."""
     from ddtree.fast import jit
 
     if not jit.pdl(torch.device("cuda", torch.cuda.current_device())):
@@ -195,12 +197,15 @@ def test_dependent_launches_change_no_bits(fast_ckpt, monkeypatch):
     def decode() -> list:
         engine.fast._plans.clear()  # recaptured with the current launches
         out = []
-        for method, budget in (("ar", None), ("dflash", None), ("ddtree", 16)):
+        for method, budget in (("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", 64)):
             gen = engine.stream(list(range(60, 90)), params, method=method, budget=budget)
             out.append([(r.token_ids, r.logprobs) for r in gen])
         return out
 
+    assert jit.EARLY_LAUNCH
     dependent = decode()
+    monkeypatch.setattr(jit, "EARLY_LAUNCH", frozenset())
+    assert decode() == dependent
     monkeypatch.setattr(jit, "PDL", False)
     assert decode() == dependent
 
@@ -685,8 +690,9 @@ def test_the_silu_epilogue_changes_no_bit_of_a_round(fast_ckpt, monkeypatch):
 
 @pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
 def test_wgmma_gemm_in_a_graph_reads_what_the_kernel_before_it_wrote():
-    """Captured after a Triton row kernel and launched as its programmatic dependent, the GEMM loads its first
-    weight tiles early but the rows only after that kernel is done: replays over new inputs give eager bits."""
+    """Captured after two Triton row kernels and launched as the second's programmatic dependent, the GEMM loads
+    its first weight tiles early (at 65 rows the norms let it launch before they wait, so while the first norm
+    may still run) but the rows only after the second is done: replays over new inputs give eager bits."""
     from ddtree.fast import wgmma
     from ddtree.fast.rows import rms_norm
 
@@ -696,7 +702,7 @@ def test_wgmma_gemm_in_a_graph_reads_what_the_kernel_before_it_wrote():
     x = torch.empty(65, 4096, dtype=torch.bfloat16, device="cuda")
 
     def step() -> torch.Tensor:
-        return wgmma.linear(rms_norm(x, norm, 1e-6), weight)
+        return wgmma.linear(rms_norm(rms_norm(x, norm, 1e-6), norm, 1e-6), weight)
 
     x.copy_(torch.randn(65, 4096, generator=gen))
     step()  # compiled and loaded before the capture

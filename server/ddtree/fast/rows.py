@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.fast.jit import after_previous, pdl, program_block
+from ddtree.fast.jit import after_previous, early_pdl, pdl, program_block
 from ddtree.quantize import FP8, FP8_MAX, TINY, QuantizedRows
 
 try:
@@ -116,10 +116,10 @@ def _norm(x: torch.Tensor, delta: torch.Tensor, summed: torch.Tensor, weight: to
     rows, k = x.shape
     block = triton.next_power_of_2(k)
     block_r = program_block(rows, x.device, 1)  # rows per program
-    dependent = pdl(x.device)
+    dependent, order = pdl(x.device), early_pdl(x.device, rows, "norm")
     _norm_kernel[(triton.cdiv(rows, block_r),)](
         x, delta, summed, weight, out, out if scale is None else scale, rows, k, x.stride(0), delta.stride(0), eps,
-        BLOCK_R=block_r, BLOCK=block, HAS_DELTA=has_delta, FP8=scale is not None, PDL=dependent,
+        BLOCK_R=block_r, BLOCK=block, HAS_DELTA=has_delta, FP8=scale is not None, PDL=order,
         num_warps=min(16, max(1, block // 512)), launch_pdl=dependent)
 
 
