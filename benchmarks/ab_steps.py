@@ -47,6 +47,8 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
                      once they have waited for the one before (not first: jit.early_pdl)
     late norms, late heads, late attention
                      the same for that step alone
+    tree splits N    all kernels but trees of 129-384 grouped rows at head dim 128 (B = 32 and 64 on the 8B shape)
+                     over N key-range splits (launch_config: 4 up to 192 rows, else 3)
     v4               cuBLAS and the separate compiled kernels (what the fast path ran before the kernels)
 
 Two more time what a multi-row target layer would take without a step, as bounds on what folding it away could
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 
 import ddtree.fast
 import torch
@@ -100,6 +103,7 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             **{f"late {label}": {**ALL, "early": ALL["early"] - {step}}
                for label, step in (("norms", "norm"), ("heads", "heads"), ("attention", "attention"))},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
+            **{f"tree splits {n}": {**ALL, "attention": f"splits {n}"} for n in (2, 3, 4, 5)},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
                        commit="torch", rope="module", walk="torch", wgmma=False, glu=False, gather=False,
@@ -185,7 +189,16 @@ def v26_attention(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: i
     return cfg
 
 
-ATTENTION = {"now": TUNED_ATTENTION, "v13": v13_attention, "direct trees": direct_trees, "v26": v26_attention}
+def tree_splits(splits: int) -> Callable[..., dict[str, int]]:
+    """attention.launch_config, but trees of 129-384 grouped rows at head dim 128 over `splits` splits."""
+    def config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
+        cfg = TUNED_ATTENTION(rows, capacity, kv_heads, sms, head_dim)
+        return {**cfg, "splits": splits} if 128 < rows <= 384 and head_dim <= 128 else cfg
+    return config
+
+
+ATTENTION = {"now": TUNED_ATTENTION, "v13": v13_attention, "direct trees": direct_trees, "v26": v26_attention,
+             **{f"splits {n}": tree_splits(n) for n in (2, 3, 4, 5)}}
 
 
 def main() -> None:
