@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.fast.jit import after_previous, early_pdl, launch_fitting, pdl, triton_works
+from ddtree.fast.jit import after_previous, early_pdl, launch_fitting, triton_works
 
 try:
     import triton
@@ -126,7 +126,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
         acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
         stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
     k, v = cache[0], cache[1]
-    dependent, order = pdl(q.device), early_pdl(q.device, n, "attention")
+    order = early_pdl(q.device, n, "attention")
 
     def launch(tiles: dict[str, int]) -> None:
         _split_kernel[(kv_heads, triton.cdiv(rows, cfg["block_m"]), splits)](
@@ -135,7 +135,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
             rows, n, rows // n, 1.0 / math.sqrt(d), splits,
             WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=tiles["block_n"],
             IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=two_loops, PDL=order,
-            num_warps=cfg["num_warps"], num_stages=tiles["num_stages"], launch_pdl=dependent)
+            num_warps=cfg["num_warps"], num_stages=tiles["num_stages"], launch_pdl=order > 0)
 
     # the tuned tiles fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
     # target's prompt chunk) needs narrower key tiles. The fit is kept per kernel build: the loop form and
@@ -149,7 +149,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
     block_d = d if kv_heads * row_blocks >= 64 else min(d, 32)  # few rows: spread the head dim over programs
     _merge_kernel[(kv_heads, row_blocks, d // block_d)](
         acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
-        PDL=order, num_warps=4 if block_d == d else 1, launch_pdl=dependent)
+        PDL=order, num_warps=4 if block_d == d else 1, launch_pdl=order > 0)
     return out
 
 

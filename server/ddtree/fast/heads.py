@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.fast.jit import after_previous, early_pdl, pdl, program_block
+from ddtree.fast.jit import after_previous, early_pdl, program_block
 
 try:
     import triton
@@ -38,13 +38,13 @@ def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: t
     heads = q.shape[1] // head_dim
     out = torch.empty((kv_heads, heads // kv_heads * n, head_dim), dtype=q.dtype, device=q.device)
     has_norm = q_norm is not None
-    dependent, order = pdl(q.device), early_pdl(q.device, n, "heads")
+    order = early_pdl(q.device, n, "heads")
     block_t = launch_rows(n, q.device)
     _heads_kernel[(triton.cdiv(n, block_t), heads + kv_heads)](
         q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, cache, slots, out, n,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), eps,
         HEADS=heads, GROUPS=heads // kv_heads, D=head_dim, HAS_NORM=has_norm, BLOCK_T=block_t, PDL=order,
-        num_warps=1 if block_t == 1 else 4, launch_pdl=dependent)
+        num_warps=1 if block_t == 1 else 4, launch_pdl=order > 0)
     return out
 
 

@@ -116,11 +116,11 @@ def _norm(x: torch.Tensor, delta: torch.Tensor, summed: torch.Tensor, weight: to
     rows, k = x.shape
     block = triton.next_power_of_2(k)
     block_r = program_block(rows, x.device, 1)  # rows per program
-    dependent, order = pdl(x.device), early_pdl(x.device, rows, "norm")
+    order = early_pdl(x.device, rows, "norm")
     _norm_kernel[(triton.cdiv(rows, block_r),)](
         x, delta, summed, weight, out, out if scale is None else scale, rows, k, x.stride(0), delta.stride(0), eps,
         BLOCK_R=block_r, BLOCK=block, HAS_DELTA=has_delta, FP8=scale is not None, PDL=order,
-        num_warps=min(16, max(1, block // 512)), launch_pdl=dependent)
+        num_warps=min(16, max(1, block // 512)), launch_pdl=order > 0)
 
 
 if triton is not None:
