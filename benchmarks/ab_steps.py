@@ -43,6 +43,12 @@ and the Gated DeltaNet step change (its forward uses neither the fused GEMV laye
     separate q and k/v
                      all kernels but a draft layer's q and k/v projections in two launches, not one
                      (ddtree/fast/gemm.py, pair_linear)
+    GEMM boxes B, S stages
+                     all kernels but the Hopper GEMM's stages hold B 64-wide K boxes (wgmma.BOXES: 2), at most S deep
+                     (wgmma.STAGE_LIMIT: 8; shared memory may allow fewer)
+    few-row fp8 K 512, few-row fp8 K 512, 2 stages
+                     all kernels but the few-row GEMM's fp8 products (an fp8 drafter's) in 512-wide K tiles, 3 or 2
+                     stages deep (gemm.launch_config: 256-wide, 3-4 deep)
     late launches    all kernels but a tree's norms, heads and attention kernels let the next kernel launch only
                      once they have waited for the one before (not first: jit.early_pdl)
     late norms, late heads, late attention
@@ -85,7 +91,7 @@ ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="al
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,
            quantizing_rows=True, commit="kernels", rope="table",
            walk="kernel", wgmma=True, glu=True, gather=True, paired=True, early=jit.EARLY_LAUNCH,
-           bound=None)  # what the fast path runs
+           boxes=(wgmma.BOXES, wgmma.STAGE_LIMIT), few_rows="now", bound=None)  # what the fast path runs
 VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
             "cuBLAS one-row": {**ALL, "linear_gemv": False}, "cuBLAS few-row": {**ALL, "skinny": False},
             "cuBLAS many-row": {**ALL, "lt": False},
@@ -104,10 +110,12 @@ VARIANTS = {"all kernels": ALL, "no GEMV layers": {**ALL, "row_gemv": False},
                for label, step in (("norms", "norm"), ("heads", "heads"), ("attention", "attention"))},
             **{f"heads {n} rows": {**ALL, "head_rows": n} for n in (2, 4, 8, 16)},
             **{f"tree splits {n}": {**ALL, "attention": f"splits {n}"} for n in (2, 3, 4, 5)},
+            **{f"GEMM boxes {b}, {s} stages": {**ALL, "boxes": (b, s)} for b in (1, 2, 4) for s in (3, 4, 6, 8)},
+            **{f"few-row {label}": {**ALL, "few_rows": label} for label in ("fp8 K 512", "fp8 K 512, 2 stages")},
             "v4": dict(row_gemv=False, skinny=False, heads="compiled", linear_gemv=False, gdn="none", lt=False,
                        attention="now", pdl=False, rows="compiled", head_rows=1, quantizing_rows=False,
                        commit="torch", rope="module", walk="torch", wgmma=False, glu=False, gather=False,
-                       paired=False, early=frozenset(), bound=None)}
+                       paired=False, early=frozenset(), boxes=(1, 8), few_rows="now", bound=None)}
 ROW_STEPS = ("rms_norm", "add_rms_norm", "silu_mul")
 
 
@@ -197,6 +205,22 @@ def tree_splits(splits: int) -> Callable[..., dict[str, int]]:
     return config
 
 
+TUNED_FEW_ROWS = gemm.launch_config  # FEW_ROWS' entries replace the module's for each variant
+
+
+def wide_fp8_tiles(stages: int) -> Callable[..., dict[str, int]]:
+    """gemm.launch_config, but an fp8 weight's K tiles 512 wide (where its splits allow) over `stages` stages."""
+    def config(n: int, k: int, fp8: bool = False) -> dict[str, int]:
+        cfg = TUNED_FEW_ROWS(n, k, fp8)
+        if fp8 and k % (cfg["split_k"] * 512) == 0 and k // cfg["split_k"] >= 1024:
+            cfg = {**cfg, "block_k": 512, "num_stages": stages}
+        return cfg
+    return config
+
+
+FEW_ROWS = {"now": TUNED_FEW_ROWS, "fp8 K 512": wide_fp8_tiles(3), "fp8 K 512, 2 stages": wide_fp8_tiles(2)}
+
+
 ATTENTION = {"now": TUNED_ATTENTION, "v13": v13_attention, "direct trees": direct_trees, "v26": v26_attention,
              **{f"splits {n}": tree_splits(n) for n in (2, 3, 4, 5)}}
 
@@ -243,12 +267,16 @@ def main() -> None:
         heads.ROWS_PER_PROGRAM = variant["head_rows"]
         gemm.ENABLED, gemm.ROW_GEMV, gemm.LT = variant["skinny"], variant["linear_gemv"], variant["lt"]
         wgmma.ENABLED = variant["wgmma"]
+        if variant["boxes"] != (wgmma.BOXES, wgmma.STAGE_LIMIT):
+            wgmma.BOXES, wgmma.STAGE_LIMIT = variant["boxes"]
+            wgmma.launch_config.cache_clear()  # its configs carry the stage's boxes and depth
         gather.ENABLED = variant["gather"]
         gemm.PAIRED = variant["paired"]
         tree_build.vocab_top = VOCAB_TOP if variant["gather"] else ids_after_top
         path.ops.folding_silu = variant["glu"]
         ddtree.fast.decoder_layer = LAYERS[variant["bound"]]
         attention.launch_config = ATTENTION[variant["attention"]]
+        gemm.launch_config = FEW_ROWS[variant["few_rows"]]
         jit.PDL = variant["pdl"]
         jit.EARLY_LAUNCH = variant["early"]
         kernel_commit = variant["commit"] == "kernels"

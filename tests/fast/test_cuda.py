@@ -609,7 +609,8 @@ def _fills_the_gpu(n: int, k: int, rows: int) -> bool:
 def test_wgmma_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows, n, k, tiles):
     """The Hopper GEMM for a verify's rows against float64: rows padded to a multiple of 8 (zeros from TMA),
     weights whose rows end inside a tile, K split over blocks (the last one sums in split order), a stage ring
-    that wraps; two launches give the same bits (the tickets reset), and `gemm.linear` routes these rows to it."""
+    that wraps; two launches give the same bits (the tickets reset), as do stages of one K box and of two, and
+    `gemm.linear` routes these rows to it."""
     import torch.nn.functional as F
     from ddtree.fast import gemm, wgmma
 
@@ -621,6 +622,11 @@ def test_wgmma_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows
     want = F.linear(x.double(), weight.double())
     assert y.dtype == dtype and torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2)
     assert torch.equal(wgmma.linear(x, weight, config), y)
+    used = config or wgmma.launch_config(n, k, rows, torch.cuda.get_device_properties(0).multi_processor_count)
+    boxes = 1 if used.boxes > 1 else 2
+    if (k // 64 // used.splits) % boxes == 0:
+        stages = min(used.stages, wgmma.max_stages(used.consumers, used.bn, boxes))
+        assert torch.equal(wgmma.linear(x, weight, dataclasses.replace(used, boxes=boxes, stages=stages)), y)
     if tiles is None:  # `gemm.linear` routes these rows to it, unless its blocks would leave many SMs idle
         assert wgmma.supported(x, weight) == _fills_the_gpu(n, k, rows)
         assert not wgmma.supported(x, weight) or torch.equal(gemm.linear(x, weight), y)

@@ -65,6 +65,22 @@ def test_the_silu_epilogue_is_a_switch_of_the_source_and_needs_room_for_both_til
         wgmma.Config(3, 136, 1, 1, glu=True)  # 41 KB of stages, 52 KB of tiles
 
 
+def test_stages_hold_two_k_boxes_where_each_split_has_whole_stages(monkeypatch):
+    """Two 64-wide K boxes a stage (256 contiguous bytes of each weight row), in a ring as deep as shared memory
+    holds; one box where a split's K tiles are odd; a config whose splits would end inside a stage is refused."""
+    monkeypatch.setattr(wgmma, "BOXES", 2)
+    o = wgmma.launch_config(4096, 4096, 65, sms=132)
+    assert (o.boxes, o.splits, o.stages) == (2, 2, 6) and o.shared_bytes <= wgmma.SHARED_BYTES
+    assert "#define BOXES 2" in wgmma.source(o, torch.bfloat16)
+    gate_up = wgmma.launch_config(24576, 4096, 65, sms=132)
+    assert (gate_up.consumers, gate_up.boxes, gate_up.stages) == (3, 2, 3)
+    dataclasses.replace(gate_up, glu=True)  # the gate and up tiles fit the stages
+    assert wgmma.launch_config(4096, 64 * 9, 65, sms=132).boxes == 1  # 9 K tiles
+    x, weight = torch.zeros(65, 64 * 9, dtype=torch.bfloat16), torch.zeros(4096, 64 * 9, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="whole stages"):
+        wgmma.linear(x, weight, wgmma.Config(1, 72, 4, 1, boxes=2))
+
+
 def test_rows_on_the_cpu_never_reach_the_kernel():
     """CPU tensors (every row count) take torch's product; test_cuda.py checks that 33-136 rows take the kernel."""
     weight = torch.zeros(64, 128, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 // y [rows, n] = x [rows, k] @ w [n, k]^T for a tree verify's 33-136 half-precision rows on Hopper (sm_90a).
 //
 // Compiled at run time by NVRTC (ddtree/fast/nvrtc.py); ddtree/fast/wgmma.py prepends the tile sizes as
-// macros (CONSUMERS, BN, STAGES, SPLITS, EVICT_FIRST, GLU, ELEMENT) and `mma_tile`, the wgmma call for BN columns.
+// macros (CONSUMERS, BN, STAGES, SPLITS, EVICT_FIRST, GLU, BOXES, ELEMENT) and `mma_tile`, the wgmma call for BN columns.
 //
 // The product runs transposed, y^T = w x^T, so the weight fills the MMA's 64-row side and the rows only pad to
 // BN, a multiple of 8 (65 rows: 72), where a power-of-two tile pads them to 128. A block owns BM = 64 *
@@ -15,6 +15,9 @@
 // same up rows, I further, and it writes SiLU(gate) * up [rows, I] for its BM / 2 columns, as ddtree/fast/rows.py's
 // kernel after the plain product would: one launch, and no [rows, 2I] projection through memory, where two were.
 //
+// BOXES: a stage holds BOXES 64-wide K boxes side by side (one TMA load each), so that a block asks for 128 * BOXES
+// contiguous bytes of each weight row at once.
+//
 // Programmatic dependent launch: the weight does not depend on the kernel before, so the producer loads the
 // first stages' weight tiles before griddepcontrol.wait, while that kernel drains; the rows, and every write,
 // come after the wait.
@@ -25,9 +28,12 @@ typedef unsigned int u32;
 struct __align__(64) TensorMap { u64 opaque[16]; };  // CUtensorMap, passed by value
 
 #define BM (64 * CONSUMERS)
-#define BK 64                                 // 64 half-precision values: one 128-byte swizzle row
-#define W_TILE_BYTES (BM * BK * 2)
-#define X_TILE_BYTES (BN * BK * 2)
+#define BOX_K 64                              // 64 half-precision values: one 128-byte swizzle row
+#define BK (BOX_K * BOXES)                    // a stage's K: BOXES boxes side by side, each a tile of its own
+#define W_BOX_BYTES (BM * BOX_K * 2)
+#define X_BOX_BYTES (BN * BOX_K * 2)
+#define W_TILE_BYTES (W_BOX_BYTES * BOXES)
+#define X_TILE_BYTES (X_BOX_BYTES * BOXES)
 #define STAGE_BYTES (W_TILE_BYTES + X_TILE_BYTES)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -77,13 +83,23 @@ __device__ __forceinline__ void tma_load_once(void* dst, const TensorMap* map, u
 #define load_weight tma_load
 #endif
 
-// A stage's weight tile: BM rows from `row0`, or with GLU BM / 2 gate rows from `row0` and the up rows `half` further.
-__device__ __forceinline__ void load_weight_tile(void* dst, const TensorMap* map, u64* bar, int inner, int row0,
-                                                 int half) {
-    load_weight(dst, map, bar, inner, row0);
+// A stage's weight tile, box by box: BM rows from `row0`, or with GLU BM / 2 gate rows from `row0` and the up rows
+// `half` further.
+__device__ __forceinline__ void load_weight_tile(unsigned char* dst, const TensorMap* map, u64* bar, int inner,
+                                                 int row0, int half) {
+#pragma unroll
+    for (int b = 0; b < BOXES; ++b) {
+        load_weight(dst + b * W_BOX_BYTES, map, bar, inner + b * BOX_K, row0);
 #if GLU
-    load_weight((unsigned char*)dst + W_TILE_BYTES / 2, map, bar, inner, row0 + half);
+        load_weight(dst + b * W_BOX_BYTES + W_BOX_BYTES / 2, map, bar, inner + b * BOX_K, row0 + half);
 #endif
+    }
+}
+
+// A stage's tile of the rows, box by box.
+__device__ __forceinline__ void load_rows_tile(unsigned char* dst, const TensorMap* map, u64* bar, int inner) {
+#pragma unroll
+    for (int b = 0; b < BOXES; ++b) tma_load(dst + b * X_BOX_BYTES, map, bar, inner + b * BOX_K, 0);
 }
 
 __device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
@@ -205,13 +221,13 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
             grid_wait();
             grid_launch_dependents();
             for (int s = 0; s < ahead; ++s)
-                tma_load(stages + s * STAGE_BYTES + W_TILE_BYTES, &x_map, &full[s], (k0 + s) * BK, 0);
+                load_rows_tile(stages + s * STAGE_BYTES + W_TILE_BYTES, &x_map, &full[s], (k0 + s) * BK);
             for (int kt = ahead; kt < k_tiles; ++kt) {
                 const int s = kt % STAGES;
                 bar_wait(&empty[s], ((kt / STAGES) + 1) & 1);
                 bar_expect(&full[s], STAGE_BYTES);
                 load_weight_tile(stages + s * STAGE_BYTES, &w_map, &full[s], (k0 + kt) * BK, n0, half);
-                tma_load(stages + s * STAGE_BYTES + W_TILE_BYTES, &x_map, &full[s], (k0 + kt) * BK, 0);
+                load_rows_tile(stages + s * STAGE_BYTES + W_TILE_BYTES, &x_map, &full[s], (k0 + kt) * BK);
             }
         }
         return;
@@ -226,12 +242,16 @@ wgmma_linear(const __grid_constant__ TensorMap w_map, const __grid_constant__ Te
     for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % STAGES;
         bar_wait(&full[s], (kt / STAGES) & 1);
-        const unsigned char* w_tile = stages + s * STAGE_BYTES + c * 64 * BK * 2;
+        const unsigned char* w_tile = stages + s * STAGE_BYTES + c * 64 * BOX_K * 2;
         const unsigned char* x_tile = stages + s * STAGE_BYTES + W_TILE_BYTES;
         fence_operands(d);
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) mma_tile(d, smem_desc(w_tile + kk * 32), smem_desc(x_tile + kk * 32));
+        for (int b = 0; b < BOXES; ++b) {
+#pragma unroll
+            for (int kk = 0; kk < BOX_K / 16; ++kk)
+                mma_tile(d, smem_desc(w_tile + b * W_BOX_BYTES + kk * 32), smem_desc(x_tile + b * X_BOX_BYTES + kk * 32));
+        }
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         fence_operands(d);

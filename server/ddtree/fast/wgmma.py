@@ -31,6 +31,8 @@ MIN_ROWS, MAX_ROWS = 33, 136  # the rows the kernel takes: past 256 wgmma has no
 SHARED_BYTES = 227 * 1024  # an H100/H200 block's dynamic shared memory
 SM_SHARED_BYTES = 228 * 1024  # an SM's, which also holds 1 KB for each resident block
 ENABLED = os.environ.get("DDTREE_WGMMA", "1") != "0"
+BOXES = int(os.environ.get("DDTREE_WGMMA_BOXES", "2"))  # K boxes a stage holds (Config.boxes), where K allows
+STAGE_LIMIT = int(os.environ.get("DDTREE_WGMMA_STAGES", "8"))  # the deepest ring launch_config gives
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,9 @@ class Config:
     """Tile and grid of one product: `consumers` warpgroups of 64 weight rows each, `bn` padded rows, `stages`
     shared-memory stages, K split over `splits` blocks; `evict_first`: the weight's lines are the first L2 evicts;
     `glu`: the weight is a fused [gate; up], each block takes half its rows from each, and the kernel writes
-    SiLU(gate) · up (the block's gate and up tiles meet in shared memory, which the stages must hold)."""
+    SiLU(gate) · up (the block's gate and up tiles meet in shared memory, which the stages must hold);
+    `boxes`: 64-wide K boxes a stage holds side by side, so a block reads 128 * boxes contiguous bytes of each
+    weight row at once (the products' order, so their bits, do not change)."""
 
     consumers: int
     bn: int
@@ -46,9 +50,10 @@ class Config:
     splits: int
     evict_first: bool = False
     glu: bool = False
+    boxes: int = 1
 
     def __post_init__(self) -> None:
-        if self.glu and self.stages * (self.block_rows + self.bn) * 128 < 2 * self.block_rows * self.bn:
+        if self.glu and self.shared_bytes - 1024 < 2 * self.block_rows * self.bn:
             raise ValueError(f"{self}: the stages cannot hold the gate and up tiles")
 
     @property
@@ -57,7 +62,7 @@ class Config:
 
     @property
     def shared_bytes(self) -> int:
-        return self.stages * (self.block_rows + self.bn) * 128 + 1024  # + alignment slack for the 1024-byte tiles
+        return self.stages * (self.block_rows + self.bn) * 128 * self.boxes + 1024  # + slack to align the tiles
 
     @property
     def launch_shared_bytes(self) -> int:
@@ -72,9 +77,9 @@ def padded_rows(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
-def max_stages(consumers: int, bn: int) -> int:
+def max_stages(consumers: int, bn: int, boxes: int = 1) -> int:
     """As many stages as shared memory holds, up to 8 (the deepest benchmarks/wgmma_probe.py tried)."""
-    return min(8, (SHARED_BYTES - 2048) // ((64 * consumers + bn) * 128))
+    return min(STAGE_LIMIT, (SHARED_BYTES - 2048) // ((64 * consumers + bn) * 128 * boxes))
 
 
 MIN_FILL = 0.7  # the least share of the SMs a launch's waves keep busy for the kernel to take a product (`supported`)
@@ -84,12 +89,15 @@ MIN_FILL = 0.7  # the least share of the SMs a launch's waves keep busy for the 
 def launch_config(n: int, k: int, rows: int, sms: int = 132) -> Config:
     """The narrowest weight tile (1-3 warpgroups of 64 rows) whose blocks fit one wave of `sms`, then K splits
     while the blocks still do (each split at least 8 K tiles); the widest tile where none fits (an LM head).
+    Stages of BOXES K boxes where each split's K tiles make whole stages, as deep as shared memory holds.
 
     From benchmarks/wgmma_probe.py on an H200 at 65 rows (RESULTS v26): narrow tiles and few splits won, e.g. q/k/v
     16.5 µs with 64-row tiles and no split against 19.0 with 192-row tiles over 4 splits, o (11.6 µs) and down
     with 64-row tiles over 2 splits; a split costs a float32 round trip of the partial tiles. The weight's lines
     are marked first to evict from L2, which the rows' tile, read by every block, is not: faster in 31 of the 34
-    configs tried, most by 1-6 %.
+    configs tried, most by 1-6 %. Two boxes a stage (256 contiguous bytes of each weight row, 6 stages of one
+    warpgroup's tiles where one box allowed 8): q/k/v 16.0 µs against 16.7, o 12.8 against 13.5, down 29.9 against
+    30.5; in one process a B = 64 round took 5.37-5.40 ms against 5.46-5.47 (RESULTS v32).
     """
     bn, k_tiles = padded_rows(rows), k // 64
     consumers = next((c for c in (1, 2, 3) if -(-n // (64 * c)) <= sms), 3)
@@ -97,7 +105,8 @@ def launch_config(n: int, k: int, rows: int, sms: int = 132) -> Config:
     splits = 1
     while blocks * splits * 2 <= sms and k_tiles % (splits * 2) == 0 and k_tiles // (splits * 2) >= 8:
         splits *= 2
-    return Config(consumers, bn, max_stages(consumers, bn), splits, evict_first=True)
+    boxes = BOXES if (k_tiles // splits) % BOXES == 0 else 1
+    return Config(consumers, bn, max_stages(consumers, bn, boxes), splits, evict_first=True, boxes=boxes)
 
 
 def fill(config: Config, n: int, sms: int) -> float:
@@ -130,6 +139,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
     n = weight.shape[0]
     if config is None:
         config = launch_config(n, k, rows, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    if (k // 64 // config.splits) % config.boxes:
+        raise ValueError(f"{config}: each split's {k // 64 // config.splits} K boxes do not make whole stages")
     kernel = _kernel(config, x.dtype, x.device.index or 0)
     width = n // 2 if config.glu else n
     # the weight rows one TMA load brings, and the columns of `out` a block writes
@@ -144,7 +155,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
         kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
                       [_weight_map(weight, box), nvrtc.tensor_map(x, config.bn, 64),
                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(n),
-                       ctypes.c_int(k // 64 // config.splits), ctypes.c_void_p(partials.data_ptr()),
+                       ctypes.c_int(k // (64 * config.boxes) // config.splits), ctypes.c_void_p(partials.data_ptr()),
                        ctypes.c_void_p(tickets.data_ptr())], dependent=pdl(x.device))
     return out
 
@@ -175,7 +186,7 @@ def source(config: Config, dtype: torch.dtype) -> str:
         f'        : "l"(a), "l"(b), "r"(1));\n}}\n')
     head = (f"#define CONSUMERS {config.consumers}\n#define BN {config.bn}\n#define STAGES {config.stages}\n"
             f'#define SPLITS {config.splits}\n#define EVICT_FIRST {int(config.evict_first)}\n'
-            f'#define GLU {int(config.glu)}\n'
+            f'#define GLU {int(config.glu)}\n#define BOXES {config.boxes}\n'
             f'#define ELEMENT "{element}"\n')
     return head + mma + Path(__file__).with_name("wgmma.cu").read_text()
 
