@@ -62,7 +62,7 @@ class Config:
 
     @property
     def shared_bytes(self) -> int:
-        return self.stages * (self.block_rows + self.bn) * 128 * self.boxes + 1024  # + slack to align the tiles
+        return self.stages * stage_bytes(self.consumers, self.bn, self.boxes) + 1024  # + slack to align the tiles
 
     @property
     def launch_shared_bytes(self) -> int:
@@ -77,9 +77,14 @@ def padded_rows(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
+def stage_bytes(consumers: int, bn: int, boxes: int = 1) -> int:
+    """One stage's shared memory: each K box's 128-byte rows of the block's weight rows and of the padded rows."""
+    return (64 * consumers + bn) * 128 * boxes
+
+
 def max_stages(consumers: int, bn: int, boxes: int = 1) -> int:
-    """As many stages as shared memory holds, up to 8 (the deepest benchmarks/wgmma_probe.py tried)."""
-    return min(STAGE_LIMIT, (SHARED_BYTES - 2048) // ((64 * consumers + bn) * 128 * boxes))
+    """As many stages as shared memory holds, up to STAGE_LIMIT (8: the deepest benchmarks/wgmma_probe.py tried)."""
+    return min(STAGE_LIMIT, (SHARED_BYTES - 2048) // stage_bytes(consumers, bn, boxes))
 
 
 MIN_FILL = 0.7  # the least share of the SMs a launch's waves keep busy for the kernel to take a product (`supported`)
@@ -139,8 +144,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
     n = weight.shape[0]
     if config is None:
         config = launch_config(n, k, rows, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    if (k // 64 // config.splits) % config.boxes:
-        raise ValueError(f"{config}: each split's {k // 64 // config.splits} K boxes do not make whole stages")
+    split_boxes = k // 64 // config.splits  # each split's 64-wide K boxes
+    if split_boxes % config.boxes:
+        raise ValueError(f"{config}: each split's {split_boxes} K boxes do not make whole stages")
     kernel = _kernel(config, x.dtype, x.device.index or 0)
     width = n // 2 if config.glu else n
     # the weight rows one TMA load brings, and the columns of `out` a block writes
@@ -155,7 +161,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
         kernel.launch((tiles, config.splits, 1), 128 * (config.consumers + 1),
                       [_weight_map(weight, box), nvrtc.tensor_map(x, config.bn, 64),
                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(rows), ctypes.c_int(n),
-                       ctypes.c_int(k // (64 * config.boxes) // config.splits), ctypes.c_void_p(partials.data_ptr()),
+                       ctypes.c_int(split_boxes // config.boxes), ctypes.c_void_p(partials.data_ptr()),
                        ctypes.c_void_p(tickets.data_ptr())], dependent=pdl(x.device))
     return out
 
