@@ -14,9 +14,9 @@ import argparse
 import copy
 
 import torch
+from ddtree.bench.command import SHAPES, build_draft, build_target, draft_vocab_ids, run
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.fast.bench import SHAPES, build_draft, build_target, draft_vocab_ids, run
-from ddtree.sampling import SamplingParams
 
 
 def main() -> None:

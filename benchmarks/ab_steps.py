@@ -4,45 +4,45 @@ Variants, alternated (each recaptures its graphs), twice over, timing the AR ste
 and 64 (`--budgets`); on the hybrid shape only the few-row GEMM, the one-row projections, the tree attention
 and the Gated DeltaNet step change (its forward uses neither the fused GEMV layers nor the heads kernel):
 
-    all kernels      one-row GEMVs (ddtree/fast/gemv.py), the few-row GEMM (ddtree/fast/gemm.py) and the
-                     attention-heads kernel (ddtree/fast/heads.py)
+    all kernels      one-row GEMVs (ddtree/kernels/gemv.py), the few-row GEMM (ddtree/kernels/gemm.py) and the
+                     attention-heads kernel (ddtree/kernels/heads.py)
     no GEMV layers   the same with an AR step through the multi-row layer code (its projections still GEMVs)
     cuBLAS one-row   the same with cuBLAS for the single-row projections outside the fused GEMV layers (a
                      hybrid target's AR step, a one-row prompt's LM head)
     cuBLAS few-row   the same with cuBLAS for 2-32 rows (the skinny kernel's)
     cuBLAS many-row  the same with cuBLAS, not cuBLASLt, for 33-128 rows (a tree of 32-127 nodes)
     compiled heads   one-row GEMVs, the heads step as torch.compile's kernels, cuBLAS for more rows
-    PyTorch GDN tree all kernels but a hybrid's Gated DeltaNet tree kernel (ddtree/fast/gdn.py): its trees
+    PyTorch GDN tree all kernels but a hybrid's Gated DeltaNet tree kernel (ddtree/kernels/gdn.py): its trees
                      through the compiled PyTorch steps, its AR steps still one kernel
     PyTorch GDN step neither Gated DeltaNet kernel: AR steps and trees through the compiled PyTorch steps
     v13 attention    all kernels but the tree attention as v13 launched it: one loop over every key block
                      (visibility read throughout) and v13's tiles
     no PDL           all kernels, each launched only once the kernel before it has finished (no programmatic
-                     dependent launch: ddtree/fast/jit.py)
+                     dependent launch: ddtree/kernels/jit.py)
     compiled rows    all kernels but a multi-row forward's norms and SiLU · up as torch.compile's kernels, not
-                     ddtree/fast/rows.py's
+                     ddtree/kernels/rows.py's
     direct trees     all kernels but trees' attention in one split of 16-row tiles (no merge kernel)
     v26 attention    all kernels but blocks of 17-1024 grouped rows read the new rows' keys in the split that also
-                     ends the committed keys, at v26's tiles (not in a split of their own: ddtree/fast/attention.py)
+                     ends the committed keys, at v26's tiles (not in a split of their own: ddtree/kernels/attention.py)
     separate quantization
                      all kernels but an fp8 drafter's norms and SiLU · up write their rows, and a kernel of
                      its own quantizes them (as before the norm kernels' fp8 forms; --draft-quantization fp8)
-    PyTorch commit   all kernels but the commit's K/V compaction as a gather and a scatter (ddtree/fast/cache.py)
+    PyTorch commit   all kernels but the commit's K/V compaction as a gather and a scatter (ddtree/kernels/cache.py)
                      and the picks as torch.argmax (not tree.vocab_argmax's two kernels)
     module RoPE      all kernels but each forward's cos and sin from the rotary modules (about eight kernels), not
                      gathered from the table filled at start (ddtree/fast/rope.py)
-    PyTorch walk     all kernels but the acceptance walk as PyTorch steps (ddtree/fast/walk.py: accept_torch), not
+    PyTorch walk     all kernels but the acceptance walk as PyTorch steps (ddtree/kernels/walk.py: accept_torch), not
                      its one Triton program
     heads N rows     all kernels with N rows per program of the attention-heads kernel (heads.ROWS_PER_PROGRAM:
                      2)
     separate SiLU    all kernels but a tree's SiLU · up as the row kernel after the gate/up GEMM, not in that GEMM's
-                     epilogue (ddtree/fast/wgmma.py, Config.glu)
+                     epilogue (ddtree/kernels/wgmma.py, Config.glu)
     torch gathers    all kernels but the embeddings, the rotary rows and the path's tap rows through torch's
                      index_select, and a draft vocabulary's token ids through an index kernel after the top-k
-                     (not ddtree/fast/gather.py's kernel, and the ids in the top-k's merge kernel)
+                     (not ddtree/kernels/gather.py's kernel, and the ids in the top-k's merge kernel)
     separate q and k/v
                      all kernels but a draft layer's q and k/v projections in two launches, not one
-                     (ddtree/fast/gemm.py, pair_linear)
+                     (ddtree/kernels/gemm.py, pair_linear)
     GEMM boxes B, S stages
                      all kernels but the Hopper GEMM's stages hold B 64-wide K boxes (wgmma.BOXES: 2), at most S deep
                      (wgmma.STAGE_LIMIT: 8; shared memory may allow fewer)
@@ -78,14 +78,15 @@ from collections.abc import Callable
 import ddtree.fast
 import torch
 import triton
-from ddtree.fast import attention, cache, decoder_layer, gather, gdn, gemm, heads, jit, walk, wgmma
-from ddtree.fast import tree as tree_build
-from ddtree.fast.attention import TreeMask, tree_attention
-from ddtree.fast.bench import build_shape, run
-from ddtree.fast.fused import Layer, Ops, TargetLayer
+from ddtree.bench.command import build_shape, run
+from ddtree.core.sampling import SamplingParams
 from ddtree.fast.hybrid import HybridFastPath
-from ddtree.fast.tree import vocab_argmax
-from ddtree.sampling import SamplingParams
+from ddtree.fast.layers import Layer, Ops, TargetLayer
+from ddtree.fast.runner import decoder_layer
+from ddtree.kernels import attention, cache, gather, gdn, gemm, heads, jit, walk, wgmma
+from ddtree.kernels import tree as tree_build
+from ddtree.kernels.attention import TreeMask, tree_attention
+from ddtree.kernels.tree import vocab_argmax
 
 ALL = dict(row_gemv=True, skinny=True, heads="kernel", linear_gemv=True, gdn="all", lt=True,
            attention="now", pdl=True, rows="kernels", head_rows=heads.ROWS_PER_PROGRAM,

@@ -1,4 +1,4 @@
-"""The benchmark suite, `ddtree bench` (ddtree/fast/bench.py): ar, dflash and ddtree, fast and eager paths.
+"""The benchmark suite, `ddtree bench` (ddtree/bench/command.py): ar, dflash and ddtree, fast and eager paths.
 
     PYTHONPATH=server python benchmarks/bench.py --shape qwen3-8b --prompts 1 --prompt-tokens 512 --json 8b.json
     PYTHONPATH=server python benchmarks/bench.py --prompts 4 --json demo.json    # the embedded demo pair

@@ -22,7 +22,7 @@ import blaslt
 import torch
 import torch.nn.functional as F
 from blas_pdl_probe import CONVERTED, make_programmatic, patched_capture, race_behind_writer
-from ddtree.fast.bench import cycled_us, weight_copies
+from ddtree.bench.command import cycled_us, weight_copies
 from skinny_tune import TARGET
 
 
@@ -96,9 +96,9 @@ def patch_linear(chosen: dict[tuple[int, int, int], blaslt.Described], original:
 
 def rounds(chosen: dict[tuple[int, int, int], blaslt.Described], budgets: list[int], passes: int) -> None:
     """The 8B shape's AR step and rounds: torch's route, and the chosen algorithms as captured and programmatic."""
-    from ddtree.fast import FastPath
-    from ddtree.fast.bench import build_shape, run
-    from ddtree.sampling import SamplingParams
+    from ddtree.bench.command import build_shape, run
+    from ddtree.core.sampling import SamplingParams
+    from ddtree.fast.runner import FastPath
 
     fast, _ = build_shape("qwen3-8b", torch.device("cuda"), torch.bfloat16, fast_capacity=1024,
                           draft_vocab="16384", draft_quantization="fp8")
@@ -107,7 +107,7 @@ def rounds(chosen: dict[tuple[int, int, int], blaslt.Described], budgets: list[i
     print("\n## rounds (8B shape, fp8 draft, 16384 draft tokens): ms\n")
     print("| GEMMs | AR step | " + " | ".join(f"B = {b}" for b in budgets)
           + " | edges rewritten | tokens as the chosen, captured |\n|" + "---|" * (4 + len(budgets)))
-    import ddtree.fast.gemm as gemm
+    import ddtree.kernels.gemm as gemm
 
     original = gemm.linear
     outputs: dict[str, list] = {}
@@ -132,7 +132,8 @@ def rounds(chosen: dict[tuple[int, int, int], blaslt.Described], budgets: list[i
 
 def _linear_modules() -> list:
     import ddtree.fast as fast_pkg
-    from ddtree.fast import fused, gemm, hybrid, moe
+    from ddtree.fast import fused, hybrid
+    from ddtree.kernels import gemm, moe
 
     return [fast_pkg, fused, gemm, hybrid, moe]
 

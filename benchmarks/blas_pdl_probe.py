@@ -1,7 +1,7 @@
 """Probe: cuBLAS's kernels as programmatic dependents (PDL) inside our CUDA graphs. Is it safe, and what would it take?
 
 cuBLAS launches its GEMMs normally, so in a captured round each of a tree verify's 145 cuBLASLt GEMMs starts only
-once the kernel before it has finished, while our Triton kernels overlap their neighbours (ddtree/fast/jit.py).
+once the kernel before it has finished, while our Triton kernels overlap their neighbours (ddtree/kernels/jit.py).
 A kernel may launch early only if it executes griddepcontrol.wait (SASS ACQBULK) before reading its inputs. This
 rewrites a captured graph's kernel -> cuBLAS-kernel edges as programmatic edges (driver API, through ctypes), then:
 
@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from ddtree.fast import FastPath
-from ddtree.fast.gemm import linear
+from ddtree.fast.runner import FastPath
+from ddtree.kernels.gemm import linear
 from triton.language.extra.cuda import gdc_launch_dependents
 
 cu = ctypes.CDLL("libcuda.so.1")
@@ -198,8 +198,8 @@ def main() -> None:
             print(f"| {rows} | {n} x {k} | {worst:.3g} | {names} |", flush=True)
     if args.skip_rounds:
         return
-    from ddtree.fast.bench import build_shape, run
-    from ddtree.sampling import SamplingParams
+    from ddtree.bench.command import build_shape, run
+    from ddtree.core.sampling import SamplingParams
 
     fast, _ = build_shape("qwen3-8b", torch.device("cuda"), torch.bfloat16, fast_capacity=1024,
                           draft_vocab="16384", draft_quantization="fp8")

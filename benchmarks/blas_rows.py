@@ -15,7 +15,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from ddtree.fast.bench import cycled_us, weight_copies
+from ddtree.bench.command import cycled_us, weight_copies
 from skinny_tune import TARGET  # the Qwen3-8B projections, name: (N, K, calls per step)
 
 VARIANTS = ("cuBLAS", "cuBLASLt (zero bias)", "cuBLASLt (preferred library)")

@@ -15,9 +15,9 @@ import json
 import sysconfig
 from dataclasses import replace
 
-from ddtree.fast.bench import build_pair, run
-from ddtree.grammar import json_schema_grammar
-from ddtree.sampling import SamplingParams
+from ddtree.bench.command import build_pair, run
+from ddtree.core.grammar import json_schema_grammar
+from ddtree.core.sampling import SamplingParams
 from ddtree.training.corpus import find_files, read_texts, split_files
 
 # Bounded, so that every reply can finish within --max-new-tokens.

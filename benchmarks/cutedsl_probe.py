@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import cutlass.operators as ops
 import torch
 import torch.nn.functional as F
-from ddtree.fast.bench import CYCLED_CALLS, cycled_us, weight_copies
+from ddtree.bench.command import CYCLED_CALLS, cycled_us, weight_copies
 from skinny_tune import TARGET
 
 

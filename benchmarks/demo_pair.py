@@ -17,8 +17,8 @@ import sys
 import sysconfig
 
 import torch
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.sampling import SamplingParams
 from ddtree.training.corpus import find_files, read_texts, split_files
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 from ab_steps import ATTENTION
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.fast import attention
-from ddtree.sampling import SamplingParams
+from ddtree.kernels import attention
 from tiny import make_draft, make_hybrid_target
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)

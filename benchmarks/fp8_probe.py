@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ddtree.fast.bench import cycled_us, weight_copies
+from ddtree.bench.command import cycled_us, weight_copies
 
 FP8_MAX = 448.0
 SHAPES = {"q": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288), "lm_head": (151936, 4096),

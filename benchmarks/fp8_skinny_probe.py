@@ -2,7 +2,7 @@
 fp8_probe.py, RESULTS v7.) It did (RESULTS v21): this is the probe behind `--draft-quantization fp8`.
 
 The draft block's projections at 16 rows: the fast path's bf16 skinny GEMM (default launch rule) against the
-same kernel on fp8 operands (ddtree/fast/gemm.py's `skinny_fp8`: e4m3 weights and rows, per-output-channel weight
+same kernel on fp8 operands (ddtree/kernels/gemm.py's `skinny_fp8`: e4m3 weights and rows, per-output-channel weight
 scales and per-row activation scales applied after the sum) over a grid of tiles. Also the per-row activation
 quantisation kernel, and the round's projection time summed over one draft pass plus one commit. µs per call:
 CYCLED_CALLS calls cycling over distinct weight copies in one CUDA graph.
@@ -21,10 +21,10 @@ from multiprocessing import get_context
 
 import torch
 import triton
-from ddtree.fast.bench import CYCLED_CALLS, cycled_us, weight_copies
-from ddtree.fast.gemm import launch_config, skinny_fp8, skinny_linear
-from ddtree.fast.rows import quantize as quantize_rows
-from ddtree.quantize import Fp8Weight, quantize_weight
+from ddtree.bench.command import CYCLED_CALLS, cycled_us, weight_copies
+from ddtree.kernels.fp8 import Fp8Weight, quantize_weight
+from ddtree.kernels.gemm import launch_config, skinny_fp8, skinny_linear
+from ddtree.kernels.rows import quantize as quantize_rows
 
 # name: (N, K, calls per round) for the Qwen3-8B-DFlash-b16 draft (5 layers) with a 16384-token draft vocabulary
 DRAFT = {"q": (4096, 4096, 5), "kv": (2048, 4096, 5), "o": (4096, 4096, 5), "gate_up": (24576, 4096, 5),

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet tree kernels (ddtree/fast/gdn.py) on a GPU: µs per layer call by the delta kernel's warps,
+"""The Gated DeltaNet tree kernels (ddtree/kernels/gdn.py) on a GPU: µs per layer call by the delta kernel's warps,
 d_v slice, row tile, d_k chunk and product precision.
 
 A Qwen3.6-27B-shaped layer (48 value heads over 16 key heads, d 128, 4 conv taps, bf16) over random trees of
@@ -16,10 +16,10 @@ import argparse
 import itertools
 
 import torch
-from ddtree.fast import gdn
-from ddtree.fast.bench import graph_ms
+from ddtree.bench.command import graph_ms
 from ddtree.fast.delta import conv_sources
-from ddtree.fast.fused import fuse
+from ddtree.fast.layers import fuse
+from ddtree.kernels import gdn
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 

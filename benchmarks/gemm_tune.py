@@ -1,4 +1,4 @@
-"""One-row projections on a GPU: cuBLAS against the fast path's fused Triton GEMV (ddtree/fast/gemv.py).
+"""One-row projections on a GPU: cuBLAS against the fast path's fused Triton GEMV (ddtree/kernels/gemv.py).
 
 For each projection of the Qwen3-8B shape at one row (an AR step), in the form an AR step runs it:
 
@@ -21,9 +21,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.fast.bench import cycled_us, weight_copies
-from ddtree.fast.fused import Ops
-from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv, launch_config
+from ddtree.bench.command import cycled_us, weight_copies
+from ddtree.fast.layers import Ops
+from ddtree.kernels.gemv import NORM, PLAIN, SILU, gemv, launch_config
 
 EPS = 1e-6
 # name: (N, K, mode)

@@ -20,11 +20,11 @@ import sys
 import time
 
 import torch
-from ddtree.draft import DraftCache
-from ddtree.fast.bench import SHAPES as BENCH_SHAPES
-from ddtree.fast.bench import build_draft, build_target, hybrid_shape
-from ddtree.hybrid import GDNKernels
-from ddtree.tree import build_tree
+from ddtree.bench.command import SHAPES as BENCH_SHAPES
+from ddtree.bench.command import build_draft, build_target, hybrid_shape
+from ddtree.core.tree import build_tree
+from ddtree.models.draft import DraftCache
+from ddtree.models.hybrid import GDNKernels
 
 # The Qwen3.6-27B shape, hybrid_shape and the builders are `ddtree bench`'s: one definition of each.
 SHAPES = {

@@ -25,9 +25,9 @@ import tempfile
 from collections.abc import Callable
 
 import triton
-from ddtree.fast import attention, gdn
-from ddtree.fast import gemm as gemm_module
-from ddtree.fast import moe as moe_module
+from ddtree.kernels import attention, gdn
+from ddtree.kernels import gemm as gemm_module
+from ddtree.kernels import moe as moe_module
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ddtree.fast.attention import TreeMask, _triton_attention, launch_config, tree_attention, tree_mask
-from ddtree.fast.bench import graph_ms
+from ddtree.bench.command import graph_ms
+from ddtree.kernels.attention import TreeMask, _triton_attention, launch_config, tree_attention, tree_mask
 from triton.runtime.errors import OutOfResources
 
 LAYERS, KV, GROUPS, D, CAPACITY, START = 36, 8, 4, 128, 768, 560
@@ -167,7 +167,7 @@ def tree_ops(sweep: bool) -> None:
 
 def vocab_top_sweep(logits: torch.Tensor) -> None:
     """The vocabulary top-k + log-partition at each chunk width and warp count; tokens against the default's."""
-    from ddtree.fast import tree
+    from ddtree.kernels import tree
 
     width, warps_of = tree._chunk_width, tree._chunk_warps
     print("\n| k | chunk | warps | us per call | tokens as the default's |\n|---|---|---|---|---|")
@@ -191,7 +191,7 @@ def vocab_top_sweep(logits: torch.Tensor) -> None:
 
 def tree_phase(logits: torch.Tensor, budget: int) -> None:
     """Print the tree phase's cost for one vocabulary and budget, whole and by part."""
-    from ddtree.fast import tree
+    from ddtree.kernels import tree
 
     vocab, k = logits.shape[1], min(budget, logits.shape[1])
 

@@ -19,10 +19,10 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from ddtree.fast import wgmma
-from ddtree.fast.bench import cycled_us, weight_copies
-from ddtree.fast.gemm import linear
-from ddtree.fast.gemv import gemv
+from ddtree.bench.command import cycled_us, weight_copies
+from ddtree.kernels import wgmma
+from ddtree.kernels.gemm import linear
+from ddtree.kernels.gemv import gemv
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 

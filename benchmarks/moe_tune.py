@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks on a GPU: the Triton kernels (ddtree/fast/moe.py) against the PyTorch steps, and
+"""Mixture-of-experts blocks on a GPU: the Triton kernels (ddtree/kernels/moe.py) against the PyTorch steps, and
 the kernels' launch configs.
 
 Builds BLOCKS random Qwen3-30B-A3B-shaped sparse blocks (128 experts, 8 per token, 2048 -> 768 -> 2048) in
@@ -16,8 +16,8 @@ import argparse
 import itertools
 
 import torch
-from ddtree.fast import moe
-from ddtree.fast.bench import graph_ms
+from ddtree.bench.command import graph_ms
+from ddtree.kernels import moe
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 

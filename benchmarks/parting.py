@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from ddtree.bench.command import SHAPES, build_shape
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import TokenLogprob
-from ddtree.fast.bench import SHAPES, build_shape
-from ddtree.sampling import SamplingParams
 
 
 def top2(lp: TokenLogprob) -> str:

@@ -20,9 +20,9 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from ddtree.fast.bench import build_shape, graph_ms
+from ddtree.bench.command import build_shape, graph_ms
+from ddtree.core.sampling import SamplingParams
 from ddtree.fast.hybrid import HybridFastPath
-from ddtree.sampling import SamplingParams
 from torch.profiler import ProfilerActivity, profile
 
 

@@ -1,4 +1,4 @@
-"""Few-row projections on a GPU: cuBLAS against the fast path's skinny GEMM (ddtree/fast/gemm.py).
+"""Few-row projections on a GPU: cuBLAS against the fast path's skinny GEMM (ddtree/kernels/gemm.py).
 
 For each projection of the Qwen3-8B target at a verify's row counts (17: B = 16; 65: B = 64; 129:
 B = 128), and of its DFlash-b16 draft at a block's 16 rows, the table gives µs per call of cuBLAS (and of
@@ -22,8 +22,8 @@ from multiprocessing import get_context
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.fast.bench import cycled_us, grid_us, weight_copies
-from ddtree.fast.gemm import LT_MAX_ROWS, MAX_ROWS, launch_config, linear, skinny_linear
+from ddtree.bench.command import cycled_us, grid_us, weight_copies
+from ddtree.kernels.gemm import LT_MAX_ROWS, MAX_ROWS, launch_config, linear, skinny_linear
 
 # name: (N, K, calls per step)
 TARGET = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36),

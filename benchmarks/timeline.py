@@ -20,8 +20,8 @@ import tempfile
 from collections import defaultdict
 
 import torch
-from ddtree.fast.bench import build_shape
-from ddtree.sampling import SamplingParams
+from ddtree.bench.command import build_shape
+from ddtree.core.sampling import SamplingParams
 from torch.profiler import ProfilerActivity, profile
 
 

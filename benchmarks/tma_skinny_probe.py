@@ -1,13 +1,13 @@
 """Does the few-row GEMM keep up with cuBLASLt at a verify's 33-80 rows when its tiles arrive by TMA?
 
-The few-row GEMM (ddtree/fast/gemm.py) loads its tiles with pointer loads. At 65 rows it pads them to 128 (or,
+The few-row GEMM (ddtree/kernels/gemm.py) loads its tiles with pointer loads. At 65 rows it pads them to 128 (or,
 with a tail tile, to 64 + 16) and loses to cuBLASLt's nvjet kernels by 8-17 % (RESULTS v17, v19, v21), so a
 B = 64 verify keeps cuBLASLt, whose kernels cannot launch as programmatic dependents (v22, v23). This probe
 times the same product with both operands loaded by the tensor memory accelerator (host-built descriptors,
 Triton's pipeliner): the weight tile [BLOCK_N, BLOCK_K], the rows' tile [BLOCK_M, BLOCK_K] (rows past M
 arrive as zeros) and, with TAIL, a second [TAIL, BLOCK_K] tile of rows BLOCK_M.. multiplied with the same
 weight tile. Split K sums its float32 partials in a fixed order, as gemm.py does. Each timing is a CUDA graph of
-36 calls cycling over distinct weights (ddtree.fast.bench.cycled_us); every output is checked against torch's.
+36 calls cycling over distinct weights (ddtree.bench.command.cycled_us); every output is checked against torch's.
 With --fp8 it times an fp8 drafter's projections instead (e4m3 rows and weights, each K tile's product added in
 float32, the row and channel scales after the sum, as gemm.skinny_fp8 does), against skinny_fp8.
 
@@ -28,10 +28,10 @@ from multiprocessing import get_context
 import torch
 import triton
 import triton.language as tl
-from ddtree.fast.bench import cycled_us, grid_us, weight_copies
-from ddtree.fast.gemm import _counters, launch_config, linear, skinny_fp8, skinny_linear
-from ddtree.fast.jit import after_previous, pdl
-from ddtree.quantize import FP8, Fp8Weight, quantize_rows
+from ddtree.bench.command import cycled_us, grid_us, weight_copies
+from ddtree.kernels.fp8 import FP8, Fp8Weight, quantize_rows
+from ddtree.kernels.gemm import _counters, launch_config, linear, skinny_fp8, skinny_linear
+from ddtree.kernels.jit import after_previous, pdl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 SHAPES = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36), "down": (4096, 12288, 36)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ddtree.sampling import filter_logits
+from ddtree.core.sampling import filter_logits
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ def main() -> None:
         same = f"{int((want == got).all(dim=-1).sum())} of {args.rows}"
         times = ["-", "-"]
         if logits.is_cuda:
-            from ddtree.fast.bench import graph_ms
+            from ddtree.bench.command import graph_ms
 
             times = [f"{graph_ms(lambda f=f, x=logits, p=top_p: f(x, p)):.3f}" for f in (
                 lambda x, p: filter_logits(x, 0, p, 0.0), top_p_bisection)]

@@ -1,10 +1,10 @@
-"""Our wgmma GEMM (ddtree/fast/wgmma.py) against cuBLASLt at a tree verify's rows, projection by projection.
+"""Our wgmma GEMM (ddtree/kernels/wgmma.py) against cuBLASLt at a tree verify's rows, projection by projection.
 
 Every config's output is first checked against torch's (float32 reference: the same size of error as cuBLAS's
 bf16 product, and the same bits on a second run). Each timing is a CUDA graph of 36 calls cycling over distinct
-weights (ddtree.fast.bench.cycled_us): ours launch as programmatic dependents of each other, so a call's first
+weights (ddtree.bench.command.cycled_us): ours launch as programmatic dependents of each other, so a call's first
 weight tiles load while the call before it drains; cuBLASLt's do not. `--chain` puts a row kernel (a residual
-add + RMSNorm, ddtree/fast/rows.py) in front of every call, as in a verify's layers. `--glu` times a layer's
+add + RMSNorm, ddtree/kernels/rows.py) in front of every call, as in a verify's layers. `--glu` times a layer's
 MLP instead: the gate/up product, then the SiLU · up row kernel, against SiLU · up in the product's epilogue
 (Config.glu), alone and with the down projection after it.
 
@@ -18,9 +18,9 @@ import argparse
 import itertools
 
 import torch
-from ddtree.fast import wgmma
-from ddtree.fast.bench import cycled_us, weight_copies
-from ddtree.fast.gemm import linear
+from ddtree.bench.command import cycled_us, weight_copies
+from ddtree.kernels import wgmma
+from ddtree.kernels.gemm import linear
 
 SHAPES = {"qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36), "down": (4096, 12288, 36),
           "lm_head": (151936, 4096, 1)}
@@ -102,7 +102,7 @@ def probe(name: str, n: int, k: int, rows: int, full_grid: bool, chain: bool) ->
 def mlp_probe(rows: int) -> None:
     """The 8B MLP at `rows` rows: SiLU · up after the gate/up product or in its epilogue, alone and then down (µs a
     layer, 36 layers cycling over distinct weights); the two activations are checked equal first."""
-    from ddtree.fast.rows import silu_mul
+    from ddtree.kernels.rows import silu_mul
 
     (n, k, _), (down_n, down_k, _) = SHAPES["gate_up"], SHAPES["down"]
     # as many layers as there are gate/up copies (the wider weight: fewer fit the 2 GiB)
@@ -128,7 +128,7 @@ def mlp_probe(rows: int) -> None:
 
 def _row_kernel(x: torch.Tensor):
     """A residual add + RMSNorm over x's rows (the Triton row kernel a verify runs before q/k/v and gate/up)."""
-    from ddtree.fast.rows import add_rms_norm
+    from ddtree.kernels.rows import add_rms_norm
 
     residual, weight = torch.randn_like(x), torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
     return lambda: add_rms_norm(x, residual, weight, 1e-6)[0]

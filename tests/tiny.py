@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from ddtree.draft import (
+from ddtree.models.draft import (
     DFlashDraft,
     TargetShape,
     default_taps,

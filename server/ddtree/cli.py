@@ -74,8 +74,9 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ddtree.engine import GENERATION_KEYS, Engine
-    from ddtree.sampling import SamplingParams
+    from ddtree.core.sampling import SamplingParams
+    from ddtree.engine import Engine
+    from ddtree.engine.engine import GENERATION_KEYS
 
     given = {k: getattr(args, k) for k in GENERATION_KEYS if getattr(args, k) is not None}
     try:  # checked before the (slow) loading; the model's defaults fill in what was not given
@@ -125,7 +126,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def _cli_grammar(args: argparse.Namespace) -> str | None:
     """The grammar --json-schema / --regex / --choice ask for (ValueError with the reason), or None."""
-    from ddtree import grammar
+    from ddtree.core import grammar
 
     if args.regex is not None:
         return grammar.regex_grammar(args.regex)
@@ -182,7 +183,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from ddtree.serve import ServeOptions, run
+    from ddtree.api.serve import ServeOptions, run
 
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in 0..65535, got {args.port}")
@@ -228,7 +229,7 @@ def _add_pull_parser(sub: argparse._SubParsersAction) -> None:
 def _pull(args: argparse.Namespace) -> int:
     import os
 
-    from ddtree.pull import Progress, pull
+    from ddtree.models.pull import Progress, pull
 
     if len(args.pairs) % 2:
         raise DDTreeError("expected URI DEST pairs, got an odd number of arguments")
@@ -327,7 +328,7 @@ def _add_draft_vocab_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _draft_vocab(args: argparse.Namespace) -> int:
-    from ddtree.draft_vocab import build_from_corpus
+    from ddtree.training.draft_vocab import build_from_corpus
 
     build_from_corpus(args.target, args.corpus, args.size, args.out, args.glob.split(","))
     return 0
@@ -370,7 +371,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddtree.fast.bench import bench
+    from ddtree.bench.command import bench
 
     return bench(args)
 

@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 from ddtree.cli import main
-from ddtree.draft_vocab import DraftHead, count_tokens, load_draft_vocab, most_frequent, write_draft_vocab
-from ddtree.engine import ASSETS, Engine
+from ddtree.core.sampling import SamplingParams
+from ddtree.core.tree import build_tree
+from ddtree.engine import Engine
+from ddtree.engine.engine import ASSETS
 from ddtree.errors import DDTreeError
-from ddtree.sampling import SamplingParams
-from ddtree.tree import build_tree
+from ddtree.models.draft_vocab import DraftHead, count_tokens, load_draft_vocab, most_frequent, write_draft_vocab
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(60, 90))]

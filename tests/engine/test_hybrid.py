@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from ddtree.core.sampling import SamplingParams
+from ddtree.core.tree import build_tree, chain_tree
 from ddtree.engine import Engine
-from ddtree.hybrid import TreeGDN
-from ddtree.sampling import SamplingParams
-from ddtree.tree import build_tree, chain_tree
+from ddtree.models.hybrid import TreeGDN
 from tiny import make_draft, make_hybrid_target, path_tokens, prefill
 from transformers import AutoModelForCausalLM
 

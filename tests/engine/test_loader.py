@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from ddtree.draft import DraftCache, TargetShape, default_taps, load_draft
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
+from ddtree.models.draft import DraftCache, TargetShape, default_taps, load_draft
 from safetensors.torch import load_file, save_file
 from tiny import HIDDEN, VOCAB, make_draft
 

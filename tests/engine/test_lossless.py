@@ -1,9 +1,12 @@
 """Greedy speculative decoding is the target's own greedy decoding, token for token."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from ddtree.engine import Engine, Generation
-from ddtree.sampling import SamplingParams
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine import Engine
+from ddtree.engine.reference import ReferenceBackend
 from tiny import EOS_ID, MASK_ID
 from transformers import AutoModelForCausalLM
 
@@ -58,15 +61,14 @@ def test_new_layout_sliding_window_draft_is_lossless_too(ckpt):
         assert engine.generate(prompt, GREEDY, budget=32).token_ids == ar
 
 
-def oracle_draft(model):
-    """Draft logits that put all mass on the target's own greedy continuation."""
+def oracle_draft(model, context: Callable[[], list[int]]):
+    """Draft logits that put all mass on the target's own greedy continuation of `context()`, the tokens so far."""
 
-    def draft(self: Generation, root: int, start: int, draft_cache) -> torch.Tensor:
-        context = [*self.prompt_ids, *self.token_ids]
-        assert context[-1] == root and len(context) == start + 1
-        depth = self.engine.block_size - 1
-        cont = model.generate(torch.tensor([context]), max_new_tokens=depth, do_sample=False)[0, len(context):]
-        return torch.nn.functional.one_hot(cont, model.config.vocab_size).float() * 50
+    def draft(self: ReferenceBackend, root: int, start: int, draft_cache) -> torch.Tensor:
+        tokens = context()
+        assert tokens[-1] == root and len(tokens) == start + 1
+        cont = model.generate(torch.tensor([tokens]), max_new_tokens=self.block_size - 1, do_sample=False)
+        return torch.nn.functional.one_hot(cont[0, len(tokens):], model.config.vocab_size).float() * 50
 
     return draft
 
@@ -76,9 +78,9 @@ def test_oracle_draft_accepts_a_whole_block_every_full_round(engines, ckpt, monk
     engine = engines["qwen3"]
     model = AutoModelForCausalLM.from_pretrained(ckpt / "qwen3")
     model.generation_config.eos_token_id = None
-    monkeypatch.setattr(Generation, "_draft", oracle_draft(model))
     params = SamplingParams(max_new_tokens=1 + 4 * engine.block_size, ignore_eos=True)
     gen = engine.stream([5, 6, 7], params, method=method, budget=budget)
+    monkeypatch.setattr(ReferenceBackend, "_draft", oracle_draft(model, lambda: [5, 6, 7, *gen.token_ids]))
     rounds = [out for out in gen if not out.is_prefill]
     assert [len(r.token_ids) for r in rounds] == [engine.block_size] * 4
     assert gen.stats.acceptance_length == engine.block_size

@@ -5,13 +5,14 @@ import json
 
 import pytest
 import torch
-from ddtree import quantize
 from ddtree.cli import main
-from ddtree.draft_vocab import DraftHead
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.quantize import FP8_MAX, Fp8Linear, Fp8Weight, quantize_module, quantize_rows, quantize_weight
-from ddtree.sampling import SamplingParams
+from ddtree.kernels.fp8 import FP8_MAX, Fp8Weight, quantize_rows, quantize_weight, reference_linear
+from ddtree.models import quantize
+from ddtree.models.draft_vocab import DraftHead
+from ddtree.models.quantize import Fp8Linear, quantize_module
 from tiny import make_hybrid_target
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -40,7 +41,7 @@ def test_the_fp8_product_sums_exact_products_then_scales_and_stays_close_to_the_
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 256, generator=gen), torch.randn(40, 256, generator=gen)
     weight = quantize_weight(w)
-    got = quantize.reference_linear(x, weight)
+    got = reference_linear(x, weight)
     xq, xs = quantize_rows(x)
     dequantized = (xq.double() * xs.double()[:, None]) @ (weight.data.double() * weight.scale.double()[:, None]).T
     assert torch.allclose(got.double(), dequantized, rtol=1e-5, atol=1e-5)
@@ -54,7 +55,7 @@ def test_an_fp8_linear_keeps_only_fp8_values_and_scales_and_takes_any_leading_di
     assert module.weight.dtype == torch.float8_e4m3fn and module.weight_scale.shape == (24,)
     assert not list(module.parameters())
     x = torch.randn(2, 3, 64)
-    assert torch.equal(module(x), quantize.reference_linear(x.view(6, 64), module.fp8).view(2, 3, 24))
+    assert torch.equal(module(x), reference_linear(x.view(6, 64), module.fp8).view(2, 3, 24))
     with pytest.raises(DDTreeError, match="bias-free"):
         Fp8Linear(torch.nn.Linear(64, 24, bias=True))
 
@@ -97,7 +98,7 @@ def test_greedy_output_with_an_fp8_draft_is_the_targets_own_on_both_paths(ckpt, 
             ref = list(gen := quantized.stream(prompt, GREEDY, method=method, budget=budget))
             got = list(fast_gen := fast.stream(prompt, GREEDY, method=method, budget=budget))
             assert gen.token_ids == want and fast_gen.token_ids == want, (method, budget)
-            assert fast_gen.on_fast_path
+            assert fast_gen.backend.name == "fast"
             # both paths draft with the same fp8 function: the same trees, the same acceptance round for round
             assert [r.accepted for r in got] == [r.accepted for r in ref]
 
@@ -117,7 +118,7 @@ def test_a_draft_vocabulary_scores_with_fp8_copies_of_its_rows():
     sub = DraftHead(head, [7, 2, 5], quantization="fp8")
     assert sub.size == 3 and sub.token_ids.tolist() == [2, 5, 7] and isinstance(sub.weight, Fp8Weight)
     hidden = torch.randn(3, 64)
-    assert torch.equal(sub(hidden), quantize.reference_linear(hidden, quantize_weight(head.weight[[2, 5, 7]])))
+    assert torch.equal(sub(hidden), reference_linear(hidden, quantize_weight(head.weight[[2, 5, 7]])))
 
 
 def test_fp8_drafts_fail_clearly_where_they_cannot_run(ckpt, monkeypatch):

@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
+from ddtree.core.sampling import SamplingParams, filter_logits, process_logits
 from ddtree.engine import Engine
-from ddtree.sampling import SamplingParams, filter_logits, process_logits
 from distributions import event_p_value, exact_joint, fit_p_value
 from tiny import make_draft, make_target
 
@@ -75,7 +75,7 @@ def test_same_seed_same_output_and_processed_logits_respect_filters(small_vocab_
 
 
 def test_penalties_bias_and_min_p_follow_their_formulas():
-    from ddtree.sampling import History
+    from ddtree.core.sampling import History
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     history = History([4], vocab=5, device=torch.device("cpu"))  # token 4 is in the prompt

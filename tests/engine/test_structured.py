@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
+from ddtree.core.grammar import Constraint, choice_grammar, json_schema_grammar, unpack
+from ddtree.core.sampling import SamplingParams, ThinkBlock
 from ddtree.engine import Engine
-from ddtree.grammar import Constraint, choice_grammar, json_schema_grammar, unpack
-from ddtree.sampling import SamplingParams, ThinkBlock
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "name": {"type": "string", "maxLength": 12}},
           "required": ["ok", "name"], "additionalProperties": False}
@@ -93,13 +93,13 @@ def test_the_fast_path_serves_constrained_requests_with_the_reference_tokens(dem
     want = demo.generate(prompt(demo), params, method="ar").token_ids
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", 8)):
         gen = fast.stream(prompt(fast), params, method=method, budget=budget)
-        assert gen.on_fast_path
+        assert gen.backend.name == "fast"
         list(gen)
         assert gen.token_ids == want, method
     sampled = SamplingParams(max_new_tokens=80, temperature=1.0, seed=2, grammar=json_schema_grammar(SCHEMA))
     gen = fast.stream(prompt(fast), sampled, method="ddtree", budget=16)
     list(gen)
-    assert gen.on_fast_path and gen.finish_reason == "stop" and matches_schema(fast.decode(gen.token_ids))
+    assert gen.backend.name == "fast" and gen.finish_reason == "stop" and matches_schema(fast.decode(gen.token_ids))
     for options in (["a"], ['"a"']):  # one token, complete at the prefill; or three
         only = SamplingParams(max_new_tokens=10, grammar=choice_grammar(options))
         got = fast.generate(prompt(fast), only, method="ddtree", budget=8)
@@ -238,7 +238,7 @@ def test_the_fast_path_thinks_before_the_grammar_as_the_reference_does(demo):
         want = demo.generate(code, params, method="ar").token_ids
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", 8)):
             gen = fast.stream(code, params, method=method, budget=budget)
-            assert gen.on_fast_path
+            assert gen.backend.name == "fast"
             list(gen)
             assert gen.token_ids == want, (opened, method)
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from ddtree.tree import build_tree, chain_tree, top_candidates, visibility, walk
+from ddtree.core.tree import build_tree, chain_tree, top_candidates, visibility, walk
 
 
 def brute_force(draft_logits: torch.Tensor, budget: int) -> list[tuple[int, ...]]:

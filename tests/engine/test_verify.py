@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from ddtree.tree import build_tree
+from ddtree.core.tree import build_tree
 from tiny import path_tokens, prefill
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [17], [40, 41, 42, 43, 44, 45, 46, 47], list(range(60, 90))]
 GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -17,7 +17,7 @@ def test_same_tokens_and_same_acceptance_as_the_reference(pairs, arch):
         ar = reference.generate(prompt, GREEDY, method="ar").token_ids
         for method, budget in RUNS:
             gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
-            assert gen.on_fast_path
+            assert gen.backend.name == "fast"
             rounds = list(gen)
             ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
             ref_rounds = list(ref)
@@ -78,7 +78,7 @@ def rounds_agree(fast: Engine, reference: Engine, prompt: list[int], params: Sam
     rounds = list(gen)
     ref = reference.stream(prompt, params, method=method, budget=budget)
     ref_rounds = list(ref)
-    assert gen.on_fast_path and gen.token_ids == ref.token_ids, (method, budget)
+    assert gen.backend.name == "fast" and gen.token_ids == ref.token_ids, (method, budget)
     assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], (method, budget)
     return gen.token_ids
 
@@ -104,7 +104,7 @@ def test_prompt_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, metho
     ref = reference.stream(prompt, params, method=method, budget=budget)
     ref_first = next(ref)
     list(ref)
-    assert gen.on_fast_path and gen.token_ids == ref.token_ids
+    assert gen.backend.name == "fast" and gen.token_ids == ref.token_ids
     prompt_logprobs_agree(first.prompt_logprobs, ref_first.prompt_logprobs)
     assert len(first.prompt_logprobs) == len(prompt)
 
@@ -129,11 +129,11 @@ def test_requests_the_fast_path_cannot_serve_take_the_reference_path(pairs, fast
     wide = SamplingParams(max_new_tokens=4, logprobs=25, ignore_eos=True)  # a round keeps 20 alternatives
     gen = fast.stream([1, 2, 3], wide)
     got = [entry for r in gen for entry in r.logprobs]
-    assert not gen.on_fast_path and all(len(entry.top) == 25 for entry in got)
+    assert gen.backend.name == "reference" and all(len(entry.top) == 25 for entry in got)
     assert got == [entry for r in reference.stream([1, 2, 3], wide) for entry in r.logprobs]
     too_long = SamplingParams(max_new_tokens=fast.fast.capacity, ignore_eos=True)
-    assert not fast.stream([1, 2, 3], too_long).on_fast_path
-    assert not fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=0).on_fast_path
+    assert fast.stream([1, 2, 3], too_long).backend.name == "reference"
+    assert fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=0).backend.name == "reference"
     swa = Engine.from_pretrained(fast_ckpt / "swa", fast_ckpt / "draft", device="cpu", fast=True)
     assert swa.fast is None and "sliding" in swa.fast_unsupported
     assert Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu").fast is None
@@ -144,18 +144,18 @@ def test_one_generation_at_a_time_on_the_static_caches(pairs):
     first = fast.stream([1, 2, 3], GREEDY)
     next(first)
     second = fast.stream([4, 5, 6], GREEDY)
-    assert first.on_fast_path and not second.on_fast_path
+    assert first.backend.name == "fast" and second.backend.name == "reference"
     list(first)
     list(second)
     assert second.token_ids == reference.generate([4, 5, 6], GREEDY).token_ids
-    assert fast.stream([4, 5, 6], GREEDY).on_fast_path  # released once the first one ended
+    assert fast.stream([4, 5, 6], GREEDY).backend.name == "fast"  # released once the first one ended
     assert torch.equal(torch.tensor(first.token_ids), torch.tensor(reference.generate([1, 2, 3], GREEDY).token_ids))
 
 
 def test_the_next_round_is_queued_early_and_a_wasted_one_harms_nothing(pairs, monkeypatch):
     """Rounds are queued one ahead of the host; only a stop token can leave one unread, and the next
     generation still matches the reference."""
-    from ddtree.fast import Plan
+    from ddtree.fast.runner import Plan
 
     reference, fast = pairs["qwen3"]
     monkeypatch.setattr(fast.fast, "queue_ahead", True)  # the CUDA default; the CPU runs a round when launched
@@ -177,14 +177,15 @@ def test_budgets_above_the_tested_tree_size_take_the_reference_path(fast_ckpt):
     fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True,
                                   fast_capacity=2048)  # room for any tree: only the budget decides
     big = fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=300)
-    assert not big.on_fast_path and fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=256).on_fast_path
+    assert big.backend.name == "reference"
+    assert fast.stream([1, 2, 3], GREEDY, method="ddtree", budget=256).backend.name == "fast"
     list(big)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     assert big.token_ids == reference.generate([1, 2, 3], GREEDY, method="ddtree", budget=300).token_ids
 
 
 def test_a_default_budget_beyond_the_fast_path_is_said_at_startup(fast_ckpt, caplog, capsys):
-    from ddtree.api import ServerConfig, ServerState
+    from ddtree.api.app import ServerConfig, ServerState
     from ddtree.cli import main
 
     big = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True, budget=300)
@@ -220,13 +221,13 @@ def test_sampled_penalized_requests_stay_on_the_fast_path_and_a_seed_fixes_them(
     params = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, presence_penalty=0.5, seed=3,
                             ignore_eos=True)
     gen = fast.stream([1, 2, 3], params, method="ddtree", budget=8)
-    assert gen.on_fast_path
+    assert gen.backend.name == "fast"
     list(gen)
     assert gen.token_ids == fast.generate([1, 2, 3], params, method="ddtree", budget=8).token_ids
 
 
 def test_filtered_sampling_runs_on_the_fast_path_for_a_bounded_number_of_settings(pairs, monkeypatch):
-    from ddtree import fast as fast_module
+    from ddtree.fast import runner as fast_module
 
     _, fast = pairs["qwen3"]
     monkeypatch.setattr(fast.fast, "_plans", {})
@@ -235,10 +236,12 @@ def test_filtered_sampling_runs_on_the_fast_path_for_a_bounded_number_of_setting
     for i, kw in enumerate(settings):
         params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=i, ignore_eos=True, **kw)
         gen = fast.stream([1, 2, 3], params, method="ddtree", budget=8)
-        assert gen.on_fast_path == (i < 2), kw  # a third distinct setting would capture a third set of graphs
+        # a third distinct setting would capture a third set of graphs
+        assert (gen.backend.name == "fast") == (i < 2), kw
         list(gen)
     again = SamplingParams(max_new_tokens=6, temperature=0.5, top_p=0.9, ignore_eos=True)
-    assert fast.stream([4, 5], again, method="ddtree", budget=8).on_fast_path  # a known setting, any temperature
+    # a known setting, any temperature
+    assert fast.stream([4, 5], again, method="ddtree", budget=8).backend.name == "fast"
 
 
 @pytest.mark.parametrize("extra", [dict(logprobs=3), dict(logprobs=0, presence_penalty=0.5, logit_bias=((5, 1.0),))])
@@ -253,7 +256,7 @@ def test_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, extra, monke
         got = [entry for r in gen for entry in r.logprobs]
         want = [entry for r in reference.stream([1, 2, 3, 4], params, method=method, budget=budget)
                 for entry in r.logprobs]
-        assert gen.on_fast_path and len(got) == len(want) == 24
+        assert gen.backend.name == "fast" and len(got) == len(want) == 24
         for g, w in zip(got, want, strict=True):
             assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-5
             assert [t for t, _ in g.top] == [t for t, _ in w.top]
@@ -263,13 +266,13 @@ def test_logprobs_on_the_fast_path_equal_the_reference_paths(pairs, extra, monke
 def test_sampled_logprobs_are_the_processed_distributions_of_the_drawn_tokens(pairs):
     """Sampled draws differ between the paths, so each reported log-probability is checked against the
     target run directly over the prompt and the drawn tokens, through the reference's own processing."""
-    from ddtree.sampling import process_logits
+    from ddtree.core.sampling import process_logits
 
     _, fast = pairs["qwen3"]
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=6, seed=4, logprobs=2, ignore_eos=True)
     gen = fast.stream([1, 2, 3, 4], params, method="ddtree", budget=8)
     entries = [entry for r in gen for entry in r.logprobs]
-    assert gen.on_fast_path and [e.token_id for e in entries] == gen.token_ids
+    assert gen.backend.name == "fast" and [e.token_id for e in entries] == gen.token_ids
     ids = [1, 2, 3, 4, *gen.token_ids]
     with torch.no_grad():
         logits = fast.target.model(torch.tensor([ids])).logits[0, 3:-1]

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.fast import fused
-from ddtree.fast.heads import attention_heads as heads_kernel
-from ddtree.fast.jit import triton_works
-from ddtree.sampling import SamplingParams
+from ddtree.fast import layers
+from ddtree.kernels.heads import attention_heads as heads_kernel
+from ddtree.kernels.jit import triton_works
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -60,7 +60,7 @@ def test_a_draft_vocabulary_replays_as_graphs_and_gives_the_reference_tokens(fas
 def test_an_fp8_draft_replays_as_graphs_and_gives_the_targets_tokens(fast_ckpt, dtype):
     """fp8 drafter projections in the round's graphs: the output is the reference path's `ar`, and both paths
     draft with fp8 (the fast path through the kernels, the reference through them too on CUDA)."""
-    from ddtree.quantize import Fp8Weight
+    from ddtree.kernels.fp8 import Fp8Weight
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability 8.9+")
@@ -83,8 +83,8 @@ def test_an_fp8_draft_replays_as_graphs_and_gives_the_targets_tokens(fast_ckpt, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "k"), [(1, 64), (16, 4096), (16, 12288), (300, 20480)])
 def test_the_row_quantization_kernel_equals_torchs_cast_bit_for_bit(dtype, rows, k):
-    from ddtree import quantize
-    from ddtree.fast.rows import quantize as quantize_kernel
+    from ddtree.kernels import fp8 as quantize
+    from ddtree.kernels.rows import quantize as quantize_kernel
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = (torch.randn(rows, k, device="cuda", generator=gen) * 3).to(dtype)
@@ -101,8 +101,8 @@ def test_the_row_quantization_kernel_equals_torchs_cast_bit_for_bit(dtype, rows,
 def test_the_fp8_gemm_equals_a_float64_product_of_its_operands_and_repeats_bit_for_bit(rows, n, k):
     """The draft's widths (q, k/v, gate/up, down, fc, a draft vocabulary's head; a prompt's context rows in row
     tiles). Each K tile's product is added in float32 (Hopper's fp8 MMA adds in fewer bits than float32)."""
-    from ddtree import quantize
-    from ddtree.fast import gemm
+    from ddtree.kernels import fp8 as quantize
+    from ddtree.kernels import gemm
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 tensor cores need compute capability 8.9+")
@@ -121,8 +121,8 @@ def test_the_fp8_gemm_equals_a_float64_product_of_its_operands_and_repeats_bit_f
 def paired_projection_case(rows: int, n1: int, n2: int, k: int, fp8: bool, device: str) -> None:
     """A draft layer's q and k/v in one launch (gemm.pair_linear, float32 or fp8 operands): each side equals the
     float64 product with its own weight, and a second launch repeats it bit for bit."""
-    from ddtree import quantize
-    from ddtree.fast import gemm
+    from ddtree.kernels import fp8 as quantize
+    from ddtree.kernels import gemm
 
     gen = torch.Generator().manual_seed(n1 + n2 + k)
     dense = [torch.randn(n, k, generator=gen).to(device) for n in (n1, n2)]
@@ -164,7 +164,7 @@ def test_the_fast_path_is_on_by_default_on_cuda(fast_ckpt):
 
 def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, monkeypatch):
     """A machine whose Triton cannot build kernels (no compiler) serves on SDPA and the PyTorch tree loop."""
-    from ddtree.fast import jit
+    from ddtree.kernels import jit
 
     monkeypatch.setattr(jit, "_WORKS", {torch.device("cuda", torch.cuda.current_device()): False})
     fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32",
@@ -186,7 +186,7 @@ def test_dependent_launches_change_no_bits(fast_ckpt, monkeypatch):
     with early launches off, and with PDL off, give the same tokens and log-probabilities, bit for bit; a kernel
     that read another's output before its wait would race, and round AR steps (all Triton) and trees
     differently."""
-    from ddtree.fast import jit
+    from ddtree.kernels import jit
 
     if not jit.pdl(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("no programmatic dependent launch on this GPU or Triton")
@@ -212,7 +212,7 @@ def test_dependent_launches_change_no_bits(fast_ckpt, monkeypatch):
 
 def attention_case(n: int, groups: int, d: int, capacity: int, start: int, window: int | None):
     """Random grouped queries and cache (CPU, float32) over a random tree of n nodes, and SDPA's output for them."""
-    from ddtree.fast.attention import tree_attention, tree_mask
+    from ddtree.kernels.attention import tree_attention, tree_mask
 
     gen = torch.Generator().manual_seed(n)
     kv_heads = 2
@@ -233,7 +233,7 @@ def attention_case(n: int, groups: int, d: int, capacity: int, start: int, windo
 def test_triton_tree_attention_matches_sdpa(dtype, n, groups, window, d):
     """Head dim 256 with 390 grouped rows (a Qwen3.6-27B prompt chunk): in float32 the tuned tiles need more
     shared memory than an H200 has, so the launch must shrink them (attention.launch_fitting)."""
-    from ddtree.fast.attention import tree_attention, tree_mask
+    from ddtree.kernels.attention import tree_attention, tree_mask
 
     capacity, start = 512, 150
     q, cache, visible, want = attention_case(n, groups, d, capacity, start, window)
@@ -254,7 +254,7 @@ TALL = dict(block_m=128, block_n=32, num_warps=8, num_stages=1)  # one tile hold
 def test_one_split_writes_the_merged_output(dtype, n, window, tile):
     """With one split the split kernel normalises and writes the output itself (no merge pass): it must agree
     with the merged four-split kernel and with SDPA, padded tile rows included."""
-    from ddtree.fast.attention import _triton_attention, launch_config, tree_mask
+    from ddtree.kernels.attention import _triton_attention, launch_config, tree_mask
 
     kv_heads, groups, d, capacity, start = 2, 4, 128, 768, 560
     q, cache, visible, want = attention_case(n, groups, d, capacity, start, window)
@@ -275,8 +275,8 @@ def gemv_case(n: int, k: int, mode: str, dtype: torch.dtype, device: str) -> tup
     product of the row its unfused steps make; the summed residual is checked bit for bit on the way, and
     in the norm modes so is `norm_gemv`'s output, with the normed row it hands back."""
     import torch.nn.functional as F
-    from ddtree.draft import rms_norm
-    from ddtree.fast.gemv import NORM, PLAIN, SILU, gemv, norm_gemv
+    from ddtree.kernels.gemv import NORM, PLAIN, SILU, gemv, norm_gemv
+    from ddtree.models.draft import rms_norm
 
     gen = torch.Generator().manual_seed(n + k)
     weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).to(device)
@@ -311,13 +311,13 @@ def test_one_row_gemv_equals_its_unfused_steps(dtype, n, k, mode):
 
 
 def rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> None:
-    """The multi-row steps between a tree's GEMMs (ddtree/fast/rows.py: RMSNorm, the residual add + RMSNorm of
+    """The multi-row steps between a tree's GEMMs (ddtree/kernels/rows.py: RMSNorm, the residual add + RMSNorm of
     row-strided inputs, as slices of a wider GEMM output come, and SiLU · up) against the PyTorch functions the
     reference path runs: the same values up to the float32 sum's order and 1/sqrt, so within one rounding
     step of the dtype (the add, one rounding either way, bit for bit)."""
-    from ddtree.draft import rms_norm
-    from ddtree.fast import rows
-    from ddtree.fast.fused import add_rms_norm, silu_mul
+    from ddtree.fast.layers import add_rms_norm, silu_mul
+    from ddtree.kernels import rows
+    from ddtree.models.draft import rms_norm
 
     gen = torch.Generator().manual_seed(n + width)
     x = (torch.randn(n, width + 16, generator=gen) * 3).to(dtype).to(device)[:, :width]
@@ -341,10 +341,10 @@ def test_row_kernels_equal_the_reference_norms_and_silu(dtype, n, width):
 
 
 def argmax_case(rows: int, vocab: int, dtype: torch.dtype, device: str, chunk: int | None = None) -> None:
-    """The verify's greedy picks (ddtree/fast/tree.py: vocab_argmax) are torch.argmax's: the lowest token among
+    """The verify's greedy picks (ddtree/kernels/tree.py: vocab_argmax) are torch.argmax's: the lowest token among
     tied maxima (ties within a chunk and across chunks, -0.0 with +0.0), a NaN above every number (+NaN or
     -NaN, the first one wins), and token 0 for a row of -inf (a grammar that allows nothing)."""
-    from ddtree.fast.tree import ARGMAX_CHUNK, _vocab_argmax_on_gpu
+    from ddtree.kernels.tree import ARGMAX_CHUNK, _vocab_argmax_on_gpu
 
     chunk = chunk or ARGMAX_CHUNK
     logits = distinct_logits(rows, vocab, seed=vocab).div(2).round() + 0.0  # a handful of values: many ties
@@ -362,10 +362,10 @@ def argmax_case(rows: int, vocab: int, dtype: torch.dtype, device: str, chunk: i
 
 
 def compaction_case(path: list[int], start: int, dtype: torch.dtype, device: str) -> None:
-    """The commit's in-place compaction of a [L, 2, kv, T, d] cache (ddtree/fast/cache.py) moves exactly the
+    """The commit's in-place compaction of a [L, 2, kv, T, d] cache (ddtree/kernels/cache.py) moves exactly the
     path's rows to start.., bit for bit, and touches no other row, where the path reads rows that it also
     overwrites (its nodes lie deeper than their depths)."""
-    from ddtree.fast.cache import compact
+    from ddtree.kernels.cache import compact
 
     gen = torch.Generator().manual_seed(len(path) + start)
     cache = torch.randn(3, 2, 2, 64, 16, generator=gen).to(dtype).to(device)
@@ -377,12 +377,12 @@ def compaction_case(path: list[int], start: int, dtype: torch.dtype, device: str
 
 
 def walk_case(budget: int, accept_depth: int, seed: int, device: str) -> None:
-    """The acceptance walk's kernel (ddtree/fast/walk.py) gives the PyTorch steps' result, path, length and bonus,
+    """The acceptance walk's kernel (ddtree/kernels/walk.py) gives the PyTorch steps' result, path, length and bonus,
     and both give what walking the tree from the root gives: at each node, the child whose token is the target's
     pick there. The picks accept a path of `accept_depth` nodes below the root (fewer when the tree is shallower),
     and pick tokens no child holds elsewhere, so the walk must stop where the path ends."""
-    from ddtree.fast.tree import top_prefixes
-    from ddtree.fast.walk import _accept_kernel, accept_torch
+    from ddtree.kernels.tree import top_prefixes
+    from ddtree.kernels.walk import _accept_kernel, accept_torch
 
     gen = torch.Generator().manual_seed(seed)
     max_depth, vocab = 15, 40
@@ -417,8 +417,8 @@ def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> 
     Except float32 rows on a GPU: there the compiled norm kernel with the quantization in it may sum a row's squares
     in another order than the plain one, so its 1 / rms can be an ulp apart, and with it the scale (bf16 rounding
     hides that ulp). Those rows are held to the plain ones within e4m3's rounding."""
-    from ddtree import quantize
-    from ddtree.fast import rows
+    from ddtree.kernels import fp8 as quantize
+    from ddtree.kernels import rows
 
     gen = torch.Generator().manual_seed(n + width)
     x = (torch.randn(n, width + 64, generator=gen) * 3).to(dtype).to(device)[:, :width]
@@ -480,11 +480,11 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, 
     """A random Qwen3.5 Gated DeltaNet layer over a random tree of `nodes` (one: an AR step): the kernel's
     (output, conv window columns, keys, u, G) and the same from the PyTorch steps it replaces (the conv and
     gates over each node's window, the closed-form delta rule, the gated norm)."""
-    from ddtree.fast import gdn
     from ddtree.fast.delta import conv_sources, tree_delta_rule
-    from ddtree.fast.fused import fuse
     from ddtree.fast.hybrid import conv_and_gates, gated_rms_norm
-    from ddtree.hybrid import split_heads
+    from ddtree.fast.layers import fuse
+    from ddtree.kernels import gdn
+    from ddtree.models.hybrid import split_heads
     from test_delta import ancestry, random_tree
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
@@ -550,7 +550,7 @@ def test_skinny_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, row
     """The few-row GEMM (split-K partials summed by the last program of each column tile) against float64;
     two launches give the same bits (the arrival counters reset); `linear` takes it only up to MAX_ROWS."""
     import torch.nn.functional as F
-    from ddtree.fast import gemm
+    from ddtree.kernels import gemm
 
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).cuda()
@@ -573,7 +573,7 @@ def test_many_row_projections_go_through_cublaslt_and_equal_a_float64_product(mo
     kernel's, up to LT_MAX_ROWS, to cuBLASLt by way of a zero bias, and the product stays right; float32 and
     wider trees keep cuBLAS."""
     import torch.nn.functional as F
-    from ddtree.fast import gemm, wgmma
+    from ddtree.kernels import gemm, wgmma
 
     monkeypatch.setattr(wgmma, "ENABLED", False)
 
@@ -595,7 +595,7 @@ def _hopper() -> bool:
 
 def _fills_the_gpu(n: int, k: int, rows: int) -> bool:
     """The wgmma kernel's fill rule for an [n, k] weight at `rows` rows on this GPU."""
-    from ddtree.fast import wgmma
+    from ddtree.kernels import wgmma
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return wgmma.fill(wgmma.launch_config(n, k, rows, sms), n, sms) >= wgmma.MIN_FILL
@@ -612,7 +612,7 @@ def test_wgmma_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows
     that wraps; two launches give the same bits (the tickets reset), as do stages of one K box and of two, and
     `gemm.linear` routes these rows to it."""
     import torch.nn.functional as F
-    from ddtree.fast import gemm, wgmma
+    from ddtree.kernels import gemm, wgmma
 
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).cuda()
@@ -638,11 +638,11 @@ def test_wgmma_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows
     (65, 24576, 4096, None), (33, 6000, 1024, None), (129, 2000, 256, None), (136, 8192, 4096, None),
     (40, 400, 1024, (1, 2, 4)), (72, 768, 512, (3, 3, 1)), (65, 4096, 12288, None)])
 def test_wgmma_silu_epilogue_equals_the_row_kernel_after_the_product(dtype, rows, n, k, tiles):
-    """SiLU(gate) · up in the gate/up product's epilogue gives the bits of ddtree/fast/rows.py's kernel run on the
+    """SiLU(gate) · up in the gate/up product's epilogue gives the bits of ddtree/kernels/rows.py's kernel run on the
     plain product: gate widths that end inside a block (3000 of 96 a block), K split over blocks, a stage ring that
     wraps; and `gemm.silu_mul_linear` takes these rows where the fill rule lets the kernel take the product."""
-    from ddtree.fast import gemm, wgmma
-    from ddtree.fast import rows as row_kernels
+    from ddtree.kernels import gemm, wgmma
+    from ddtree.kernels import rows as row_kernels
 
     gen = torch.Generator().manual_seed(rows + n + k)
     weight = (torch.randn(n, k, generator=gen) / 16).to(dtype).cuda()
@@ -665,7 +665,7 @@ def test_the_silu_epilogue_changes_no_bit_of_a_round(fast_ckpt, monkeypatch):
     """With the fill rule off, the tiny target's tree projections run on the Hopper GEMM, and its MLPs take SiLU · up
     in the gate/up product's epilogue: the same rounds with the row kernel after the plain product give the same
     tokens and log-probabilities, bit for bit."""
-    from ddtree.fast import gemm, wgmma
+    from ddtree.kernels import gemm, wgmma
 
     monkeypatch.setattr(wgmma, "MIN_FILL", 0.0)
     folded = []
@@ -676,7 +676,7 @@ def test_the_silu_epilogue_changes_no_bit_of_a_round(fast_ckpt, monkeypatch):
             folded.append(x.shape[0])
         return act
 
-    monkeypatch.setattr(fused, "silu_mul_linear", counted)
+    monkeypatch.setattr(layers, "silu_mul_linear", counted)
     engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="bfloat16",
                                     fast=True, fast_capacity=256)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=2)
@@ -699,8 +699,8 @@ def test_wgmma_gemm_in_a_graph_reads_what_the_kernel_before_it_wrote():
     """Captured after two Triton row kernels and launched as the second's programmatic dependent, the GEMM loads
     its first weight tiles early (at 65 rows the norms let it launch before they wait, so while the first norm
     may still run) but the rows only after the second is done: replays over new inputs give eager bits."""
-    from ddtree.fast import wgmma
-    from ddtree.fast.rows import rms_norm
+    from ddtree.kernels import wgmma
+    from ddtree.kernels.rows import rms_norm
 
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(4096, 4096, generator=gen) / 32).to(torch.bfloat16).cuda()
@@ -725,9 +725,9 @@ def test_wgmma_gemm_in_a_graph_reads_what_the_kernel_before_it_wrote():
 @pytest.mark.parametrize(("n", "heads", "kv_heads", "d", "norm"),
                          [(1, 32, 8, 128, True), (65, 32, 8, 128, True), (16, 4, 2, 64, False), (3, 2, 2, 16, True)])
 def test_attention_heads_kernel_equals_the_reference_step(dtype, n, heads, kv_heads, d, norm):
-    """The one-kernel heads step against fused.attention_heads run eagerly: grouped queries, the cache rows
+    """The one-kernel heads step against layers.attention_heads run eagerly: grouped queries, the cache rows
     at `slots` (v bit for bit), and no other cache row touched; q/k/v as row-strided views of one qkv."""
-    from ddtree.fast.fused import attention_heads
+    from ddtree.fast.layers import attention_heads
 
     gen = torch.Generator().manual_seed(n * d)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype).cuda()
@@ -755,7 +755,7 @@ def distinct_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("budget", [1, 3, 16, 64, 128, 200])
 @pytest.mark.parametrize("vocab", [50, 8192])
 def test_the_one_kernel_tree_build_equals_the_pytorch_loop(budget, vocab):
-    from ddtree.fast.tree import top_prefixes
+    from ddtree.kernels.tree import top_prefixes
 
     logits = distinct_logits(15, vocab, seed=budget)
     want = top_prefixes(logits, budget)  # CPU: torch.topk and the per-depth PyTorch loop
@@ -767,7 +767,7 @@ def test_the_one_kernel_tree_build_equals_the_pytorch_loop(budget, vocab):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("vocab", "k"), [(20, 2), (8192, 64), (151936, 16), (151936, 128), (5000, 300)])
 def test_vocab_top_kernels_equal_topk_and_logsumexp(dtype, vocab, k):
-    from ddtree.fast.tree import vocab_top
+    from ddtree.kernels.tree import vocab_top
 
     logits = distinct_logits(15, vocab, seed=k).to(dtype)
     logp, tokens = vocab_top(logits.cuda(), k)
@@ -800,7 +800,7 @@ def test_filtered_sampling_is_captured_in_graphs_and_stays_in_the_filtered_suppo
     """top-k / top-p / min-p run inside the sampled verify graph (not eagerly), and every token drawn is one
     the reference path's own filter keeps for that context (with a hair of slack on top-p and min-p: the two
     paths' float32 logits differ in the last bits)."""
-    from ddtree.sampling import filter_logits
+    from ddtree.core.sampling import filter_logits
 
     fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32",
                                   fast=True, fast_capacity=256)
@@ -882,7 +882,7 @@ def test_triton_experts_equal_the_sparse_block_at_real_widths(dtype):
     of B = 16 and 64 and at a prompt chunk (a run per expert, some experts empty, some runs longer than one
     16-row tile). float32 against transformers' block; bf16 against the PyTorch steps on the same routing
     (transformers' router rounds its logits through another GEMM, which can flip a near-tie pick)."""
-    from ddtree.fast.moe import Experts
+    from ddtree.kernels.moe import Experts
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -945,7 +945,7 @@ def reference_margin(reference: Engine, prompt: list[int], want: list[int], got:
 
 def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():
     pytest.importorskip("llguidance", reason="the server extra's llguidance (carry its wheel to the GPU machine)")
-    from ddtree.grammar import json_schema_grammar
+    from ddtree.core.grammar import json_schema_grammar
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "name": {"type": "string", "maxLength": 9}},
               "required": ["ok", "name"], "additionalProperties": False}
@@ -967,7 +967,7 @@ def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():
 
 
 def test_packed_grammar_masks_unpack_on_the_device_as_on_the_host():
-    from ddtree.grammar import unpack
+    from ddtree.core.grammar import unpack
 
     bits = torch.randint(-2**31, 2**31 - 1, (65, 4748), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
     assert torch.equal(unpack(bits.cuda(), 151936).cpu(), unpack(bits, 151936))
@@ -980,7 +980,7 @@ def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, 
     Gated DeltaNet tree and its commit captured in the round's graphs (and Qwen3.5's AR steps through the
     one-row kernel, its trees of up to TREE_MAX nodes through the tree kernels): the reference's tokens up to
     its own near-ties (graph_rounds_match_ar)."""
-    from ddtree.fast import gdn
+    from ddtree.kernels import gdn
     from tiny import make_draft, make_hybrid_target
 
     trees, tree_step = [], gdn.tree_step

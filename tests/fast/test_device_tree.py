@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from ddtree.fast.tree import ancestors, chain, top_prefixes
-from ddtree.tree import build_tree, chain_tree, visibility
+from ddtree.core.tree import build_tree, chain_tree, visibility
+from ddtree.kernels.tree import ancestors, chain, top_prefixes
 
 
 def paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
@@ -54,7 +54,7 @@ def test_chain_and_ancestors_match_the_host_versions():
 
 
 def test_a_kernel_that_cannot_launch_falls_back_once_and_says_so(capsys, monkeypatch):
-    from ddtree.fast import jit
+    from ddtree.kernels import jit
 
     monkeypatch.setattr(jit, "_DECLINED", set())
     calls = []

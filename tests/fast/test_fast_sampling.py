@@ -5,8 +5,8 @@ first three tokens is computable, and 1000 seeded draws per method must fit it (
 """
 
 import pytest
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.sampling import SamplingParams
 from distributions import exact_joint, fit_p_value
 from tiny import make_draft, make_target
 
@@ -34,7 +34,7 @@ def test_fast_path_sampling_follows_the_target_distribution(small_vocab_fast, kw
         for seed in range(DRAWS):
             params = SamplingParams(max_new_tokens=STEPS, seed=seed, ignore_eos=True, **kw)
             gen = engine.stream(PROMPT, params, method=method, budget=budget)
-            assert gen.on_fast_path
+            assert gen.backend.name == "fast"
             list(gen)
             counts[tuple(gen.token_ids)] = counts.get(tuple(gen.token_ids), 0) + 1
         p_value = fit_p_value(counts, joint)
@@ -53,7 +53,7 @@ def test_sampling_with_a_draft_vocabulary_follows_the_target_distribution(small_
     for seed in range(DRAWS):
         gen = sub.stream(PROMPT, SamplingParams(max_new_tokens=STEPS, seed=seed, ignore_eos=True, **kw),
                          method="ddtree", budget=6)
-        assert gen.on_fast_path
+        assert gen.backend.name == "fast"
         accepted += sum(r.accepted for r in gen)
         counts[tuple(gen.token_ids)] = counts.get(tuple(gen.token_ids), 0) + 1
     assert accepted > 0  # the drafter's tokens are still accepted
@@ -63,7 +63,7 @@ def test_sampling_with_a_draft_vocabulary_follows_the_target_distribution(small_
 def test_fast_sampling_is_seeded_and_still_speculates(small_vocab_fast):
     params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=5, ignore_eos=True)
     first = small_vocab_fast.stream(PROMPT, params, method="ddtree", budget=6)
-    assert first.on_fast_path
+    assert first.backend.name == "fast"
     list(first)
     again = small_vocab_fast.generate(PROMPT, params, method="ddtree", budget=6)
     other = small_vocab_fast.generate(PROMPT, SamplingParams(max_new_tokens=200, temperature=1.0, seed=6,

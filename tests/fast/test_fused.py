@@ -2,8 +2,8 @@
 
 import torch
 from ddtree.engine import Engine
-from ddtree.fast import fused
-from ddtree.fast.fused import Ops, attention_heads, rms_norm
+from ddtree.fast import layers
+from ddtree.fast.layers import Ops, attention_heads, rms_norm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 
@@ -46,7 +46,7 @@ def test_a_compile_that_fails_falls_back_to_the_eager_step(monkeypatch, capsys):
             raise RuntimeError("no C compiler found")
         return run
 
-    monkeypatch.setattr(fused.torch, "compile", broken_compile)
+    monkeypatch.setattr(layers.torch, "compile", broken_compile)
     ops = Ops(compile=True)
     x, w = torch.randn(3, 8), torch.randn(8)
     assert torch.equal(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))

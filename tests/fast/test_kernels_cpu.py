@@ -10,9 +10,9 @@ import os
 
 import pytest
 import torch
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.fast import jit
-from ddtree.sampling import SamplingParams
+from ddtree.kernels import jit
 from test_agreement import prompt_logprobs_agree
 from test_cuda import (
     argmax_case,
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRI
 @pytest.mark.parametrize(("rows", "n", "k", "split_k"), [(2, 40, 64, 1), (17, 96, 256, 1), (5, 100, 512, 4),
                                                          (33, 70, 128, 2)])
 def test_skinny_gemm_equals_a_float64_product_and_resets_its_counters(rows, n, k, split_k):
-    from ddtree.fast import gemm
+    from ddtree.kernels import gemm
 
     gen = torch.Generator().manual_seed(rows * n)
     x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
@@ -64,7 +64,7 @@ class SmallGPU:
 
 
 def test_few_row_gemm_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_stays_right(monkeypatch):
-    from ddtree.fast import gemm
+    from ddtree.kernels import gemm
 
     monkeypatch.setattr(jit, "_FITTED", {})
     small = SmallGPU(gemm._skinny_kernel, {"num_stages": 1, "BLOCK_K": 64})
@@ -79,7 +79,7 @@ def test_few_row_gemm_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_stay
 
 
 def test_tree_attention_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_stays_right(monkeypatch):
-    from ddtree.fast import attention
+    from ddtree.kernels import attention
 
     monkeypatch.setattr(jit, "_FITTED", {})
     small = SmallGPU(attention._split_kernel, {"num_stages": 1, "BLOCK_N": 16})
@@ -96,7 +96,7 @@ def test_tree_attention_on_a_gpu_with_little_shared_memory_fits_its_tiles_and_st
 def test_moe_experts_on_a_gpu_with_little_shared_memory_fit_their_tiles_and_stay_right(tmp_path, monkeypatch):
     """In float32 the gate/up kernel's tuned tiles need 144 KB of shared memory, more than a consumer GPU has
     (benchmarks/kernel_resources.py): both expert kernels shrink their tiles rather than fail."""
-    from ddtree.fast import moe
+    from ddtree.kernels import moe
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(jit, "_FITTED", {})
@@ -135,7 +135,7 @@ def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits, two_loops
     """Every loop form. With 3 splits of 16 keys one split holds both committed keys (up to 20) and new ones;
     in the third form the new rows' keys (up to 19, two blocks) take the last split alone, the 20 committed
     keys the other two (one split: every key in it, as the second form)."""
-    from ddtree.fast.attention import TreeMask, _triton_attention
+    from ddtree.kernels.attention import TreeMask, _triton_attention
 
     d, capacity, start = 16, 64, 20
     q, cache, visible, want = attention_case(n, groups, d, capacity, start, window)
@@ -148,7 +148,7 @@ def test_tree_attention_kernel_matches_sdpa(n, groups, window, splits, two_loops
 def test_tree_attention_takes_a_mask_that_is_a_view(kernels_on_cpu):
     """A hybrid's later prompt chunk passes its rows of the whole prompt's causal mask, a view whose rows are
     strided: the kernel must see the chunk's own causal mask, as SDPA does."""
-    from ddtree.fast.attention import tree_attention, tree_mask
+    from ddtree.kernels.attention import tree_attention, tree_mask
 
     gen = torch.Generator().manual_seed(0)
     prompt, lo, heads, groups, d, capacity = 12, 7, 2, 2, 16, 32
@@ -171,7 +171,7 @@ def test_tree_attention_takes_a_mask_that_is_a_view(kernels_on_cpu):
 @pytest.mark.parametrize(("heads", "k_heads", "d"), [(4, 2, 16), (2, 2, 16), (2, 1, 64)])
 @pytest.mark.parametrize("nodes", [1, 2, 9, 24])
 def test_gated_deltanet_kernels_equal_the_pytorch_steps(heads, k_heads, d, nodes, monkeypatch):
-    from ddtree.fast import gdn
+    from ddtree.kernels import gdn
 
     monkeypatch.setattr(gdn, "TREE_SLICE", 32)  # at d 64: two d_v slices
     monkeypatch.setattr(gdn, "TREE_CONFIGS", dict.fromkeys(gdn.TREE_CONFIGS, (4, 16)))  # 24 nodes: two row tiles
@@ -184,9 +184,9 @@ def test_gated_deltanet_kernels_equal_the_pytorch_steps(heads, k_heads, d, nodes
 @pytest.mark.parametrize("block_t", [1, 2, 4])  # 1: a GPU's programs; 2: a partial last block; 4: the CPU's
 @pytest.mark.parametrize("norm", [True, False])
 def test_attention_heads_kernel_equals_the_reference_step(norm, block_t, monkeypatch):
-    from ddtree.fast import heads as heads_module
-    from ddtree.fast.fused import attention_heads
-    from ddtree.fast.heads import attention_heads as heads_kernel
+    from ddtree.fast.layers import attention_heads
+    from ddtree.kernels import heads as heads_module
+    from ddtree.kernels.heads import attention_heads as heads_kernel
 
     monkeypatch.setattr(heads_module, "launch_rows", lambda n, device: block_t)
 
@@ -235,7 +235,7 @@ def test_the_walk_kernel_accepts_the_path_the_picks_spell(budget, accept_depth):
 def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k, dtype):
     """bf16 logits take the kernel's int32 keys; among tied logits the lower token comes first. 2500 logits
     make three chunks at k = 40 (interpreted, each chunk's bitonic top-k takes seconds)."""
-    from ddtree.fast.tree import _vocab_top_on_gpu
+    from ddtree.kernels.tree import _vocab_top_on_gpu
 
     logits = distinct_logits(4, vocab, seed=k)
     if dtype == torch.bfloat16:
@@ -255,7 +255,7 @@ def test_vocab_top_kernels_equal_topk_and_logsumexp(vocab, k, dtype):
 @pytest.mark.parametrize(("vocab", "k"), [(20, 2), (300, 16)])
 def test_vocab_top_kernels_map_a_draft_vocabularys_columns_to_token_ids(vocab, k):
     """A draft vocabulary's column c is token token_ids[c]: the merge kernel writes the ids, as the CPU path does."""
-    from ddtree.fast.tree import _vocab_top_on_gpu, vocab_top
+    from ddtree.kernels.tree import _vocab_top_on_gpu, vocab_top
 
     logits = distinct_logits(3, vocab, seed=vocab)
     token_ids = torch.randperm(5 * vocab, generator=torch.Generator().manual_seed(k))[:vocab]
@@ -271,7 +271,7 @@ def test_vocab_top_kernels_map_a_draft_vocabularys_columns_to_token_ids(vocab, k
 def test_the_gather_kernel_equals_index_select(kernels_on_cpu, rows, width, dtype):
     """Embeddings, rotary rows and tap features go through it: any index, repeated or not, any row width (one
     slice per program on a GPU), and no rows at all."""
-    from ddtree.fast.gather import gather_rows
+    from ddtree.kernels.gather import gather_rows
 
     gen = torch.Generator().manual_seed(rows + width)
     table = torch.randn(40, width, generator=gen).to(dtype)
@@ -281,7 +281,7 @@ def test_the_gather_kernel_equals_index_select(kernels_on_cpu, rows, width, dtyp
 
 def test_the_read_bandwidth_kernel_reads_every_element_once():
     """`ddtree bench` times its read floor with this kernel: its sums prove it read all the bytes it counts."""
-    from ddtree.fast.bench import READ_BLOCK, read_sums
+    from ddtree.bench.command import READ_BLOCK, read_sums
 
     data = torch.randn(3 * READ_BLOCK, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     sums = read_sums(data, torch.empty(3))
@@ -290,7 +290,7 @@ def test_the_read_bandwidth_kernel_reads_every_element_once():
 
 @pytest.mark.parametrize(("budget", "vocab"), [(1, 50), (5, 50), (16, 50), (24, 300)])
 def test_the_one_program_tree_build_equals_the_pytorch_loop(budget, vocab):
-    from ddtree.fast.tree import _build_on_gpu, _frontier, top_prefixes, tree_size, vocab_top
+    from ddtree.kernels.tree import _build_on_gpu, _frontier, top_prefixes, tree_size, vocab_top
 
     logits = distinct_logits(5, vocab, seed=budget)
     want = top_prefixes(logits, budget)  # on the CPU: the per-depth PyTorch loop
@@ -304,7 +304,7 @@ def test_the_one_program_tree_build_equals_the_pytorch_loop(budget, vocab):
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """The fast path runs its Triton kernels (interpreted) on the CPU, where it would otherwise take PyTorch."""
-    from ddtree.fast import jit
+    from ddtree.kernels import jit
 
     monkeypatch.setattr(jit, "INTERPRETED_ON_CPU", True)
 
@@ -313,8 +313,8 @@ def test_a_walk_kernel_that_cannot_launch_leaves_the_walk_to_pytorch(kernels_on_
     """A GPU where the walk's kernel cannot build or launch (an old Triton, too little shared memory at a large
     budget) still gets every round's right answer: `accept` takes the PyTorch steps for that shape, says so once,
     and does not try the kernel again."""
-    from ddtree.fast import jit, walk
-    from ddtree.fast.tree import top_prefixes
+    from ddtree.kernels import jit, walk
+    from ddtree.kernels.tree import top_prefixes
 
     monkeypatch.setattr(jit, "_DECLINED", set())
     tries = []
@@ -339,8 +339,8 @@ def test_linear_takes_the_gemv_for_one_row_of_a_narrow_weight(kernels_on_cpu, mo
     """One row of a weight up to ROW_GEMV_MAX_N wide goes through the GEMV (wider ones, and DDTREE_ROW_GEMV=0,
     keep F.linear); either way the product is F.linear's."""
     import torch.nn.functional as F
-    from ddtree.fast import gemm
-    from ddtree.fast.gemv import gemv
+    from ddtree.kernels import gemm
+    from ddtree.kernels.gemv import gemv
 
     calls = []
     monkeypatch.setattr(gemm, "gemv", lambda x, weight: calls.append(weight.shape[0]) or gemv(x, weight))
@@ -372,9 +372,9 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, k
     and a mixture-of-experts one. One test per target, so that each stays well inside the per-test timeout on
     a slow machine (interpreted, the four took 119, 162, 48 and 21 s on one 2-core machine). The methods are the
     fewest that run every kernel form: dflash and ddtree 5 ran no kernel that ddtree 24 does not."""
-    from ddtree.fast import attention, gdn, gemm
     from ddtree.fast import hybrid as fast_hybrid
-    from ddtree.fast.heads import attention_heads as heads_kernel
+    from ddtree.kernels import attention, gdn, gemm
+    from ddtree.kernels.heads import attention_heads as heads_kernel
 
     monkeypatch.setattr(fast_hybrid, "PROMPT_CHUNK", 7)  # a hybrid's 10-token prompt: chunks of 7 and 3 nodes
     if name in ("qwen3", "moe"):  # 2 target layers and 1 draft layer (interpreted, every launch is slow)
@@ -413,7 +413,7 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, k
         monkeypatch.setattr(gemm, "skinny_linear", real)
         ref = reference.stream(list(range(30, 40)), params, method=method, budget=budget)
         ref_rounds = list(ref)
-        assert gen.on_fast_path and gen.token_ids == ref.token_ids, (method, budget)
+        assert gen.backend.name == "fast" and gen.token_ids == ref.token_ids, (method, budget)
         assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
         got = [lp.logprob for r in rounds for lp in r.logprobs]
         assert got == pytest.approx([lp.logprob for r in ref_rounds for lp in r.logprobs], abs=1e-4)
@@ -443,7 +443,7 @@ def test_the_row_quantization_kernel_finds_each_rows_scale_and_its_e4m3_values(r
     """Interpreted, on values that need no rounding: Triton's interpreter casts to e4m3 without carrying a
     rounded-up mantissa into the exponent (125.2 becomes 64, not 128), so the rounding itself is checked on the
     GPU (tests/fast/test_cuda.py: bit for bit with torch's cast)."""
-    from ddtree.fast.rows import quantize
+    from ddtree.kernels.rows import quantize
 
     x, values, scales = e4m3_grid_rows(rows, k, seed=rows)
     q, scale = quantize(x)
@@ -462,8 +462,8 @@ def test_quantizing_row_kernels_equal_the_row_kernels_then_the_quantization_kern
 def test_the_fp8_gemm_equals_the_reference_on_the_same_quantized_rows(rows, n, k, monkeypatch):
     """One row tile with and without K splits (512: two 256-wide slices summed by the last program), and 70 rows
     in three tiles of 32."""
-    from ddtree import quantize
-    from ddtree.fast import gemm
+    from ddtree.kernels import fp8 as quantize
+    from ddtree.kernels import gemm
 
     monkeypatch.setattr(gemm, "FP8_ROW_TILE", 32)
     gen = torch.Generator().manual_seed(rows + n)
@@ -487,7 +487,7 @@ def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernel
     """A quantized drafter with every fp8 kernel in place (the row quantization, alone and folded into the norms
     and SiLU · up, and the GEMM, for the block pass, the commit's context projections and the head): the output
     is the reference path's `ar` output."""
-    from ddtree.fast import gemm, rows
+    from ddtree.kernels import gemm, rows
 
     launches, folded = [], []
     real = gemm.skinny_fp8
@@ -504,7 +504,7 @@ def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernel
     want = reference.generate(list(range(30, 40)), params, method="ar").token_ids
     gen = fast.stream(list(range(30, 40)), params, method="ddtree", budget=16)
     rounds = list(gen)
-    assert gen.on_fast_path and gen.token_ids == want and len(rounds) > 1
+    assert gen.backend.name == "fast" and gen.token_ids == want and len(rounds) > 1
     heads = fast.draft_head.size
     assert {(heads, 64), (2 * 16 * 2, 64), (64, 128)} <= set(launches)  # the head, the context k/v, fc
     assert set(folded) == {"rms_norm_fp8", "silu_mul_fp8"}

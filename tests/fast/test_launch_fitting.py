@@ -1,7 +1,7 @@
 """Launch configs that outgrow a GPU's shared memory shrink until they fit (jit.launch_fitting)."""
 
 import pytest
-from ddtree.fast import jit
+from ddtree.kernels import jit
 
 
 def fake_gpu(limit: int, tried: list[dict]):

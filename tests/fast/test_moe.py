@@ -1,13 +1,13 @@
-"""Qwen3-MoE targets on the fast path: the experts in fixed shapes (ddtree/fast/moe.py) against transformers'
+"""Qwen3-MoE targets on the fast path: the experts in fixed shapes (ddtree/kernels/moe.py) against transformers'
 sparse block, and whole generations against the reference path."""
 
 import os
 
 import pytest
 import torch
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.fast import jit, moe
-from ddtree.sampling import SamplingParams
+from ddtree.kernels import jit, moe
 from test_agreement import prompt_logprobs_agree, rounds_agree
 from tiny import make_draft, make_target
 
@@ -75,7 +75,7 @@ def test_moe_logprobs_on_the_fast_path_equal_the_reference_paths(moe_ckpt):
     prompt = list(range(30, 50))
     rounds = list(gen := fast.stream(prompt, params, method="ddtree", budget=16))
     ref_rounds = list(ref := reference.stream(prompt, params, method="ddtree", budget=16))
-    assert gen.on_fast_path and gen.token_ids == ref.token_ids
+    assert gen.backend.name == "fast" and gen.token_ids == ref.token_ids
     got = [entry.logprob for r in rounds for entry in r.logprobs]
     assert got == pytest.approx([entry.logprob for r in ref_rounds for entry in r.logprobs], abs=1e-5)
     prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs)

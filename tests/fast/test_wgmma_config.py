@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from ddtree.fast import gemm, wgmma
+from ddtree.kernels import gemm, wgmma
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (1000, 256), (200, 1024)]
 
@@ -93,7 +93,7 @@ def test_rows_on_the_cpu_never_reach_the_kernel():
 
 
 def _nvrtc_found() -> bool:
-    from ddtree.fast import nvrtc
+    from ddtree.kernels import nvrtc
 
     try:
         nvrtc._nvrtc()

@@ -13,7 +13,7 @@ from typing import Any
 
 import openai
 import pytest
-from ddtree.draft_vocab import write_draft_vocab
+from ddtree.models.draft_vocab import write_draft_vocab
 from ddtree_operator import render
 from k8s_testing import REPO, ddtree_serve_available, free_port, http_get, running
 

@@ -13,7 +13,7 @@ import huggingface_hub
 import pytest
 from ddtree import cli
 from ddtree.errors import DDTreeError
-from ddtree.pull import Progress, parse_uri, pull
+from ddtree.models.pull import Progress, parse_uri, pull
 from huggingface_hub.errors import RepositoryNotFoundError
 
 

@@ -6,7 +6,7 @@ import json
 import threading
 import time
 
-from ddtree.api import ServerConfig, create_app
+from ddtree.api.app import ServerConfig, create_app
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedEngine, prefill, round_
 

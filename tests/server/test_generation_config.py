@@ -9,7 +9,7 @@ import logging
 import time
 
 import pytest
-from ddtree.api import ServerConfig, create_app
+from ddtree.api.app import ServerConfig, create_app
 from ddtree.engine import Engine
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedEngine, prefill, round_
@@ -134,7 +134,7 @@ def test_a_bad_value_in_the_file_stops_loading(tmp_path):
 
 
 def test_serve_passes_the_flag_to_the_server(monkeypatch):
-    from ddtree import serve
+    from ddtree.api import serve
     from ddtree.cli import main
 
     configs = []

@@ -190,8 +190,8 @@ def test_logit_bias_and_penalties_shape_the_output(server):
     biased = complete(server, PROMPTS[13], max_tokens=8, logit_bias={str(target): 100}, **GREEDY)
     assert biased.choices[0].token_ids == [target] * 8  # +100 wins every argmax
     # Penalties: the server's ddtree reply is the target's own AR decoding under the same penalties.
+    from ddtree.core.sampling import SamplingParams
     from ddtree.engine import Engine
-    from ddtree.sampling import SamplingParams
 
     kw = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "repetition_penalty": 1.3}}
     penalized = complete(server, PROMPTS[13], max_tokens=24, frequency_penalty=1.0, presence_penalty=0.5, **kw)

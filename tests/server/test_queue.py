@@ -3,8 +3,8 @@
 import asyncio
 
 import pytest
-from ddtree.sampling import SamplingParams
-from ddtree.scheduler import FairQueue, Request
+from ddtree.api.scheduler import FairQueue, Request
+from ddtree.core.sampling import SamplingParams
 
 
 def requests(*clients: str) -> list[Request]:

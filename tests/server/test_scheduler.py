@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from ddtree.metrics import ServerMetrics
-from ddtree.sampling import SamplingParams
-from ddtree.scheduler import Output, Request, Scheduler
+from ddtree.api.metrics import ServerMetrics
+from ddtree.api.scheduler import Output, Request, Scheduler
+from ddtree.core.sampling import SamplingParams
 from scripted_engine import ScriptedEngine, prefill, round_
 
 

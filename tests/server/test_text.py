@@ -1,7 +1,7 @@
 """Stop strings and incremental detokenization: what a client sees is exactly the text before the stop."""
 
 import pytest
-from ddtree.scheduler import StopStringDetokenizer
+from ddtree.api.scheduler import StopStringDetokenizer
 
 PIECES = [b"Hello", b" wor", b"ld", b"!", b" EN", b"D", b" more", b"\xe2\x82", b"\xac", b"\n\n", b"x"]
 

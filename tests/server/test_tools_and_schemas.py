@@ -10,10 +10,10 @@ import time
 
 import openai
 import pytest
-from ddtree.api import ServerConfig, create_app
+from ddtree.api.app import ServerConfig, create_app
+from ddtree.api.parsers.tools import START, ToolCallStream, split_tool_calls, template_message
+from ddtree.api.replies import ReplyFormat, ReplyStream, template_mentions
 from ddtree.engine import Engine
-from ddtree.replies import ReplyFormat, ReplyStream, template_mentions
-from ddtree.tools import START, ToolCallStream, split_tool_calls, template_message
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from scripted_engine import ScriptedEngine, prefill, round_
@@ -519,7 +519,7 @@ THINK_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}<think></thi
     ("not <think> at the start", False, (None, "not <think> at the start")),
 ])
 def test_reasoning_is_split_from_the_answer_whole_and_streamed(text, opened, want):
-    from ddtree.reasoning import ReasoningStream, split_reasoning
+    from ddtree.api.parsers.reasoning import ReasoningStream, split_reasoning
 
     assert split_reasoning(text, opened) == want
     for cut1 in range(len(text) + 1):
@@ -623,7 +623,7 @@ def chat_both_ways(client: TestClient, **body) -> tuple[dict, dict, str]:
 def test_a_constrained_reply_thinks_first_and_answers_in_the_schema():
     """Inside a block the prompt opened, or one the reply opens with its first token; a reply that starts
     with the answer instead has no reasoning (the grammar applied from its first token)."""
-    from ddtree.sampling import ThinkBlock
+    from ddtree.core.sampling import ThinkBlock
 
     answer = '{"ok": true, "n": 2}'
     for prompt, reply, reasoning in ((7, [0, 1, 2, 3, 4, 5], "The user wants a flag."),
@@ -686,7 +686,7 @@ QWEN3_STYLE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}
 @pytest.fixture(scope="module")
 def thinking_client(tmp_path_factory):
     """A tiny random target and draft under the demo's tokenizer with <think> and </think> added as tokens."""
-    from ddtree.engine import ASSETS
+    from ddtree.engine.engine import ASSETS
     from tiny import make_draft, make_target
     from transformers import AutoTokenizer
 

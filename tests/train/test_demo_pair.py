@@ -3,8 +3,9 @@
 import sysconfig
 
 import pytest
-from ddtree.engine import ASSETS, Engine
-from ddtree.sampling import SamplingParams
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine import Engine
+from ddtree.engine.engine import ASSETS
 from ddtree.training.corpus import find_files, read_texts, split_files
 
 # Measured (benchmarks/RESULTS.md): pooled tau 3.90 (CPython 3.11 stdlib) and 4.29 (3.12) at budget 32 on 8

@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 from ddtree.cli import main
-from ddtree.draft import TargetShape, load_draft
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.sampling import SamplingParams
+from ddtree.models.draft import TargetShape, load_draft
 from ddtree.training.corpus import find_files, is_held_out, split_files
 from ddtree.training.drafter import STATE_FILE, FrozenTarget, block_batch, parse_taps, train_draft
 from ddtree.training.tokenizer import EOS, MASK

@@ -1,7 +1,7 @@
 """Hybrid targets on the fast path: Qwen3.5 / Qwen3.6 dense stacks of Gated DeltaNet and gated attention.
 
 The reference path verifies a tree through a recurrent layer depth by depth, with a state per node
-(ddtree/hybrid.py): up to 16 sequential steps per layer, and a host loop that no graph can replay. Here
+(ddtree/models/hybrid.py): up to 16 sequential steps per layer, and a host loop that no graph can replay. Here
 each Gated DeltaNet layer takes the whole tree at once in the closed form of fast/delta.py: every node's
 output from the committed state, without per-node states. The causal conv reads each node's window along
 its own path (`conv_sources`). What the commit needs (the conv inputs, the normed keys, u, G) stays in a
@@ -27,15 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.fast import FastPath, gdn
-from ddtree.fast.attention import TreeMask, tree_attention, tree_mask
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
-from ddtree.fast.fused import fuse, swiglu
-from ddtree.fast.gather import embed
-from ddtree.fast.gemm import linear
-from ddtree.fast.jit import triton_works
-from ddtree.fast.moe import Experts
-from ddtree.hybrid import project, split_heads
+from ddtree.fast.layers import fuse, swiglu
+from ddtree.fast.runner import FastPath
+from ddtree.kernels import gdn
+from ddtree.kernels.attention import TreeMask, tree_attention, tree_mask
+from ddtree.kernels.gather import embed
+from ddtree.kernels.gemm import linear
+from ddtree.kernels.jit import triton_works
+from ddtree.kernels.moe import Experts
+from ddtree.models.hybrid import project, split_heads
 
 PROMPT_CHUNK = 256  # prompt tokens per forward: the closed form's [heads, n, n] products stay small
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddtree.fast.gather import gather_rows
+from ddtree.kernels.gather import gather_rows
 
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 

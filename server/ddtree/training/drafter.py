@@ -1,6 +1,6 @@
 """`ddtree train-draft`: train a DFlash drafter against a frozen transformers target on local text.
 
-The published DFlash recipe, on the module the engine decodes with (`ddtree.draft.DFlashDraft`):
+The published DFlash recipe, on the module the engine decodes with (`ddtree.models.draft.DFlashDraft`):
   * context features = outputs of the tapped target layers (forward hooks), for every corpus position;
   * per sequence, `blocks` random anchor positions a; block = [token at a] + [<|MASK|>] * (bs - 1) at
     positions a .. a+bs-1, embedded by the frozen target embedding;
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.draft import (
+from ddtree.errors import DDTreeError
+from ddtree.models.draft import (
     DFlashDraft,
     TargetShape,
     default_taps,
@@ -29,7 +30,6 @@ from ddtree.draft import (
     parse_draft_config,
     write_draft_checkpoint,
 )
-from ddtree.errors import DDTreeError
 from ddtree.training.common import Budget, adamw, autocast, pick_device, progress_bar, set_lr
 from ddtree.training.corpus import corpus_files, load_streams
 from ddtree.training.tokenizer import MASK

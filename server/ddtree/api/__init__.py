@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server: protocol, request preparation, serving, scheduler, metrics, `ddtree serve`.
+"""

@@ -1,0 +1,469 @@
+"""Request scheduling: a bounded fair queue in front of one engine worker thread.
+
+The engine is synchronous and holds one `Generation` at a time, so it runs in a worker thread and the
+event loop only moves bytes. Requests wait in a `FairQueue` (round-robin across clients, bounded: a full
+queue is refused with 429 rather than growing without limit). The worker admits up to `max_running`
+requests and advances each running one by one engine round per step; today the engine is batch 1
+(`max_running=1`), and a batched engine replaces `_step` with one batched call over `running`.
+
+Text handling lives here too, in the worker: each round's tokens are detokenized, cut at stop strings
+(text that may be the start of a stop string is withheld until resolved) and counted in the metrics,
+so counters and `usage` only ever see the tokens a client actually received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ddtree.api.metrics import ServerMetrics
+from ddtree.core.sampling import SamplingParams
+
+log = logging.getLogger("ddtree.server")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity; the client should retry later."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__("the server is at capacity; retry later")
+        self.retry_after = retry_after
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new work."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Text: incremental detokenization and stop strings
+
+
+class StopStringDetokenizer:
+    """Turns generated token ids into text one token at a time and finds stop strings.
+
+    Decoding a sliding window (`prefix`..end minus `prefix`..`read`) keeps per-token cost constant and
+    gets leading spaces right for tokenizers that strip them at the start of a decode; a token that ends
+    inside a multi-byte character (decodes to U+FFFD) is held until the character completes.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (),
+                 include_stop: bool = False) -> None:
+        self._decode = decode
+        self.stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        self.ids: list[int] = []
+        self.text = ""
+        self.matched: str | None = None
+        self._prefix = 0
+        self._read = 0
+        self._released = 0
+
+    def add(self, token_id: int) -> bool:
+        """Append one token; True when it completes a stop string (the text is then cut before it)."""
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> None:
+        """Decode whatever is still pending at the end of the generation, even a broken character."""
+        if self.matched is None and self._read < len(self.ids):
+            self._advance(final=True)
+
+    def release(self, final: bool = False) -> str:
+        """Text that is now safe to send: everything except a suffix that could start a stop string."""
+        end = len(self.text)
+        if not final and self.matched is None:
+            end -= self._held_back()
+        out = self.text[self._released:end]
+        self._released = max(self._released, end)
+        return out
+
+    def _advance(self, final: bool) -> bool:
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return False
+        piece = after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        search_from = max(0, len(self.text) - self._longest_stop + 1)
+        self.text += piece
+        return self._find_stop(search_from)
+
+    def _find_stop(self, search_from: int) -> bool:
+        hits = [(self.text.find(s, search_from), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.matched = stop
+        self.text = self.text[:index + len(stop) if self._include_stop else index]
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of some stop string."""
+        for k in range(min(self._longest_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# Requests and what flows back to the HTTP side
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculative-decoding accounting, from the rounds this request ran."""
+
+    method: str
+    budget: int | None
+    block_size: int
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_length_counts: list[int] = field(default_factory=list)  # [k-1] = rounds that committed k tokens
+
+    def add_round(self, draft_nodes: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += draft_nodes
+        self.accepted_tokens += accepted
+        length = accepted + 1
+        if len(self.accepted_length_counts) < length:
+            self.accepted_length_counts.extend([0] * (length - len(self.accepted_length_counts)))
+        self.accepted_length_counts[length - 1] += 1
+
+    def to_dict(self) -> dict:
+        """The `metrics.speculative_decoding` response object (τ = 1 + accepted / rounds)."""
+        tau = 1.0 + self.accepted_tokens / self.rounds if self.rounds else None
+        return {"method": self.method, "budget": self.budget, "block_size": self.block_size,
+                "num_verify_rounds": self.rounds, "num_draft_tokens": self.draft_tokens,
+                "num_accepted_tokens": self.accepted_tokens, "acceptance_length": tau,
+                "accepted_length_histogram": self.accepted_length_counts}
+
+
+@dataclass
+class Output:
+    """What one engine round produced for a client, after stop handling (possibly no text yet)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None  # engine TokenLogprob per token in token_ids, when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (abort is never shown to clients)
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    error: str | None = None  # the engine failed; the request is over
+
+
+@dataclass
+class Request:
+    """One sequence to decode. Created on the event loop; outputs are posted back to it thread-safely."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    include_stop_str: bool = False
+    client: str = ""
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    completion_tokens: int = 0
+    prompt_logprobs: list | None = None  # the engine's TokenLogprob per prompt token (first: None), if asked
+    spec: SpecStats | None = None
+    finish_reason: str | None = None
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    _loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def mark_cancelled(self) -> None:
+        """The worker stops this request before its next round (thread-safe)."""
+        self._cancelled.set()
+
+    def post(self, output: Output) -> None:
+        """Hand an output to the waiting coroutine (safe from any thread, even after the loop closed)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The fair queue
+
+
+class FairQueue:
+    """Bounded waiting room served round-robin across clients, FIFO within a client.
+
+    One client's burst of requests cannot starve another client: each client has a lane, and lanes take
+    turns. Thread-safe; `get` blocks until a request arrives or `close` is called.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("queue capacity must be at least 1")
+        self.capacity = capacity
+        self._lanes: OrderedDict[str, deque[Request]] = OrderedDict()
+        self._size = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def put(self, request: Request) -> bool:
+        """Enqueue; False (and nothing enqueued) when full."""
+        with self._cond:
+            if self._size >= self.capacity:
+                return False
+            self._lanes.setdefault(request.client, deque()).append(request)
+            self._size += 1
+            self._cond.notify()
+            return True
+
+    def get(self, block: bool = True) -> Request | None:
+        """Next request in round-robin order; None when closed (or empty and not blocking)."""
+        with self._cond:
+            while not self._lanes and block and not self._closed:
+                self._cond.wait()
+            if not self._lanes:
+                return None
+            client, lane = next(iter(self._lanes.items()))
+            request = lane.popleft()
+            if lane:
+                self._lanes.move_to_end(client)
+            else:
+                del self._lanes[client]
+            self._size -= 1
+            return request
+
+    def remove(self, request: Request) -> bool:
+        """Take a waiting request out (its client went away); False when it is not waiting."""
+        with self._cond:
+            lane = self._lanes.get(request.client)
+            if lane is None or request not in lane:
+                return False
+            lane.remove(request)
+            if not lane:
+                del self._lanes[request.client]
+            self._size -= 1
+            return True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wake every blocked `get` so the worker can exit."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+# --------------------------------------------------------------------------------------------------------
+# The scheduler
+
+
+@dataclass
+class _Running:
+    request: Request
+    generation: object  # ddtree.engine.Generation
+    text: StopStringDetokenizer
+
+
+class Scheduler:
+    """Owns the engine: admits requests from the fair queue and runs them in one worker thread."""
+
+    def __init__(self, engine, metrics: ServerMetrics, *, max_queue: int, max_running: int = 1) -> None:
+        """`max_running` > 1 needs a batched engine: today's holds one Generation at a time."""
+        self.engine = engine
+        self.metrics = metrics
+        self.queue = FairQueue(max_queue)
+        self.max_running = max_running
+        self.draining = False
+        self._running: list[_Running] = []  # touched by the worker thread only
+        self._mean_seconds = 1.0  # moving average of request service time, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
+        self._thread.start()
+
+    # -- event-loop side ---------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises Draining or QueueFull (nothing queued then)."""
+        if self.draining:
+            self.metrics.rejected("draining")
+            raise Draining("the server is shutting down")
+        if not self.queue.put(request):
+            self.metrics.rejected("queue_full")
+            raise QueueFull(self.retry_after())
+        self.metrics.waiting.set(len(self.queue))
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: drop the request if waiting, or stop it at its next round."""
+        if request.finish_reason is not None:
+            return
+        request.mark_cancelled()
+        if self.queue.remove(request):
+            self.metrics.waiting.set(len(self.queue))
+            self._abort(request)
+
+    def retry_after(self) -> int:
+        """Seconds until a queue slot is likely to free up."""
+        return max(1, math.ceil(self._mean_seconds * (len(self.queue) + 1) / self.max_running))
+
+    def idle(self) -> bool:
+        return not self._running and not len(self.queue)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Refuse new work, let queued and running requests finish, then stop the worker."""
+        self.draining = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.idle() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+        self.queue.close()
+        self._thread.join(timeout=5)
+
+    # -- worker thread -----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._admit()
+            if self._running:
+                self._step()
+            elif self.queue.closed:
+                return
+
+    def _admit(self) -> None:
+        """Start waiting requests while there is room (blocks for one when nothing runs)."""
+        while len(self._running) < self.max_running:
+            request = self.queue.get(block=not self._running)
+            if request is None:
+                return
+            self.metrics.waiting.set(len(self.queue))
+            if request.cancelled:
+                self._abort(request)
+                continue
+            request.scheduled = time.monotonic()
+            self.metrics.queue_time.observe(request.scheduled - request.arrival)
+            try:
+                generation = self.engine.stream(request.prompt_ids, request.params)
+            except Exception as exc:  # a bad request the validation missed must not kill the worker
+                log.exception("could not start request %s", request.request_id)
+                self._abort(request, str(exc))
+                continue
+            budget = self.engine.budget if self.engine.method == "ddtree" else None  # only trees have one
+            request.spec = SpecStats(self.engine.method, budget, self.engine.block_size)
+            text = StopStringDetokenizer(self.engine.decode, request.stop, request.include_stop_str)
+            self._running.append(_Running(request, generation, text))
+            self.metrics.running.set(len(self._running))
+
+    def _step(self) -> None:
+        """Advance every running request by one engine round (batch 1: one request)."""
+        for run in list(self._running):
+            try:
+                final = self._advance(run)
+            except Exception as exc:  # one request's failure must not stop the worker serving the others
+                log.exception("engine failed on request %s", run.request.request_id)
+                final = Output("", [], None, finish_reason="abort", error=str(exc))
+            if final is not None:
+                self._retire(run, final)
+
+    def _advance(self, run: _Running) -> Output | None:
+        """One round for one request: posts its output, or returns the final one when the request is over."""
+        request = run.request
+        if request.cancelled:
+            return Output("", [], None, finish_reason="abort")
+        try:
+            out = next(run.generation)
+        except StopIteration:
+            return self._output(run, [], None, run.generation.finish_reason or "stop", None)
+        now = time.monotonic()
+        if out.is_prefill:
+            request.prompt_logprobs = out.prompt_logprobs
+            self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+            self.metrics.iteration_tokens.observe(len(request.prompt_ids))
+            self.metrics.prefill_time.observe(now - request.scheduled)
+            self.metrics.ttft.observe(now - request.arrival)
+            request.first_token = now
+        else:
+            self.metrics.observe_round(draft_nodes=out.draft_nodes, accepted=out.accepted,
+                                       phase_seconds=out.phase_seconds)
+            request.spec.add_round(out.draft_nodes, out.accepted)
+        # Cut the round at the first completed stop string.
+        kept = 0
+        for token_id in out.token_ids:
+            kept += 1
+            if run.text.add(token_id):
+                break
+        tokens = list(out.token_ids[:kept])
+        logprobs = out.logprobs[:kept] if out.logprobs is not None else None
+        if tokens:
+            previous = request.last_token or request.first_token
+            if not out.is_prefill and previous is not None:
+                interval = now - previous
+                self.metrics.itl.observe(interval)
+                for _ in tokens:
+                    self.metrics.token_itl.observe(interval / len(tokens))
+            request.last_token = now
+        if run.text.matched is not None:
+            return self._output(run, tokens, logprobs, "stop", run.text.matched)
+        if out.finish_reason is not None:
+            stop_reason = out.stop_token_id if out.stop_token_id not in self.engine.eos_token_ids else None
+            return self._output(run, tokens, logprobs, out.finish_reason, stop_reason)
+        request.post(self._output(run, tokens, logprobs, None, None))
+        return None
+
+    def _output(self, run: _Running, tokens: list[int], logprobs: list | None, finish_reason: str | None,
+                stop_reason: str | int | None) -> Output:
+        """Count the tokens a client receives and release the text that is safe to send."""
+        run.request.completion_tokens += len(tokens)
+        self.metrics.generation_tokens.inc(len(tokens))
+        if finish_reason is not None:
+            run.text.flush()
+        return Output(run.text.release(final=finish_reason is not None), tokens, logprobs, finish_reason,
+                      stop_reason)
+
+    def _retire(self, run: _Running, final: Output) -> None:
+        """Free the engine state and record the metrics before the client hears the request is over."""
+        run.generation.close()
+        self._running.remove(run)
+        self.metrics.running.set(len(self._running))
+        self._finish(run.request, final.finish_reason)
+        run.request.post(final)
+
+    def _abort(self, request: Request, error: str | None = None) -> None:
+        """End a request that holds no engine state (it never started)."""
+        self._finish(request, "abort")
+        request.post(Output("", [], None, finish_reason="abort", error=error))
+
+    def _finish(self, request: Request, reason: str) -> None:
+        """Record a request's end-of-life metrics (once)."""
+        if request.finish_reason is not None:
+            return
+        request.finish_reason = reason
+        self.metrics.finished(reason)
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - request.arrival)
+        if request.scheduled is None:
+            return
+        self.metrics.request_prompt_tokens.observe(len(request.prompt_ids))
+        self.metrics.request_generation_tokens.observe(request.completion_tokens)
+        self.metrics.inference_time.observe(now - request.scheduled)
+        self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (now - request.scheduled)
+        if request.first_token is not None and request.last_token is not None:
+            decode = request.last_token - request.first_token
+            self.metrics.decode_time.observe(decode)
+            if request.completion_tokens > 1:
+                self.metrics.tpot.observe(decode / (request.completion_tokens - 1))
+                if decode > 0:
+                    self.metrics.tokens_per_second.observe((request.completion_tokens - 1) / decode)

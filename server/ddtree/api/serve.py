@@ -1,0 +1,85 @@
+"""`ddtree serve`: uvicorn around the API app, with a SIGTERM drain.
+
+On SIGTERM (or Ctrl-C) the server stops accepting connections, reports not-ready, lets every in-flight
+request finish (up to the drain timeout) and only then stops the engine worker and exits: a rolling
+update loses no request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from ddtree.api.app import ServerConfig, ServerState, create_app
+
+
+@dataclass
+class ServeOptions:
+    target: str | None = None
+    draft: str | None = None
+    draft_vocab: str | None = None  # a draft vocabulary file (ddtree.draft_vocab); None: the whole vocabulary
+    draft_quantization: str | None = None  # "fp8": the drafter's projections in fp8 (ddtree.quantize)
+    method: str = "ddtree"
+    budget: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = 256
+    drain_timeout: float = 30.0
+    default_temperature: float | None = None  # None: the model's generation config, else 1.0
+    generation_config: str = "auto"  # auto | none | vllm (= none)
+    fast: bool | None = None  # None: on when the model runs on CUDA
+    tool_call_parser: str = "auto"  # auto | hermes | none
+    reasoning_parser: str = "auto"  # auto | qwen3 | none
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    log_level: str = "info"
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown, plus: report not-ready and refuse new work from the first signal."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.ddtree_state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.ddtree_state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def run(options: ServeOptions) -> int:
+    """Serve until a signal; raises the engine's load error (a DDTreeError for user mistakes)."""
+    from ddtree.engine import Engine
+
+    logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    failures: list[BaseException] = []
+
+    def load() -> Engine:
+        return Engine.from_pretrained(options.target, options.draft, method=options.method,
+                                      budget=options.budget, device=options.device, dtype=options.dtype,
+                                      fast=options.fast, draft_vocab=options.draft_vocab,
+                                      draft_quantization=options.draft_quantization)
+
+    def on_load_error(exc: BaseException) -> None:
+        failures.append(exc)
+        server.should_exit = True
+
+    config = ServerConfig(served_model_name=options.served_model_name, api_key=options.api_key,
+                          max_queue=options.max_queue, drain_timeout=options.drain_timeout,
+                          default_temperature=options.default_temperature,
+                          generation_config=options.generation_config,
+                          tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser,
+                          default_chat_template_kwargs=options.default_chat_template_kwargs)
+    app = create_app(load, config, on_load_error)
+    uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                               timeout_graceful_shutdown=options.drain_timeout)
+    server = _DrainingServer(uv_config, app.state.ddtree)
+    server.run()
+    if failures:
+        raise failures[0]
+    return 0

@@ -1,0 +1,2 @@
+"""`ddtree bench` and the timing helpers the scripts in benchmarks/ share.
+"""

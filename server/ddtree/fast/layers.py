@@ -1,0 +1,334 @@
+"""Fused weights and fused elementwise steps: the fast path's forward passes in few, large kernels.
+
+At batch 1 a decoder layer is bound by reading its weights; on a GPU, what it loses beyond that is kernel
+count (transformers' RMSNorm is seven kernels, its RoPE about ten per tensor). Here a target layer is
+about ten kernels:
+
+    add + norm | qkv GEMM | q/k norm + RoPE + head layout + KV write | attention | o GEMM |
+    add + norm | gate+up GEMM | SiLU * up | down GEMM
+
+On CUDA the q/k norm + RoPE + KV write step is one Triton kernel (ddtree/kernels/heads.py), a single row
+(an AR step) folds the add + norm and SiLU * up steps into Triton GEMVs (ddtree/kernels/gemv.py), and more rows
+take them as Triton kernels of their own (ddtree/kernels/rows.py, `Ops.take_row_kernels`).
+
+Projections that read the same input share one weight: q, k and v; gate and up; and, in the drafter, the
+k and v of every layer (context rows are projected by all layers at once). The original modules'
+weights become row views of the fused tensor, so nothing is stored twice and the reference path keeps
+working on the same parameters. On CUDA the other elementwise steps are compiled (torch.compile: one Triton
+kernel each); elsewhere they run eagerly, the same functions the CPU tests compare with the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.kernels import rows
+from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows
+from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, silu_mul_linear
+from ddtree.kernels.moe import Experts
+from ddtree.models.draft import rms_norm
+from ddtree.models.quantize import Fp8Linear
+
+ROW_KERNELS = os.environ.get("DDTREE_ROW_KERNELS", "1") != "0"
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + delta), residual + delta): a layer's residual add fused with the next norm."""
+    residual = residual + delta
+    return rms_norm(residual, weight, eps), residual
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention; cos/sin broadcast against x [..., d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def attention_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    kv_heads: int, head_dim: int, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Projected rows q [n, H*d], k, v [n, kv*d] -> queries grouped by K/V head [kv, groups*n, d]; the rows'
+    K/V go to cache [2, kv, T, d] at `slots` (written in place, by the same kernel when compiled).
+
+    Per-head q/k norm (Qwen3; None for Llama), then RoPE (cos/sin [n, d]). Queries that share a K/V head
+    are stacked along the query axis so attention reads each cached row once per K/V head.
+    """
+    n = q.shape[0]
+    q, k, v = q.reshape(n, -1, head_dim), k.reshape(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = rope(q, cos[:, None], sin[:, None]), rope(k, cos[:, None], sin[:, None])
+    groups = q.shape[1] // kv_heads
+    cache[:, :, slots] = torch.stack([k, v]).transpose(1, 2)
+    return q.view(n, kv_heads, groups, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, head_dim)
+
+
+def context_heads(kv: torch.Tensor, k_norms: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Every draft layer's K/V of context rows at once: kv [n, L*2*kv*d] -> [L, 2, kv, n, d].
+
+    k is normed with each layer's k_norm (k_norms [L, d]) and rotated; v is taken as projected.
+    """
+    n, layers = kv.shape[0], k_norms.shape[0]
+    kv = kv.view(n, layers, 2, kv_heads, head_dim)
+    k = rope(rms_norm(kv[:, :, 0], k_norms[:, None], eps), cos[:, None, None], sin[:, None, None])
+    return torch.stack([k, kv[:, :, 1]], dim=2).permute(1, 2, 3, 0, 4)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's SiLU(gate) * up over the fused [.., 2I] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Ops:
+    """The elementwise steps above: compiled on CUDA (one kernel each), eager elsewhere or with DDTREE_COMPILE=0.
+
+    A compile that fails (no C compiler, an unsupported torch build) falls back to the eager function for
+    good, with the reason on stderr: slower, never wrong.
+    """
+
+    def __init__(self, compile: bool) -> None:
+        self.compiled = compile and os.environ.get("DDTREE_COMPILE", "1") != "0"
+        for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul):
+            setattr(self, fn.__name__, self.wrap(fn))
+        self.quantizing_rows = False  # the row kernels' fp8 forms (see normed), once take_row_kernels has run
+        self.folding_silu = False  # SiLU · up in the gate/up GEMM (see swiglu), likewise: the row kernel's bits
+
+    def normed(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+               fp8: bool = False) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """(norm(x + delta), x + delta), or without `delta` (norm(x), x): the rows a layer's projections read, and
+        its residual. With `fp8` (the projections' weights are) the normed rows come quantized: in the norm's own
+        kernel where the row kernels run, else quantized after it (ddtree/kernels/rows.py: the same bits in bf16)."""
+        if (fp8 and self.quantizing_rows and rows.supported(x, weight) and fp8_supported(x)
+                and (delta is None or rows.supported(delta, weight))):
+            return rows.rms_norm_fp8(x, delta, weight, eps)
+        if delta is None:
+            h = self.rms_norm(x, weight, eps)
+        else:
+            h, x = self.add_rms_norm(x, delta, weight, eps)
+        return (rows_of(h) if fp8 else h), x
+
+    def swiglu(self, h: torch.Tensor, gate_up: Proj) -> torch.Tensor:
+        """SiLU(gate) · up of the normed rows h through the fused gate/up projection: in the projection's own
+        epilogue where the row kernels run and our Hopper GEMM takes the product (the same bits as the SiLU · up
+        kernel after it: ddtree/kernels/wgmma.py), else the projection, then silu_mul."""
+        if self.folding_silu and gate_up.bias is None and not gate_up.fp8:
+            act = silu_mul_linear(h, gate_up.weight)
+            if act is not None:
+                return act
+        return self.silu_mul(gate_up(h))
+
+    def silu_mul_fp8(self, gate_up: torch.Tensor) -> QuantizedRows:
+        """silu_mul's rows quantized for an fp8 projection: by the SiLU kernel itself where the row kernels run."""
+        if self.quantizing_rows and rows.supported(gate_up) and fp8_supported(gate_up[:, :gate_up.shape[1] // 2]):
+            return rows.silu_mul_fp8(gate_up)
+        return rows_of(self.silu_mul(gate_up))
+
+    def wrap(self, fn: Callable) -> Callable:
+        """`fn` compiled (with the eager fallback) when this Ops compiles, else `fn` itself."""
+        return _compiled(fn) if self.compiled else fn
+
+    def take_row_kernels(self) -> None:
+        """The norms and SiLU · up as ddtree/kernels/rows.py's Triton kernels, for the rows those take (the
+        current functions for the rest). The caller checks that Triton runs on its device; DDTREE_ROW_KERNELS=0
+        keeps the compiled functions, for A/B runs."""
+        if not ROW_KERNELS:
+            return
+        norm, add_norm, silu = self.rms_norm, self.add_rms_norm, self.silu_mul
+        self.rms_norm = lambda x, w, eps: rows.rms_norm(x, w, eps) if rows.supported(x, w) else norm(x, w, eps)
+        self.add_rms_norm = lambda x, d, w, eps: (rows.add_rms_norm(x, d, w, eps) if rows.supported(x, w)
+                                                  and rows.supported(d, w) else add_norm(x, d, w, eps))
+        self.silu_mul = lambda x: rows.silu_mul(x) if rows.supported(x) else silu(x)
+        self.quantizing_rows = self.folding_silu = True
+
+
+def _compiled(fn: Callable) -> Callable:
+    state = {"fn": torch.compile(fn, fullgraph=True)}
+
+    def call(*args: object) -> object:
+        try:
+            return state["fn"](*args)
+        except Exception as exc:  # a compiler or backend failure, not the function's own error
+            if state["fn"] is fn:
+                raise
+            print(f"ddtree fast path: compiling {fn.__name__} failed ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); running it eagerly", file=sys.stderr)
+            state["fn"] = fn
+            return fn(*args)
+
+    return call
+
+
+@dataclass(frozen=True)
+class Proj:
+    """One (possibly fused) linear projection; an fp8 weight for a quantized drafter's (ddtree.quantize)."""
+
+    weight: torch.Tensor | Fp8Weight
+    bias: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the weight is fp8: then the projection reads quantized rows best (Ops.normed)."""
+        return isinstance(self.weight, Fp8Weight)
+
+    def __call__(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def weight_of(module: nn.Module) -> torch.Tensor | Fp8Weight:
+    """A projection module's weight: an nn.Linear's, or an Fp8Linear's fp8 values with their scales."""
+    return module.fp8 if isinstance(module, Fp8Linear) else module.weight
+
+
+def fuse(owner: nn.Module, name: str, linears: list[nn.Module]) -> Proj:
+    """One projection computing every linear in `linears` (same input), their outputs concatenated.
+
+    The fused weight is kept on `owner` under `name` (so building a second fast path reuses it) and each
+    linear's weight (and bias, or an Fp8Linear's scales) becomes a row view of it: the memory is not doubled.
+    One kept for the modules' earlier format (a draft quantized after a fast path fused it) is made again.
+    """
+    kept = getattr(owner, name, None)
+    if kept is None or kept.fp8 != isinstance(linears[0], Fp8Linear):
+        if isinstance(linears[0], Fp8Linear):
+            fused = Proj(Fp8Weight(_concat_rows([m.weight for m in linears]),
+                                   _concat_rows([m.weight_scale for m in linears])))
+            shared = [("weight", fused.weight.data), ("weight_scale", fused.weight.scale)]
+        else:
+            fused = Proj(_concat_rows([m.weight for m in linears]),
+                         _concat_rows([m.bias for m in linears]) if linears[0].bias is not None else None)
+            shared = [("weight", fused.weight)] + ([("bias", fused.bias)] if fused.bias is not None else [])
+        for attribute, whole in shared:  # each module's tensor becomes its rows of the fused one
+            row = 0
+            for m in linears:
+                tensor = getattr(m, attribute)
+                tensor.data = whole[row:row + tensor.shape[0]]
+                row += tensor.shape[0]
+        setattr(owner, name, fused)
+    return getattr(owner, name)
+
+
+def swiglu(mlp: nn.Module, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A SwiGLU MLP module (gate_proj, up_proj, down_proj) as a function of its normed rows: gate and up as one
+    weight (`fuse`), SiLU · up as one step, then down."""
+    gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
+    return lambda h: linear(ops.swiglu(h, gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach() for t in tensors])
+
+
+@dataclass(frozen=True)
+class Layer:
+    """An attention + SwiGLU decoder layer as fused projections and norm weights (see `project`)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    o: Proj
+    gate_up: Proj | None  # None in a mixture-of-experts layer (TargetLayer.experts)
+    down: Proj | None
+    q_norm: torch.Tensor | None  # per-head q/k norms (Qwen3, DFlash); None for Llama
+    k_norm: torch.Tensor | None
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the projections are fp8 (a quantized drafter's): then they read quantized rows (Ops.normed)."""
+        return self.o.fp8
+
+    def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) of the normed rows h."""
+        raise NotImplementedError
+
+    def mlp(self, ops: Ops, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """The MLP's output for the normed rows h."""
+        return self.down(ops.silu_mul_fp8(self.gate_up(h)) if self.fp8 else ops.swiglu(h, self.gate_up))
+
+
+@dataclass(frozen=True)
+class TargetLayer(Layer):
+    """A Qwen3 / Llama / Qwen3-MoE target layer: q, k and v in one GEMM; a SwiGLU MLP, or experts."""
+
+    qkv: Proj
+    splits: tuple[int, int, int]  # q, k, v widths of qkv's output
+    experts: Experts | None = None
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv(h).split(self.splits, dim=-1)
+
+    def mlp(self, ops: Ops, h: torch.Tensor) -> torch.Tensor:
+        return self.experts(h) if self.experts is not None else super().mlp(ops, h)
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> TargetLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = fuse(attn, "ddtree_qkv", [attn.q_proj, attn.k_proj, attn.v_proj])
+        has_qk_norm = hasattr(attn, "q_norm")
+        experts = Experts.of(mlp) if hasattr(mlp, "experts") else None
+        gate_up = None if experts else fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
+        down = None if experts else Proj(mlp.down_proj.weight, mlp.down_proj.bias)
+        return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                   Proj(attn.o_proj.weight, attn.o_proj.bias), gate_up, down,
+                   attn.q_norm.weight if has_qk_norm else None, attn.k_norm.weight if has_qk_norm else None,
+                   attn.k_proj.out_features // attn.head_dim, attn.head_dim, qkv,
+                   (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), experts)
+
+
+@dataclass(frozen=True)
+class DraftLayer(Layer):
+    """A DFlash draft layer: q alone (block rows only), k+v as a slice of the all-layer context projection."""
+
+    q: Proj
+    kv: Proj
+
+    def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k/v in one launch where the few-row kernel takes both weights (`pair_linear`), else two; fp8: h
+        was quantized once for both."""
+        both = pair_linear(h, self.q.weight, self.kv.weight) if self.q.bias is None and self.kv.bias is None else None
+        if both is None:
+            return self.q(h), *self.kv(h).chunk(2, dim=-1)
+        q, kv = both.split([self.q.weight.shape[0], self.kv.weight.shape[0]], dim=-1)
+        return q, *kv.chunk(2, dim=-1)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A DFlash drafter as fused projections: fc, every layer's context k+v in one weight, and the layers."""
+
+    fc: Proj
+    context_kv: Proj
+    k_norms: torch.Tensor  # [L, head_dim]
+    layers: list[DraftLayer]
+
+    @classmethod
+    def of(cls, draft: nn.Module) -> Draft:
+        kv_linears = [m for layer in draft.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        context_kv = fuse(draft, "ddtree_context_kv", kv_linears)
+        width = 2 * draft.layers[0].self_attn.k_proj.out_features
+        layers = []
+        for i, layer in enumerate(draft.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(DraftLayer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, Proj(weight_of(attn.o_proj)),
+                fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj]), Proj(weight_of(mlp.down_proj)),
+                attn.q_norm.weight, attn.k_norm.weight, attn.num_kv_heads, attn.head_dim,
+                Proj(weight_of(attn.q_proj)), Proj(_rows(context_kv.weight, i * width, (i + 1) * width))))
+        k_norms = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in draft.layers])
+        return cls(Proj(weight_of(draft.fc)), context_kv, k_norms, layers)
+
+
+def _rows(weight: torch.Tensor | Fp8Weight, start: int, end: int) -> torch.Tensor | Fp8Weight:
+    """Rows start..end-1 of a weight (with their scales, for an fp8 one)."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(weight.data[start:end], weight.scale[start:end])
+    return weight[start:end]

@@ -1,0 +1,75 @@
+"""Rows of a table picked by index on the device, in one launch that waits for the kernel before it (PDL).
+
+A round gathers rows several times: the block's and the tree's embeddings, the rotary table's rows at the
+new positions, the accepted path's tap features for the draft's context. torch's `index_select` takes a
+kernel for up to 16 indices whose threads each walk every index in turn (7.7-8.5 µs for each of the draft
+step's and the commit's 16-index gathers on an H200: RESULTS v29's profile), and no torch kernel launches as a
+programmatic dependent, so each also waits for the kernel before it to drain. Here one program copies one slice
+of one row. DDTREE_GATHER=0 keeps `index_select`, for A/B runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ddtree.kernels.jit import after_previous, pdl, probe, program_block, triton_works
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: index_select
+    triton = None
+
+ENABLED = os.environ.get("DDTREE_GATHER", "1") != "0"
+SLICE = 1024  # values a program copies: a 4096-wide row in four programs
+
+
+def embed(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """module(ids) for a model's input embeddings [n] -> [n, H]: a plain nn.Embedding (a row lookup) through
+    gather_rows; any other module (a scaled embedding, say) through its own forward."""
+    if type(module) is nn.Embedding and module.max_norm is None and ids.dim() == 1:
+        return gather_rows(module.weight, ids)
+    return module(ids)
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table.index_select(0, index) for a 2-D table with contiguous rows and indices [n] -> [n, width]."""
+    if not (ENABLED and triton_works(table.device) and table.dim() == 2 and table.stride(1) == 1
+            and index.dim() == 1):
+        return table.index_select(0, index)
+    return _gather(table, index)
+
+
+def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """gather_rows' launch."""
+    rows, width = index.numel(), table.shape[1]
+    out = torch.empty((rows, width), dtype=table.dtype, device=table.device)
+    if rows == 0:
+        return out
+    block = program_block(width, table.device, min(triton.next_power_of_2(width), SLICE))
+    dependent = pdl(table.device)
+    _gather_kernel[(rows, triton.cdiv(width, block))](table, index, out, width, table.stride(0), BLOCK=block,
+                                                      PDL=dependent, num_warps=4, launch_pdl=dependent)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_kernel(Table, Index, Out, width, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """One slice of output row pid 0: Table's row Index[pid 0]."""
+        after_previous(PDL)  # the index (a token, a position, a path node) comes from the kernels before
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        source = tl.load(Index + row).to(tl.int64)
+        ok = cols < width
+        tl.store(Out + row.to(tl.int64) * width + cols, tl.load(Table + source * stride + cols, mask=ok), mask=ok)
+
+
+@probe
+def _smoke_test(device: torch.device) -> None:
+    """One row gathered."""
+    _gather(torch.ones(2, 8, device=device), torch.zeros(1, dtype=torch.long, device=device))
