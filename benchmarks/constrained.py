@@ -15,7 +15,8 @@ import json
 import sysconfig
 from dataclasses import replace
 
-from ddtree.bench.command import build_pair, run
+from ddtree.bench.command import run
+from ddtree.bench.shapes import build_pair
 from ddtree.core.grammar import json_schema_grammar
 from ddtree.core.sampling import SamplingParams
 from ddtree.training.corpus import find_files, read_texts, split_files

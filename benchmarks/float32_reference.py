@@ -4,7 +4,7 @@ own eager forward stray from the CPU's?
 Builds the GPU tests' tiny checkpoints (tests/tiny.py: a hybrid target of the given architecture and a DFlash
 draft, random weights), decodes the tests' two prompts greedily (40 tokens; the second prompt takes two
 chunks) with the CPU reference's `ar`, the GPU eager path's `ar`, and the fast path's `ar`, `dflash` and
-`ddtree` at budgets 5 and 64 (with the tree attention's current launch configs and v13's). It prints where
+`ddtree` at budgets 5 and 64. It prints where
 each parts from the CPU's tokens, the CPU's logit margin there, and the largest logit difference between the
 GPU's and the CPU's eager forward over the CPU's decode (teacher-forced). On CUDA, transformers' Gated
 DeltaNet layers run fla's Triton kernels, whose float32 dots default to TF32.
@@ -19,10 +19,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from ab_steps import ATTENTION
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.kernels import attention
 from tiny import make_draft, make_hybrid_target
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -59,18 +57,15 @@ def main() -> None:
         print(f"prompt of {len(prompt)} tokens: GPU eager `ar` parts from the CPU's at {parting(want, eager)}; "
               f"largest |GPU eager - CPU| logit {drift.max():.3g} (prompt rows {drift[:len(prompt)].max():.3g}); "
               f"the CPU's smallest top-2 gap over its decode {(top2[:, 0] - top2[:, 1]).min():.4f}", flush=True)
-        for variant, launch_config in ATTENTION.items():
-            attention.launch_config = launch_config
-            fast.fast._plans.clear()  # recapture with this variant's attention
-            for method, budget in METHODS:
-                got = fast.generate(prompt, GREEDY, method=method, budget=budget).token_ids
-                i = parting(want, got)
-                if i is None:
-                    where = "the CPU's tokens"
-                else:
-                    row = on_cpu[len(prompt) + i - 1]
-                    where = f"parts at {i} (the CPU's margin there {row[want[i]] - row[got[i]]:.4f})"
-                print(f"  fast {method} {budget or ''} ({variant} attention): {where}", flush=True)
+        for method, budget in METHODS:
+            got = fast.generate(prompt, GREEDY, method=method, budget=budget).token_ids
+            i = parting(want, got)
+            if i is None:
+                where = "the CPU's tokens"
+            else:
+                row = on_cpu[len(prompt) + i - 1]
+                where = f"parts at {i} (the CPU's margin there {row[want[i]] - row[got[i]]:.4f})"
+            print(f"  fast {method} {budget or ''}: {where}", flush=True)
 
 
 if __name__ == "__main__":

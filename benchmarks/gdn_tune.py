@@ -16,7 +16,7 @@ import argparse
 import itertools
 
 import torch
-from ddtree.bench.command import graph_ms
+from ddtree.bench.timing import graph_ms
 from ddtree.fast.delta import conv_sources
 from ddtree.fast.layers import fuse
 from ddtree.kernels import gdn

@@ -21,7 +21,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.bench.command import cycled_us, weight_copies
+from ddtree.bench.timing import cycled_us, weight_copies
 from ddtree.fast.layers import Ops
 from ddtree.kernels.gemv import NORM, PLAIN, SILU, gemv, launch_config
 

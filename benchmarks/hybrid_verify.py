@@ -20,8 +20,8 @@ import sys
 import time
 
 import torch
-from ddtree.bench.command import SHAPES as BENCH_SHAPES
-from ddtree.bench.command import build_draft, build_target, hybrid_shape
+from ddtree.bench.shapes import SHAPES as BENCH_SHAPES
+from ddtree.bench.shapes import build_draft, build_target, hybrid_shape
 from ddtree.core.tree import build_tree
 from ddtree.models.draft import DraftCache
 from ddtree.models.hybrid import GDNKernels

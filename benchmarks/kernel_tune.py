@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ddtree.bench.command import graph_ms
+from ddtree.bench.timing import graph_ms
 from ddtree.kernels.attention import TreeMask, _triton_attention, launch_config, tree_attention, tree_mask
 from triton.runtime.errors import OutOfResources
 

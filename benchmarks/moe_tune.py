@@ -16,7 +16,7 @@ import argparse
 import itertools
 
 import torch
-from ddtree.bench.command import graph_ms
+from ddtree.bench.timing import graph_ms
 from ddtree.kernels import moe
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ddtree.bench.command import SHAPES, build_shape
+from ddtree.bench.shapes import SHAPES, build_shape
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import TokenLogprob
 

@@ -20,7 +20,8 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from ddtree.bench.command import build_shape, graph_ms
+from ddtree.bench.shapes import build_shape
+from ddtree.bench.timing import graph_ms
 from ddtree.core.sampling import SamplingParams
 from ddtree.fast.hybrid import HybridFastPath
 from torch.profiler import ProfilerActivity, profile

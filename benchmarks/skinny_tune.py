@@ -22,7 +22,7 @@ from multiprocessing import get_context
 import torch
 import torch.nn.functional as F
 import triton
-from ddtree.bench.command import cycled_us, grid_us, weight_copies
+from ddtree.bench.timing import cycled_us, grid_us, weight_copies
 from ddtree.kernels.gemm import LT_MAX_ROWS, MAX_ROWS, launch_config, linear, skinny_linear
 
 # name: (N, K, calls per step)

@@ -20,7 +20,7 @@ import tempfile
 from collections import defaultdict
 
 import torch
-from ddtree.bench.command import build_shape
+from ddtree.bench.shapes import build_shape
 from ddtree.core.sampling import SamplingParams
 from torch.profiler import ProfilerActivity, profile
 

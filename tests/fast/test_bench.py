@@ -86,7 +86,8 @@ def test_bench_runs_a_hybrid_shape_on_the_fast_path_and_agrees_with_the_eager_pa
 
 
 def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
-    from ddtree.bench.command import SHAPES, build_shape, weight_bytes
+    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.timing import weight_bytes
 
     fast, _ = build_shape("tiny-hybrid", "cpu", torch.float32, fast_capacity=64)
     t = SHAPES["tiny-hybrid"]["target"]
@@ -100,7 +101,8 @@ def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
 def test_a_rounds_floor_adds_the_draft_its_commit_and_the_lm_head_to_the_target_step(tmp_path):
     """The draft's bytes: its parameters, its K/V projections again (the commit), the LM head, its context K/V;
     the report's round floor and draft share follow from them, and every run is timed against its floor."""
-    from ddtree.bench.command import SHAPES, build_shape, draft_bytes, weight_bytes
+    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.timing import draft_bytes, weight_bytes
 
     fast, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
     t, d = SHAPES["tiny"]["target"], SHAPES["tiny"]["draft"]
@@ -128,7 +130,8 @@ def test_a_rounds_floor_adds_the_draft_its_commit_and_the_lm_head_to_the_target_
 
 
 def test_a_draft_vocabulary_bench_counts_only_its_lm_head_rows_and_agrees_with_ar(tmp_path, capsys):
-    from ddtree.bench.command import SHAPES, build_shape, draft_bytes
+    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.timing import draft_bytes
 
     whole, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
     sub, eager = build_shape("tiny", "cpu", torch.float32, fast_capacity=64, draft_vocab="100")
@@ -151,7 +154,8 @@ def test_a_draft_vocabulary_bench_counts_only_its_lm_head_rows_and_agrees_with_a
 def test_an_fp8_draft_bench_counts_a_byte_per_weight_plus_its_scales_and_agrees_with_ar(tmp_path, capsys):
     """Every draft projection and the head's rows in fp8 (one byte each, one float32 scale per row); the norms and
     the draft's context K/V keep the model's dtype (float32 here)."""
-    from ddtree.bench.command import SHAPES, build_shape, draft_bytes
+    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.timing import draft_bytes
 
     plain, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
     fp8, eager = build_shape("tiny", "cpu", torch.float32, fast_capacity=64, draft_quantization="fp8")
@@ -183,6 +187,7 @@ def test_runs_are_timed_against_the_best_measured_read_bandwidth(tmp_path, monke
     """Where the device's copy and read bandwidth are measured (before and after the runs), the floors at both
     are reported, and each run's round/floor is against the best read bandwidth: the tightest floor."""
     from ddtree.bench import command as bench
+    from ddtree.bench.timing import SPEC_BANDWIDTH
 
     measured = iter([(3.9e12, 4.6e12), (4.2e12, 4.5e12)])  # before the runs, after them
     monkeypatch.setattr(bench, "measured_ceilings", lambda device: next(measured))
@@ -193,7 +198,7 @@ def test_runs_are_timed_against_the_best_measured_read_bandwidth(tmp_path, monke
     assert (report["copy_bandwidth"], report["read_bandwidth"]) == (4.2e12, 4.6e12)
     assert report["round_vs_floor_at"] == "measured_read"
     step, round_bytes = report["step_bytes"], report["round_bytes"]
-    assert report["floor_ms"] == pytest.approx(dict(spec=1e3 * step / bench.SPEC_BANDWIDTH,
+    assert report["floor_ms"] == pytest.approx(dict(spec=1e3 * step / SPEC_BANDWIDTH,
                                                     measured_copy=1e3 * step / 4.2e12,
                                                     measured_read=1e3 * step / 4.6e12))
     assert report["round_floor_ms"]["measured_read"] == pytest.approx(1e3 * round_bytes / 4.6e12)
@@ -204,7 +209,8 @@ def test_runs_are_timed_against_the_best_measured_read_bandwidth(tmp_path, monke
 
 def test_bench_runs_a_moe_shape_on_the_fast_path_and_counts_only_the_picked_experts(capsys):
     """A Qwen3-MoE shape decodes on the fast path, equal to the eager path; its floor counts k of E experts."""
-    from ddtree.bench.command import SHAPES, build_shape, weight_bytes
+    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.timing import weight_bytes
 
     rc = main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--methods", "ar", "ddtree", "--budgets", "8",
                "--paths", "fast", "eager", "--prompts", "1", "--prompt-tokens", "24", "--max-new-tokens", "12"])

@@ -14,6 +14,7 @@ from ddtree.engine import Engine
 from ddtree.fast import layers
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.jit import triton_works
+from ddtree.switches import override
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -182,11 +183,11 @@ def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, mo
 def test_dependent_launches_change_no_bits(fast_ckpt, monkeypatch):
     """On Hopper and later the Triton kernels launch as programmatic dependents: inside a graph each may start
     while the kernel before it drains, and waits for it before touching its outputs; a B = 64 tree's norms,
-    heads and attention kernels let the next kernel launch before they wait (jit.early_pdl). The same rounds
+    heads and attention kernels let the next kernel launch before they wait (wgmma.early_pdl). The same rounds
     with early launches off, and with PDL off, give the same tokens and log-probabilities, bit for bit; a kernel
     that read another's output before its wait would race, and round AR steps (all Triton) and trees
     differently."""
-    from ddtree.kernels import jit
+    from ddtree.kernels import jit, wgmma
 
     if not jit.pdl(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("no programmatic dependent launch on this GPU or Triton")
@@ -202,12 +203,12 @@ def test_dependent_launches_change_no_bits(fast_ckpt, monkeypatch):
             out.append([(r.token_ids, r.logprobs) for r in gen])
         return out
 
-    assert jit.EARLY_LAUNCH
+    assert wgmma.EARLY_STEPS
     dependent = decode()
-    monkeypatch.setattr(jit, "EARLY_LAUNCH", frozenset())
+    monkeypatch.setattr(wgmma, "EARLY_STEPS", frozenset())
     assert decode() == dependent
-    monkeypatch.setattr(jit, "PDL", False)
-    assert decode() == dependent
+    with override(pdl=False):
+        assert decode() == dependent
 
 
 def attention_case(n: int, groups: int, d: int, capacity: int, start: int, window: int | None):
@@ -573,9 +574,7 @@ def test_many_row_projections_go_through_cublaslt_and_equal_a_float64_product(mo
     kernel's, up to LT_MAX_ROWS, to cuBLASLt by way of a zero bias, and the product stays right; float32 and
     wider trees keep cuBLAS."""
     import torch.nn.functional as F
-    from ddtree.kernels import gemm, wgmma
-
-    monkeypatch.setattr(wgmma, "ENABLED", False)
+    from ddtree.kernels import gemm
 
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(6144, 4096, generator=gen) / 32).to(dtype).cuda()
@@ -583,7 +582,8 @@ def test_many_row_projections_go_through_cublaslt_and_equal_a_float64_product(mo
     biases = []
     monkeypatch.setattr(gemm, "_zero_bias", lambda n, x: biases.append(n) or torch.zeros(n, dtype=x.dtype,
                                                                                           device=x.device))
-    y = gemm.linear(x, weight)
+    with override(wgmma=False):
+        y = gemm.linear(x, weight)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(y.double(), F.linear(x.double(), weight.double()), atol=tolerance, rtol=tolerance)
     assert biases == ([6144] if dtype == torch.bfloat16 and rows <= gemm.LT_MAX_ROWS else [])

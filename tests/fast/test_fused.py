@@ -4,6 +4,7 @@ import torch
 from ddtree.engine import Engine
 from ddtree.fast import layers
 from ddtree.fast.layers import Ops, attention_heads, rms_norm
+from ddtree.switches import override
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 
@@ -51,5 +52,5 @@ def test_a_compile_that_fails_falls_back_to_the_eager_step(monkeypatch, capsys):
     x, w = torch.randn(3, 8), torch.randn(8)
     assert torch.equal(ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
     assert "compiling rms_norm failed (RuntimeError: no C compiler found)" in capsys.readouterr().err
-    monkeypatch.setenv("DDTREE_COMPILE", "0")
-    assert not Ops(compile=True).compiled
+    with override(compile=False):
+        assert not Ops(compile=True).compiled

@@ -281,7 +281,7 @@ def test_the_gather_kernel_equals_index_select(kernels_on_cpu, rows, width, dtyp
 
 def test_the_read_bandwidth_kernel_reads_every_element_once():
     """`ddtree bench` times its read floor with this kernel: its sums prove it read all the bytes it counts."""
-    from ddtree.bench.command import READ_BLOCK, read_sums
+    from ddtree.bench.timing import READ_BLOCK, read_sums
 
     data = torch.randn(3 * READ_BLOCK, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     sums = read_sums(data, torch.empty(3))
@@ -336,8 +336,8 @@ def test_a_walk_kernel_that_cannot_launch_leaves_the_walk_to_pytorch(kernels_on_
 
 
 def test_linear_takes_the_gemv_for_one_row_of_a_narrow_weight(kernels_on_cpu, monkeypatch):
-    """One row of a weight up to ROW_GEMV_MAX_N wide goes through the GEMV (wider ones, and DDTREE_ROW_GEMV=0,
-    keep F.linear); either way the product is F.linear's."""
+    """One row of a weight up to ROW_GEMV_MAX_N wide goes through the GEMV (wider ones keep F.linear); either way
+    the product is F.linear's."""
     import torch.nn.functional as F
     from ddtree.kernels import gemm
     from ddtree.kernels.gemv import gemv
@@ -351,8 +351,6 @@ def test_linear_takes_the_gemv_for_one_row_of_a_narrow_weight(kernels_on_cpu, mo
         weight = torch.randn(n, 64, generator=gen)
         assert torch.allclose(gemm.linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
         assert (calls[-1:] == [n]) == routed
-    monkeypatch.setattr(gemm, "ROW_GEMV", False)
-    gemm.linear(x, torch.randn(40, 64, generator=gen))
     assert calls == [40]
 
 

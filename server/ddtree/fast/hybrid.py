@@ -96,7 +96,7 @@ class HybridFastPath(FastPath):
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
                                                           if hasattr(layer, "linear_attn"))}
         self.gdn_rows = {n for i, n in self.recurrent_index.items()  # recurrent layers whose rounds are one kernel
-                         if gdn.ENABLED and triton_works(self.device) and gdn.takes(self.decoder[i].linear_attn)}
+                         if triton_works(self.device) and gdn.takes(self.decoder[i].linear_attn)}
         self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
                                                           if i not in self.recurrent_index)}
         self.kv = self._kv_cache(len(self.attention_index))

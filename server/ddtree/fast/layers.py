@@ -20,7 +20,6 @@ kernel each); elsewhere they run eagerly, the same functions the CPU tests compa
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +34,7 @@ from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, sil
 from ddtree.kernels.moe import Experts
 from ddtree.models.draft import rms_norm
 from ddtree.models.quantize import Fp8Linear
-
-ROW_KERNELS = os.environ.get("DDTREE_ROW_KERNELS", "1") != "0"
+from ddtree.switches import SWITCHES
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -90,14 +88,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Ops:
-    """The elementwise steps above: compiled on CUDA (one kernel each), eager elsewhere or with DDTREE_COMPILE=0.
+    """The elementwise steps above: compiled on CUDA (one kernel each), eager elsewhere or with DDTREE_COMPILE=0
+    (ddtree.switches).
 
     A compile that fails (no C compiler, an unsupported torch build) falls back to the eager function for
     good, with the reason on stderr: slower, never wrong.
     """
 
     def __init__(self, compile: bool) -> None:
-        self.compiled = compile and os.environ.get("DDTREE_COMPILE", "1") != "0"
+        self.compiled = compile and SWITCHES.compile
         for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul):
             setattr(self, fn.__name__, self.wrap(fn))
         self.quantizing_rows = False  # the row kernels' fp8 forms (see normed), once take_row_kernels has run
@@ -139,10 +138,7 @@ class Ops:
 
     def take_row_kernels(self) -> None:
         """The norms and SiLU · up as ddtree/kernels/rows.py's Triton kernels, for the rows those take (the
-        current functions for the rest). The caller checks that Triton runs on its device; DDTREE_ROW_KERNELS=0
-        keeps the compiled functions, for A/B runs."""
-        if not ROW_KERNELS:
-            return
+        current functions for the rest). The caller checks that Triton runs on its device."""
         norm, add_norm, silu = self.rms_norm, self.add_rms_norm, self.silu_mul
         self.rms_norm = lambda x, w, eps: rows.rms_norm(x, w, eps) if rows.supported(x, w) else norm(x, w, eps)
         self.add_rms_norm = lambda x, d, w, eps: (rows.add_rms_norm(x, d, w, eps) if rows.supported(x, w)

@@ -22,7 +22,6 @@ no sliding windows. Everything else stays on the reference path.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -160,7 +159,7 @@ class FastPath:
         """The target's fused layers and its static K/V cache (a hybrid target builds its own)."""
         self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
         # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
-        # (ddtree/kernels/gemv.py); DDTREE_GEMV=0 keeps cuBLAS and the separate kernels, for A/B runs.
+        # (ddtree/kernels/gemv.py).
         # A mixture-of-experts layer's router is its MLP's GEMV; the experts then run their own kernels.
         lm_head = self.target.lm_head
         weights, biases = [lm_head.weight], [lm_head.bias]
@@ -168,7 +167,7 @@ class FastPath:
             projections = [layer.qkv, layer.o] + ([layer.gate_up, layer.down] if layer.experts is None else [])
             weights += [p.weight for p in projections] + ([layer.experts.router] if layer.experts is not None else [])
             biases += [p.bias for p in projections]
-        self.row_gemv = (os.environ.get("DDTREE_GEMV", "1") != "0" and triton_works(self.device)
+        self.row_gemv = (triton_works(self.device)
                          and all(gemv_supported(w) for w in weights) and all(b is None for b in biases))
         self.kv = self._kv_cache(len(self.layers))
 

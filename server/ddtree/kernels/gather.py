@@ -5,12 +5,10 @@ new positions, the accepted path's tap features for the draft's context. torch's
 kernel for up to 16 indices whose threads each walk every index in turn (7.7-8.5 µs for each of the draft
 step's and the commit's 16-index gathers on an H200: RESULTS v29's profile), and no torch kernel launches as a
 programmatic dependent, so each also waits for the kernel before it to drain. Here one program copies one slice
-of one row. DDTREE_GATHER=0 keeps `index_select`, for A/B runs.
+of one row.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
@@ -23,7 +21,6 @@ try:
 except ImportError:  # CPU-only installs: index_select
     triton = None
 
-ENABLED = os.environ.get("DDTREE_GATHER", "1") != "0"
 SLICE = 1024  # values a program copies: a 4096-wide row in four programs
 
 
@@ -37,7 +34,7 @@ def embed(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """table.index_select(0, index) for a 2-D table with contiguous rows and indices [n] -> [n, width]."""
-    if not (ENABLED and triton_works(table.device) and table.dim() == 2 and table.stride(1) == 1
+    if not (triton_works(table.device) and table.dim() == 2 and table.stride(1) == 1
             and index.dim() == 1):
         return table.index_select(0, index)
     return _gather(table, index)

@@ -29,8 +29,6 @@ columns, the normed keys, u and G), so the commit is unchanged.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -39,7 +37,6 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
-ENABLED = os.environ.get("DDTREE_GDN_ROW", "1") != "0"  # 0: the PyTorch steps for AR steps and trees (A/B runs)
 # the AR-step kernel's warps: at 8 its sm_90 build keeps 6.7 KB a thread on the stack, at 4 none
 # (benchmarks/kernel_resources.py, Triton 3.6); the Qwen3.6-27B shape's AR step took 16.11 ms at 4, 16.12 at 8 (v12)
 ROW_WARPS = 4

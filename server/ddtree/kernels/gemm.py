@@ -2,7 +2,7 @@
 weight once.
 
 At 16-32 rows a projection is bound by its weight's bytes, but cuBLAS leaves the 4096-wide weights of an 8B
-model at 2.5-3.6 TB/s (benchmarks/RESULTS.md). Here every program owns BLOCK_N output columns for *all* the
+model at 2.5-3.6 TB/s. Here every program owns BLOCK_N output columns for *all* the
 rows, so the weight streams through once, and the tensor-core product puts the weight on the MMA's wide
 side (y^T = W x^T), so rows only pad up to 16 or 32. Narrow weights also split K over SPLIT_K programs, so
 that the GPU fills; the last program of a column tile to finish sums the float32 partials in a fixed order
@@ -10,15 +10,12 @@ that the GPU fills; the last program of a column tile to finish sums the float32
 
 More rows pad the product to 64 or 128 and make it compute-bound in Triton: there a kernel that pads rows to a
 multiple of 8 wins, so `linear` hands those to ours on Hopper (ddtree/kernels/wgmma.py) and to cuBLAS elsewhere.
-DDTREE_SKINNY=0 turns the kernel off, for A/B runs.
 
 The same kernel takes an fp8 drafter's projections (fp8.py; `skinny_fp8`): e4m3 weights and rows,
 half the bytes, on the fp8 tensor cores, at any row count (a prompt's context rows in tiles).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -38,43 +35,34 @@ except ImportError:  # CPU-only installs: the caller keeps F.linear
 
 MAX_ROWS = 32  # measured: 65 rows run 1.2x slower than cuBLAS (compute-bound after padding to 128)
 FP8_ROW_TILE = 64  # fp8 rows in one tile; more rows take several tiles (and no K splits)
-ENABLED = os.environ.get("DDTREE_SKINNY", "1") != "0"
-ROW_GEMV = os.environ.get("DDTREE_ROW_GEMV", "1") != "0"
 ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
-LT = os.environ.get("DDTREE_CUBLASLT", "1") != "0"
-GLU = os.environ.get("DDTREE_GLU", "1") != "0"
-PAIRED = os.environ.get("DDTREE_PAIRED", "1") != "0"
 LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129 and 512 rows, no faster
 _KEPT_ZEROS: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
 def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the skinny kernel where it is the faster one (see above), and one row of a weight
-    up to ROW_GEMV_MAX_N wide through the Triton GEMV (ddtree/kernels/gemv.py; measured on the 8B shape's
-    4096-row weights: 10.2 against cuBLAS' 13.2 µs for o, 25.6 against 30.1 for down; on the wide ones cuBLAS
-    is as fast). That is every one-row projection outside the fused GEMV layers: a hybrid's AR step took 17.75
-    against 18.25 ms, an MoE target's 3.78 against 3.92 (benchmarks/ab_steps.py). DDTREE_ROW_GEMV=0 keeps
-    cuBLAS for single rows, for A/B runs. Half-precision rows past the skinny kernel's, up to LT_MAX_ROWS (a tree
-    of 32-127 nodes), go to cuBLASLt, which cuBLAS' heuristics do not pick there: an 8B shape's B = 32 round took
-    6.44 against 6.59 ms, B = 64 6.77 against 6.84. DDTREE_CUBLASLT=0 keeps cuBLAS, for A/B runs. An fp8 weight
-    (a quantized drafter's, fp8.py) takes the same kernel on fp8 operands (`skinny_fp8`), and rows already
-    quantized for it (QuantizedRows) need one. On a Hopper GPU, 33-136 half-precision rows take our own wgmma GEMM
-    first (ddtree/kernels/wgmma.py: it launches as a programmatic dependent, which cuBLASLt's kernels cannot)."""
+    """F.linear through the fastest kernel for its rows: one row of a weight up to ROW_GEMV_MAX_N wide through the
+    Triton GEMV (gemv.py; on wider ones cuBLAS is as fast), every one-row projection outside the fused GEMV layers;
+    up to MAX_ROWS rows through the skinny kernel above; on a Hopper GPU 33-136 half-precision rows through our
+    wgmma GEMM (wgmma.py: it launches as a programmatic dependent, which cuBLASLt's kernels cannot); elsewhere
+    rows up to LT_MAX_ROWS (a tree of 32-127 nodes) through cuBLASLt, which cuBLAS' heuristics do not pick there.
+    An fp8 weight (a quantized drafter's, fp8.py) takes the skinny kernel on fp8 operands (`skinny_fp8`), and rows
+    already quantized for it (QuantizedRows) need one."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear(x, weight, bias)
     if bias is None and x.dim() == 2 and x.dtype == weight.dtype:
-        if (x.shape[0] == 1 and ROW_GEMV and weight.shape[0] <= ROW_GEMV_MAX_N and gemv_supported(weight)
+        if (x.shape[0] == 1 and weight.shape[0] <= ROW_GEMV_MAX_N and gemv_supported(weight)
                 and x.stride(1) == 1 and triton_works(x.device)):
             return gemv(x, weight)[0]
-        if ENABLED and supported(x, weight) and triton_works(x.device):
+        if supported(x, weight) and triton_works(x.device):
             return skinny_linear(x, weight)
         if x.shape[0] > MAX_ROWS and wgmma.supported(x, weight):
             # None where NVRTC or the driver cannot build or launch it: cuBLASLt below, from then on
             y = attempt(("wgmma", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.linear, x, weight)
             if y is not None:
                 return y
-        if LT and x.is_cuda and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        if x.is_cuda and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             return F.linear(x, weight, _zero_bias(weight.shape[0], x))
     return F.linear(x, weight, bias)
 
@@ -83,7 +71,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     """fused.silu_mul(linear(x, weight)) for a SwiGLU's fused [gate; up] weight in one launch, where our Hopper
     GEMM takes `linear`'s product (33-136 half-precision rows; its epilogue computes SiLU · up with
     ddtree/kernels/rows.py's bits); None elsewhere, where the caller runs the product and then SiLU · up."""
-    if not (GLU and wgmma.supported(x, weight) and weight.shape[0] % 2 == 0):
+    if not (wgmma.supported(x, weight) and weight.shape[0] % 2 == 0):
         return None
     return attempt(("wgmma SiLU", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.silu_mul_linear, x, weight)
 
@@ -92,10 +80,9 @@ def pair_linear(x: torch.Tensor | QuantizedRows, first: torch.Tensor | Fp8Weight
                 second: torch.Tensor | Fp8Weight) -> torch.Tensor | None:
     """[linear(x, first), linear(x, second)] side by side [M, N1 + N2] in one launch of the few-row kernel, which
     takes the second weight's rows as the columns past the first's: a DFlash draft layer's q and its k/v, whose
-    weights live apart (k/v are rows of the all-layer context projection), 14 µs in two launches of the fp8 kernel
-    on the 8B draft (RESULTS v21). None where that kernel does not take both (the caller runs two products), and
-    with DDTREE_PAIRED=0, for A/B runs."""
-    if not PAIRED or triton is None or first.shape[1] != second.shape[1]:
+    weights live apart (k/v are rows of the all-layer context projection). None where that kernel does not take
+    both (the caller runs two products)."""
+    if triton is None or first.shape[1] != second.shape[1]:
         return None
     if isinstance(first, Fp8Weight) and isinstance(second, Fp8Weight):
         rows = x if isinstance(x, QuantizedRows) else rows_of(x)
@@ -105,7 +92,7 @@ def pair_linear(x: torch.Tensor | QuantizedRows, first: torch.Tensor | Fp8Weight
         return _skinny(rows.values, rows.scale, first.data, first.scale, rows.dtype,
                        launch_config(n, rows.values.shape[1], fp8=True), second=(second.data, second.scale))
     if (isinstance(x, torch.Tensor) and isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)
-            and ENABLED and supported(x, first) and supported(x, second) and triton_works(x.device)
+            and supported(x, first) and supported(x, second) and triton_works(x.device)
             and _pairable(first, second)):
         n = first.shape[0] + second.shape[0]
         return _skinny(x, None, first, None, x.dtype, launch_config(n, x.shape[1]), second=(second, None))

@@ -21,7 +21,7 @@ from multiprocessing import get_context
 
 import torch
 import triton
-from ddtree.bench.command import CYCLED_CALLS, cycled_us, weight_copies
+from ddtree.bench.timing import CYCLED_CALLS, cycled_us, weight_copies
 from ddtree.kernels.fp8 import Fp8Weight, quantize_weight
 from ddtree.kernels.gemm import launch_config, skinny_fp8, skinny_linear
 from ddtree.kernels.rows import quantize as quantize_rows

@@ -18,7 +18,7 @@ import argparse
 import itertools
 
 import torch
-from ddtree.bench.command import cycled_us, weight_copies
+from ddtree.bench.timing import cycled_us, weight_copies
 from ddtree.kernels import wgmma
 from ddtree.kernels.gemm import linear
 
