@@ -6,7 +6,8 @@ import json
 import threading
 import time
 
-from ddtree.api.app import ServerConfig, create_app
+from ddtree.api.app import create_app
+from ddtree.api.state import ServerConfig
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedEngine, prefill, round_
 

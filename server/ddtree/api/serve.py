@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from ddtree.api.app import ServerConfig, ServerState, create_app
+from ddtree.api.app import create_app
+from ddtree.api.state import ServerConfig, ServerState
 
 
 @dataclass

@@ -1,0 +1,127 @@
+"""What the handlers share: the server's configuration, the engine once loaded (warmed up before /ready says
+yes), its scheduler and metrics, and the sampling defaults requests that omit a field get.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddtree.api.metrics import ServerMetrics
+from ddtree.api.protocol import APIError
+from ddtree.api.scheduler import Scheduler
+from ddtree.core.sampling import SamplingParams
+
+log = logging.getLogger("ddtree.server")
+
+# What a request that omits these fields gets without --default-temperature or the model's generation config.
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+
+
+# --------------------------------------------------------------------------------------------------------
+# Server state
+
+
+@dataclass
+class ServerConfig:
+    """What `ddtree serve` decides before the model is loaded."""
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = 256
+    drain_timeout: float = 30.0  # seconds queued and running requests get to finish at shutdown
+    default_temperature: float | None = None  # for requests that send none; None: the model's, else OpenAI's 1.0
+    generation_config: str = "auto"  # auto: the checkpoint's sampling defaults (vLLM's); none / vllm: ignore them
+    # Chat template arguments every chat gets unless it sends its own, e.g. {"enable_thinking": False}:
+    # Qwen3's DFlash drafters were trained on replies without thinking, so thinking costs acceptance.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call> blocks; hermes; none
+    reasoning_parser: str = "auto"  # auto: qwen3 when the chat template knows </think>; qwen3; none
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share; the engine fields fill in once loading finishes."""
+
+    config: ServerConfig
+    engine: Any = None
+    scheduler: Scheduler | None = None
+    metrics: ServerMetrics | None = None
+    model_name: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    load_error: str | None = None
+    sampling_defaults: dict[str, float] = field(default_factory=lambda: dict(NEUTRAL_SAMPLING))
+
+    def load(self, load_engine: Callable[[], Any]) -> None:
+        """Load the engine and start the scheduler (runs in a thread; the server answers meanwhile)."""
+        engine = load_engine()
+        name = self.config.served_model_name or engine.model_name
+        budget = engine.budget if engine.method == "ddtree" else None
+        metrics = ServerMetrics(name, method=engine.method, budget=budget, block_size=engine.block_size,
+                                max_model_len=engine.max_context)
+        self.sampling_defaults = self._sampling_defaults(engine)
+        self._warm_up(engine)
+        self.engine, self.model_name, self.metrics = engine, name, metrics
+        self.scheduler = Scheduler(engine, metrics, max_queue=self.config.max_queue)
+        log.info("serving %s (method %s, budget %s, max context %d)", name, engine.method, engine.budget,
+                 engine.max_context)
+        if note := getattr(engine, "fast_note", None):
+            log.warning("%s", note)
+        head = getattr(engine, "draft_head", None)
+        if head is not None and head.token_ids is not None:
+            log.info("drafting from %d of %d tokens (--draft-vocab)", head.size, engine.vocab_size)
+        if quantized := getattr(engine, "draft_quantization", None):
+            log.info("drafting in %s (--draft-quantization): the output stays the target's own", quantized)
+
+    def _warm_up(self, engine: Any) -> None:
+        """Capture the fast path's graphs before /ready says yes: for greedy requests and for requests that
+        keep the default sampling settings (the two plans nearly every request runs on)."""
+        if getattr(engine, "fast", None) is None:
+            return
+        log.info("warming up the fast path (CUDA graphs, compiled kernels) ...")
+        started = time.perf_counter()
+        try:
+            settings = [SamplingParams(**merged_sampling(self.sampling_defaults, {}))]
+            if not settings[0].greedy:
+                settings.append(SamplingParams(**merged_sampling(self.sampling_defaults, {"temperature": 0.0})))
+            done = engine.warm_up(*settings)
+        except Exception as exc:  # an optimisation only: the first requests then capture what they need
+            log.warning("fast path warm-up failed (%s: %s); the first requests will capture their graphs",
+                        type(exc).__name__, exc)
+            return
+        log.info("fast path warmed up in %.1f s (%s)", time.perf_counter() - started, ", ".join(done) or "nothing")
+
+    def _sampling_defaults(self, engine: Any) -> dict[str, float]:
+        """What requests that omit a sampling field get: --default-temperature, then (auto) the checkpoint's
+        generation config, then the neutral values. Said once, as vLLM says it: replies change with it."""
+        flag = {} if self.config.default_temperature is None else {"temperature": self.config.default_temperature}
+        model = engine.generation_defaults if self.config.generation_config == "auto" else {}
+        model = {k: v for k, v in model.items() if k not in flag}
+        if model:
+            log.info("default sampling parameters from the model's generation_config.json: %s (fields a request "
+                     "sends win; --generation-config none ignores the file)",
+                     ", ".join(f"{k}={v}" for k, v in model.items()))
+        return {**NEUTRAL_SAMPLING, **model, **flag}
+
+    def require_ready(self) -> Scheduler:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", type="service_unavailable")
+        if self.load_error is not None:
+            raise APIError(503, f"The model could not be loaded: {self.load_error}", type="service_unavailable")
+        if self.scheduler is None:
+            raise APIError(503, "The model is still loading.", type="service_unavailable",
+                           headers={"Retry-After": "5"})
+        return self.scheduler
+
+
+def merged_sampling(defaults: dict[str, float], sent: dict[str, float]) -> dict[str, float]:
+    """The sampling fields a request runs with: what it sent over the server's defaults, top_k -1 and 0 both
+    meaning off."""
+    merged = {**defaults, **sent}
+    return {**merged, "top_k": max(0, merged["top_k"])}
