@@ -142,7 +142,7 @@ def test_a_failed_pull_reports_the_pods_last_error():
                render.LABEL_OWNER: "qwen", render.LABEL_PULL_JOB: job["metadata"]["name"]}},
            "status": {"containerStatuses": [{"name": "pull", "state": {"terminated": {
                "exitCode": 1, "reason": "Error",
-               "message": '{"dest": "/models/x", "bytesDone": 0}\nddtree pull: hf://Qwen/Qwen3-8B: 401 gated repo\n'}}}]}}
+               "message": '{"dest": "/models/x"}\nddtree pull: hf://Qwen/Qwen3-8B: 401 gated repo\n'}}}]}}
     cluster.objects[("Pod", "p")] = pod
     assert reconcile(cluster, body, "img:1", now=NOW).pull_error == "ddtree pull: hf://Qwen/Qwen3-8B: 401 gated repo"
     del pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"]

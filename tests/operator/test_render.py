@@ -324,8 +324,9 @@ def deployment(ready: int, replicas: int = 2) -> dict[str, Any]:
                                                       "readyReplicas": ready, "updatedReplicas": replicas}}
 
 
-UNSCHEDULABLE = {"metadata": {"name": "qwen-1"}, "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                            "message": "0/4 nodes: Insufficient nvidia.com/gpu"}]}}
+UNSCHEDULABLE = {"metadata": {"name": "qwen-1"}, "status": {"conditions": [
+    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+     "message": "0/4 nodes: Insufficient nvidia.com/gpu"}]}}
 
 
 @pytest.mark.parametrize(("seen", "ready", "phase"), [
