@@ -32,8 +32,8 @@ HEADER = """\
 """
 # controller-gen's form of resource.Quantity: a number or a string in Kubernetes' quantity syntax.
 QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}],
-            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)"
-                       r"|(\.[0-9]+))))?$",
+            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                       r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
             "x-kubernetes-int-or-string": True}
 INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
 SPECIAL = {"io.k8s.apimachinery.pkg.api.resource.Quantity": QUANTITY,

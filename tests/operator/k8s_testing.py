@@ -131,6 +131,23 @@ def install_crd(cluster, manifest: dict[str, Any]) -> None:
     wait_for(established, what=f"CRD {name} established")
 
 
+def delete_crd(cluster, name: str) -> None:
+    """Delete a CRD (typed client, as in install_crd) and wait until its API is gone."""
+    from kubernetes import client
+
+    api = client.ApiextensionsV1Api(cluster.api_client)
+    with contextlib.suppress(client.ApiException):
+        api.delete_custom_resource_definition(name)
+
+    def gone() -> bool:
+        try:
+            api.read_custom_resource_definition(name)
+        except client.ApiException as err:
+            return err.status == 404
+        return False
+    wait_for(gone, what=f"CRD {name} deleted")
+
+
 @contextlib.contextmanager
 def new_namespace(cluster, prefix: str) -> Iterator[str]:
     """A fresh namespace, deleted afterwards (our finalizers dropped first: no operator may be running)."""
