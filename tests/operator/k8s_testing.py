@@ -72,13 +72,16 @@ def audit_events(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
 
 
 def operator_calls(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    """(API group, resource[/subresource], verb) of every resource request an operator made."""
+    """(API group, resource[/subresource], verb) of every resource request an operator made. A server-side
+    apply that created its object (201) is authorized as `create` too, as Kubernetes does."""
     calls = set()
     for e in events:
         ref = e.get("objectRef")
         if ref and e.get("userAgent", "").startswith(OPERATOR_USER_AGENTS):
             resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
             calls.add((ref.get("apiGroup", ""), resource, e["verb"]))
+            if e["verb"] == "patch" and e.get("responseStatus", {}).get("code") == 201:
+                calls.add((ref.get("apiGroup", ""), resource, "create"))
     return calls
 
 
