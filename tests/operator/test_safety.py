@@ -107,7 +107,7 @@ def test_placement_and_image_changes_do_not_re_pull(cluster, operator, namespace
     job = wait_for(lambda: pull_jobs(cluster, ns, "q"), what="pull Job")[0]
     patch(cluster, *DDT, ns, "q", {"spec": {"nodeSelector": {"pool": "h200"}, "image": "ddtree-server:0.2.0",
                                             "tolerations": [{"key": "spot", "operator": "Exists"}]}})
-    wait_for(lambda: ddt(cluster, ns, "q")["status"].get("observedGeneration") == 2, what="the change seen")
+    wait_for(lambda: (ddt(cluster, ns, "q").get("status") or {}).get("observedGeneration") == 2, what="the change seen")
     time.sleep(2)
     assert [j["metadata"]["name"] for j in pull_jobs(cluster, ns, "q")] == [job["metadata"]["name"]]
     assert ready(ddt(cluster, ns, "q")) == ("False", "Pulling")  # no 422 on the Job's immutable template
