@@ -420,8 +420,6 @@ def _server_resources(spec: Manifest, model_bytes: int | None) -> Manifest:
     """The spec's requests/limits, GPUs from gpu.count, and default CPU and memory requests where the spec
     sets neither a request nor a limit for them (so server pods are never BestEffort)."""
     resources = {k: dict(v) for k, v in spec.get("resources", {}).items() if k in ("requests", "limits")}
-    if "claims" in spec.get("resources", {}):
-        resources["claims"] = spec["resources"]["claims"]
     g = _gpu(spec)
     defaults = {"cpu": "4" if g["count"] > 0 else "1", "memory": default_memory_request(spec, model_bytes)}
     for resource, amount in defaults.items():

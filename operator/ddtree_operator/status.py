@@ -134,7 +134,7 @@ def _pod_ready(pod: Manifest) -> bool:
 def serving_model(body: Manifest, pods: tuple[Manifest, ...]) -> Manifest | None:
     """What the Ready server pods serve (their model annotations): during a model change, the model most
     of them still serve (the new one on a tie), with how many do."""
-    served = Counter()
+    served: Counter[tuple[str, str]] = Counter()
     for pod in pods:
         annotations = pod["metadata"].get("annotations") or {}
         if _pod_ready(pod) and render.ANNOTATION_TARGET in annotations:
