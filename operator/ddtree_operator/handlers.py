@@ -14,11 +14,14 @@ import kopf
 import prometheus_client
 from kubernetes import client, config
 
-from ddtree_operator import render, status
+from ddtree_operator import __version__, render, status
 from ddtree_operator.reconcile import Cluster, reconcile
 
 RESYNC_SECONDS = float(os.environ.get("DDTREE_OPERATOR_RESYNC_SECONDS", "15"))
 RESOURCE = (render.GROUP, render.VERSION, "ddtreedeployments")
+USER_AGENT = f"ddtree-operator/{__version__}"
+# KEDA's Prometheus, for DDTreeDeployments whose spec.autoscaling names none (--prometheus-address).
+PROMETHEUS_ADDRESS = os.environ.get("DDTREE_PROMETHEUS_ADDRESS", "")
 
 RECONCILES = prometheus_client.Counter("ddtree_operator_reconciles", "Reconciles by trigger and result",
                                        ["trigger", "result"])
@@ -34,7 +37,9 @@ def _api_client() -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
-    return client.ApiClient()
+    api = client.ApiClient()
+    api.user_agent = USER_AGENT  # audit logs (and the RBAC test) tell the operator's calls apart
+    return api
 
 
 @kopf.on.startup()
@@ -52,7 +57,9 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     settings.background.instant_exit_timeout = 10
     settings.background.cancellation_polling = 2
     settings.posting.level = logging.WARNING  # our own Events carry the transitions; skip kopf's chatter
-    _cluster = Cluster(_api_client())
+    # Namespace globs need kopf to watch Namespaces; exact namespaces do not (main.py decides).
+    settings.scanning.disabled = os.environ.get("DDTREE_OPERATOR_SCANNING") == "off"
+    _cluster = Cluster(_api_client(), discovery_ttl=max(RESYNC_SECONDS, 1))
     port = int(os.environ.get("DDTREE_OPERATOR_METRICS_PORT", "8081"))
     if port:
         prometheus_client.start_http_server(port)
@@ -83,13 +90,15 @@ def _run(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> N
     assert _cluster is not None
     if body.metadata.get("deletionTimestamp"):
         return  # being deleted: garbage collection removes the children; do not re-create them
-    manifest = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body.metadata),
-                "spec": dict(body.spec)}
     started = time.monotonic()
     with memo.setdefault("lock", threading.Lock()):  # memo is per object; setdefault is atomic
+        # The last written status wins over the (possibly older) snapshot this handler was given.
+        current = {**dict(body.status), **memo.get("status", {})}
+        manifest = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body.metadata),
+                    "spec": dict(body.spec), "status": current}
         try:
-            seen, monitoring_error = reconcile(_cluster, manifest, os.environ.get("DDTREE_SERVER_IMAGE",
-                                                                          render.DEFAULT_IMAGE))
+            seen = reconcile(_cluster, manifest, os.environ.get("DDTREE_SERVER_IMAGE", render.DEFAULT_IMAGE),
+                             PROMETHEUS_ADDRESS)
         except Exception:
             RECONCILES.labels(trigger, "error").inc()
             raise
@@ -97,28 +106,30 @@ def _run(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> N
             RECONCILE_SECONDS.observe(time.monotonic() - started)
         RECONCILES.labels(trigger, "ok").inc()
         fields, conditions = status.compute(manifest, seen)
-        # The last written conditions win over the (possibly older) snapshot this handler was given.
-        old = memo.get("conditions", body.status.get("conditions") or [])
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        merged, transitions = status.merge_conditions(old, conditions, body.metadata.get("generation"), now)
-        memo["conditions"] = merged
-        current = dict(body.status)
-        for key, value in {**fields, "conditions": merged}.items():
-            if current.get(key) != value:
+        merged, transitions = status.merge_conditions(current.get("conditions") or [], conditions,
+                                                      body.metadata.get("generation"), now)
+        written = {**fields, "conditions": merged}
+        for key, value in written.items():
+            if body.status.get(key) != value:
                 patch.status[key] = value
+        memo["status"] = written
         for t in transitions:
             TRANSITIONS.labels(t.type, t.reason).inc()
-            kopf.event(body, type=t.event_type, reason=t.reason, message=f"{t.type}={t.status}: {t.message}")
-        if monitoring_error and monitoring_error != memo.get("monitoring_error"):
-            kopf.event(body, type="Warning", reason="MonitoringUnavailable", message=monitoring_error)
-        memo["monitoring_error"] = monitoring_error
+        for event in status.events(transitions):
+            kopf.event(body, type=event.event_type, reason=event.reason,
+                       message=f"{event.type}={event.status}: {event.message}")
+        if seen.monitoring_error and seen.monitoring_error != memo.get("monitoring_error"):
+            kopf.event(body, type="Warning", reason="MonitoringUnavailable", message=seen.monitoring_error)
+        memo["monitoring_error"] = seen.monitoring_error
 
 
 @kopf.on.resume(*RESOURCE, backoff=RESYNC_SECONDS)
 @kopf.on.create(*RESOURCE, backoff=RESYNC_SECONDS)
 @kopf.on.update(*RESOURCE, field="spec", backoff=RESYNC_SECONDS)
+@kopf.on.update(*RESOURCE, field=("metadata", "annotations", render.ANNOTATION_RETRY_PULL), backoff=RESYNC_SECONDS)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, reason: str, **_: Any) -> None:
-    """React at once to creation, spec changes (rollout, re-pull) and operator restarts."""
+    """React at once to creation, spec changes (rollout, re-pull), a retry-pull request and operator restarts."""
     _run(str(reason), body, patch, memo)
 
 

@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus metrics port (0 disables)")
     p.add_argument("--server-image", default=os.environ.get("DDTREE_SERVER_IMAGE"),
                    help="server image for DDTreeDeployments that do not set spec.image")
+    p.add_argument("--prometheus-address", default=os.environ.get("DDTREE_PROMETHEUS_ADDRESS"), metavar="URL",
+                   help="Prometheus that KEDA queries for DDTreeDeployments whose spec.autoscaling names none")
     p.add_argument("--resync-seconds", type=float,
                    default=float(os.environ.get("DDTREE_OPERATOR_RESYNC_SECONDS", "15")),
                    help="how often every DDTreeDeployment is re-reconciled")
@@ -41,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["DDTREE_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
     if args.server_image:
         os.environ["DDTREE_SERVER_IMAGE"] = args.server_image
+    if args.prometheus_address:
+        os.environ["DDTREE_PROMETHEUS_ADDRESS"] = args.prometheus_address
+    # Exact namespaces (or all of them) need no watch on Namespaces and CRDs: no cluster-scoped permissions.
+    exact = args.all_namespaces or not any(set(ns) & set("*?[!") for ns in args.namespace)
+    os.environ["DDTREE_OPERATOR_SCANNING"] = "off" if exact else "on"
     import ddtree_operator.handlers  # noqa: F401  (registers the handlers with kopf)
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)

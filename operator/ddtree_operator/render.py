@@ -28,6 +28,19 @@ DRAFT_TOKEN_ENV = "DDTREE_DRAFT_HF_TOKEN"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_OWNER = "ddtree.io/deployment"
+LABEL_PULL_JOB = "ddtree.io/pull-job"
+LABEL_PULL_IDENTITY = "ddtree.io/pull-identity"
+LABEL_PULL_ATTEMPT = "ddtree.io/pull-attempt"
+LABEL_MODELS_CLAIM = "ddtree.io/models-claim"  # every pod that mounts a ReadWriteOnce models claim
+ANNOTATION_RETRY_PULL = "ddtree.io/retry-pull"  # any new value re-runs a failed (or finished) pull now
+ANNOTATION_TARGET = "ddtree.io/target"  # on server pods: what they serve (status.servingModel)
+ANNOTATION_DRAFT = "ddtree.io/draft"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+GIB = 1024**3
+# Autoscaling targets (spec.autoscaling.target keys) and the server gauges they read, per replica.
+AUTOSCALING_METRICS = {"waitingRequests": "vllm:num_requests_waiting",
+                       "runningRequests": "vllm:num_requests_running",
+                       "tokensPerSecond": "ddtree_generation_tokens_per_second"}
 
 
 @dataclass(frozen=True)
@@ -40,10 +53,12 @@ class Children:
     pull_job: Manifest | None
     monitor: Manifest | None
     pdb: Manifest | None
+    autoscaler: Manifest | None = None
 
     def all(self) -> list[Manifest]:
         """The objects to apply, in dependency order (storage before its users)."""
-        return [m for m in (self.pvc, self.pull_job, self.service, self.deployment, self.monitor, self.pdb) if m]
+        return [m for m in (self.pvc, self.pull_job, self.service, self.deployment, self.monitor, self.pdb,
+                            self.autoscaler) if m]
 
 
 def labels(name: str, component: str) -> dict[str, str]:
@@ -95,7 +110,22 @@ def _storage(spec: Manifest) -> Manifest:
     s = spec.get("storage", {})
     return {"mode": s.get("mode", "pvc"), "size": s.get("size", "100Gi"),
             "accessModes": s.get("accessModes", ["ReadWriteOnce"]), "claimName": s.get("claimName"),
-            "storageClassName": s.get("storageClassName")}
+            "storageClassName": s.get("storageClassName"), "pullTimeoutSeconds": s.get("pullTimeoutSeconds", 14400)}
+
+
+def pulls_in_job(spec: Manifest) -> bool:
+    """pvc and existingClaim modes fill the claim with a pull Job; emptyDir pods pull for themselves."""
+    return _storage(spec)["mode"] != "emptyDir"
+
+
+def single_node_volume(spec: Manifest) -> bool:
+    """Whether the models claim can be mounted on one node at a time (ReadWriteOnce without a shared mode).
+
+    Then every pod that mounts it (the pull Job's and the servers') is kept on one node: a re-pull while the
+    old servers run, and a surge pod of a rollout, never need a second attachment from another node.
+    """
+    shared = {"ReadWriteMany", "ReadOnlyMany"} & set(_storage(spec)["accessModes"])
+    return pulls_in_job(spec) and not shared
 
 
 def _server(spec: Manifest) -> Manifest:
@@ -185,6 +215,8 @@ def pull_container(spec: Manifest, image: str) -> Manifest:
                  "--token-env", TARGET_TOKEN_ENV, "--token-env", DRAFT_TOKEN_ENV, "--progress", "json"],
         "env": env,
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        # A failed pull's last log lines (its one-line error) become the termination message: PullFailed shows it.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"},
                          *source_mounts],
@@ -214,10 +246,33 @@ def render_pvc(body: Manifest) -> Manifest | None:
             "spec": spec}
 
 
-def render_pull_job(body: Manifest, image: str) -> Manifest | None:
-    """The Job that fills the models claim once; emptyDir mode pulls in each pod instead."""
+def pull_identity(body: Manifest) -> str:
+    """What a pull fetches, and where: the models (URI, revision, token reference), the claim, and the
+    retry-pull annotation. Nothing else (image, placement, replicas) may start a new pull."""
     spec = body["spec"]
-    if _storage(spec)["mode"] == "emptyDir":
+    parts = []
+    for role in ("target", "draft"):
+        model = _model(spec, role)
+        ref = model.get("secretRef") or {}
+        parts += [_pull_uri(model), ref.get("name", ""), ref.get("key", "")]
+    retry = (body["metadata"].get("annotations") or {}).get(ANNOTATION_RETRY_PULL, "")
+    return _digest(*parts, pvc_name(body), retry)
+
+
+def pull_job_name(body: Manifest, attempt: int = 0) -> str:
+    """`<name>-pull-<identity>`, with `-<attempt>` for automatic retries (at most 40 + 20 characters)."""
+    base = f"{body['metadata']['name']}-pull-{pull_identity(body)}"
+    return f"{base}-{attempt}" if attempt else base
+
+
+def render_pull_job(body: Manifest, image: str, attempt: int = 0) -> Manifest | None:
+    """The Job that fills the models claim once; emptyDir mode pulls in each pod instead.
+
+    Its name is its identity (`pull_identity`) and attempt: the operator creates it once and never changes
+    it (a Job's pod template is immutable), so a new server image or node selector does not re-pull.
+    """
+    spec = body["spec"]
+    if not pulls_in_job(spec):
         return None
     source_volumes, _ = _source_volumes(spec)
     pod_spec: Manifest = {
@@ -226,20 +281,29 @@ def render_pull_job(body: Manifest, image: str) -> Manifest | None:
         "securityContext": _pod_security(),
         "containers": [pull_container(spec, image)],
         "volumes": [_models_volume(body), {"name": "tmp", "emptyDir": {}}, *source_volumes],
-        **_placement(spec, gpu=False),
+        # A single-node volume binds where its first user runs (WaitForFirstConsumer, local volumes): pull
+        # where the servers can run, i.e. with their GPU product affinity, and next to them.
+        **_placement(body, gpu=single_node_volume(spec), gpu_resources=False),
     }
-    # A Job's pod template is immutable: name the Job after it, so a model (or image...) change is a new
-    # Job, i.e. a re-pull, and an unchanged spec is the same Job.
-    name = f"{body['metadata']['name']}-pull-{_digest(json.dumps(pod_spec, sort_keys=True))}"
+    name = pull_job_name(body, attempt)
     meta = _meta(body, name, "pull")
+    meta["labels"].update({LABEL_PULL_IDENTITY: pull_identity(body), LABEL_PULL_ATTEMPT: str(attempt)})
+    pod_labels = {**meta["labels"], LABEL_PULL_JOB: name, **_claim_label(body)}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
-            "spec": {"backoffLimit": 3,
-                     "template": {"metadata": {"labels": {**meta["labels"], "ddtree.io/pull-job": name}},
-                                  "spec": pod_spec}}}
+            "spec": {"backoffLimit": 3, "activeDeadlineSeconds": _storage(spec)["pullTimeoutSeconds"],
+                     "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}}}
 
 
-def _placement(spec: Manifest, gpu: bool) -> Manifest:
-    """Scheduling fields passed through from the spec; GPU pods also get the product affinity."""
+def _claim_label(body: Manifest) -> dict[str, str]:
+    """The co-location label of pods that mount a single-node models claim (none otherwise)."""
+    return {LABEL_MODELS_CLAIM: pvc_name(body)} if single_node_volume(body["spec"]) else {}
+
+
+def _placement(body: Manifest, gpu: bool, gpu_resources: bool = True) -> Manifest:
+    """Scheduling fields passed through from the spec; `gpu` adds the GPU product affinity and toleration
+    (`gpu_resources`: and the runtime class of pods that use the GPU), and pods of a single-node models
+    claim get a required affinity to each other's node."""
+    spec = body["spec"]
     out: Manifest = {}
     if spec.get("nodeSelector"):
         out["nodeSelector"] = spec["nodeSelector"]
@@ -250,8 +314,10 @@ def _placement(spec: Manifest, gpu: bool) -> Manifest:
         tolerations.append({"key": g["resourceName"], "operator": "Exists", "effect": "NoSchedule"})
         if g["products"]:
             affinity = _with_gpu_products(affinity, g["products"])
-        if g["runtimeClassName"]:
+        if g["runtimeClassName"] and gpu_resources:
             out["runtimeClassName"] = g["runtimeClassName"]
+    if claim := _claim_label(body):
+        affinity = _with_colocation(affinity, claim)
     if tolerations:
         out["tolerations"] = tolerations
     if affinity:
@@ -261,6 +327,18 @@ def _placement(spec: Manifest, gpu: bool) -> Manifest:
     if spec.get("imagePullSecrets"):
         out["imagePullSecrets"] = spec["imagePullSecrets"]
     return out
+
+
+def _with_colocation(affinity: Manifest | None, claim_label: dict[str, str]) -> Manifest:
+    """Require the node of the other pods that mount the claim. The first such pod may go anywhere (a pod
+    matching its own affinity term is exempt while no other pod matches), later ones follow it."""
+    term = {"labelSelector": {"matchLabels": claim_label}, "topologyKey": HOSTNAME_TOPOLOGY}
+    affinity = dict(affinity or {})
+    pod = dict(affinity.get("podAffinity", {}))
+    pod["requiredDuringSchedulingIgnoredDuringExecution"] = [
+        *pod.get("requiredDuringSchedulingIgnoredDuringExecution", []), term]
+    affinity["podAffinity"] = pod
+    return affinity
 
 
 def _with_gpu_products(affinity: Manifest | None, products: list[str]) -> Manifest:
@@ -329,16 +407,50 @@ def drain_timeout(spec: Manifest) -> int:
     return max(1, server["terminationGracePeriodSeconds"] - server["drainSeconds"] - 5)
 
 
-def _server_resources(spec: Manifest) -> Manifest:
+def default_memory_request(spec: Manifest, model_bytes: int | None) -> str:
+    """Host memory for the server: the target loads into host memory before it moves to the GPU, so the
+    weights (target + draft, as pulled) plus room for the runtime; a floor when their size is unknown."""
+    gpu = _gpu(spec)["count"] > 0
+    if model_bytes:
+        return f"{math.ceil(model_bytes * 1.1 / GIB) + (4 if gpu else 1)}Gi"
+    return "16Gi" if gpu else "2Gi"
+
+
+def _server_resources(spec: Manifest, model_bytes: int | None) -> Manifest:
+    """The spec's requests/limits, GPUs from gpu.count, and default CPU and memory requests where the spec
+    sets neither a request nor a limit for them (so server pods are never BestEffort)."""
     resources = {k: dict(v) for k, v in spec.get("resources", {}).items() if k in ("requests", "limits")}
     g = _gpu(spec)
+    defaults = {"cpu": "4" if g["count"] > 0 else "1", "memory": default_memory_request(spec, model_bytes)}
+    for resource, amount in defaults.items():
+        if resource not in resources.get("requests", {}) and resource not in resources.get("limits", {}):
+            resources.setdefault("requests", {})[resource] = amount
     if g["count"] > 0:
         for kind in ("requests", "limits"):
             resources.setdefault(kind, {})[g["resourceName"]] = str(g["count"])
     return resources
 
 
-def render_deployment(body: Manifest, image: str) -> Manifest:
+def rollout_strategy(spec: Manifest) -> Manifest:
+    """spec.rollout as a RollingUpdate: by default one extra pod loads the new spec while every old pod
+    keeps serving (maxSurge 1, maxUnavailable 0); without a spare GPU set maxSurge 0, maxUnavailable 1."""
+    rollout = spec.get("rollout", {})
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": rollout.get("maxSurge", 1),
+                                                       "maxUnavailable": rollout.get("maxUnavailable", 0)}}
+
+
+def progress_deadline(spec: Manifest) -> int:
+    """A rollout may go without progress for a whole model load plus 10 minutes to schedule and pull the
+    image, before the Deployment (kubectl rollout status, Argo CD) calls it failed."""
+    return _server(spec)["startupTimeoutSeconds"] + 600
+
+
+def model_annotations(spec: Manifest) -> dict[str, str]:
+    """What a server pod serves, on the pod (read back into status.servingModel during a model change)."""
+    return {ANNOTATION_TARGET: _pull_uri(_model(spec, "target")), ANNOTATION_DRAFT: _pull_uri(_model(spec, "draft"))}
+
+
+def render_deployment(body: Manifest, image: str, model_bytes: int | None = None) -> Manifest:
     """The server Deployment: GPU placement, probes sized from the startup timeout, graceful drain,
     non-root with a read-only root filesystem."""
     spec = body["spec"]
@@ -365,19 +477,19 @@ def render_deployment(body: Manifest, image: str) -> Manifest:
         "args": server_args(spec),
         "ports": [{"name": "http", "containerPort": server["port"], "protocol": "TCP"}],
         "env": env,
+        "resources": _server_resources(spec, model_bytes),
         "startupProbe": {"httpGet": http, "periodSeconds": PROBE_PERIOD, "timeoutSeconds": 5,
                          "failureThreshold": math.ceil(server["startupTimeoutSeconds"] / PROBE_PERIOD)},
         "readinessProbe": {"httpGet": http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
+        # A crash's last log lines become the termination message, which CrashLooping shows.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "cache", "mountPath": "/cache"}, *source_mounts, *vocab_mounts],
     }
-    resources = _server_resources(spec)
-    if resources:
-        container["resources"] = resources
     if server["drainSeconds"] > 0:
         # exec sleep rather than preStop.sleep: works on clusters older than 1.30 as well
         container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(server["drainSeconds"])]}}}
@@ -390,18 +502,16 @@ def render_deployment(body: Manifest, image: str) -> Manifest:
                     {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": server["shmSize"]}},
                     {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}, *source_volumes,
                     *vocab_volumes],
-        **_placement(spec, gpu=True),
+        **_placement(body, gpu=True),
     }
     if storage_mode == "emptyDir":
         pod_spec["initContainers"] = [pull_container(spec, image)]
-    scarce = _gpu(spec)["count"] > 0  # no spare GPU for a surge pod: replace in place
-    strategy = {"type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 0 if scarce else 1, "maxUnavailable": 1}}
     meta = _meta(body, name, "server")
+    template_meta = {"labels": {**meta["labels"], **_claim_label(body)}, "annotations": model_annotations(spec)}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": spec.get("replicas", 1), "selector": {"matchLabels": selector(name)},
-                     "strategy": strategy,
-                     "template": {"metadata": {"labels": meta["labels"]}, "spec": pod_spec}}}
+                     "strategy": rollout_strategy(spec), "progressDeadlineSeconds": progress_deadline(spec),
+                     "template": {"metadata": template_meta, "spec": pod_spec}}}
 
 
 def render_service(body: Manifest) -> Manifest:
@@ -440,9 +550,72 @@ def render_pdb(body: Manifest) -> Manifest | None:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}}}
 
 
-def render(body: Manifest, default_image: str = DEFAULT_IMAGE) -> Children:
-    """All children of one DDTreeDeployment (the object must carry metadata.uid and namespace)."""
+def autoscaling_target(spec: Manifest) -> tuple[str, str, int]:
+    """(target key, the server gauge it reads, the per-replica target value) of spec.autoscaling."""
+    key, value = next(iter(spec["autoscaling"]["target"].items()))
+    return key, AUTOSCALING_METRICS[key], value
+
+
+def _scale_target(body: Manifest) -> Manifest:
+    """Autoscalers scale the DDTreeDeployment through its scale subresource, never its Deployment, so the
+    operator and the autoscaler do not fight over spec.replicas."""
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": body["metadata"]["name"]}
+
+
+def prometheus_query(body: Manifest) -> str:
+    """The sum over the server pods of the autoscaling gauge (KEDA divides it by the target per replica)."""
+    meta = body["metadata"]
+    _, metric, _ = autoscaling_target(body["spec"])
+    return f'sum({metric}{{namespace="{meta["namespace"]}", ddtree_deployment="{meta["name"]}"}})'
+
+
+def render_scaled_object(body: Manifest, prometheus_address: str) -> Manifest:
+    """A KEDA ScaledObject: a Prometheus trigger on the serving gauge; minReplicas 0 scales to zero."""
+    scaling = body["spec"]["autoscaling"]
+    _, _, target = autoscaling_target(body["spec"])
+    name = body["metadata"]["name"]
+    delay = scaling.get("scaleDownDelaySeconds", 300)
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": _meta(body, name, "autoscaler"),
+            "spec": {"scaleTargetRef": _scale_target(body),
+                     "minReplicaCount": scaling.get("minReplicas", 1), "maxReplicaCount": scaling["maxReplicas"],
+                     "pollingInterval": 15, "cooldownPeriod": delay,
+                     "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                         "scaleDown": {"stabilizationWindowSeconds": delay}}}},
+                     "triggers": [{"type": "prometheus", "metadata": {
+                         "serverAddress": prometheus_address, "query": prometheus_query(body),
+                         "threshold": str(target), "activationThreshold": "0", "ignoreNullValues": "true"}}]}}
+
+
+def render_hpa(body: Manifest) -> Manifest:
+    """A HorizontalPodAutoscaler on the same gauge, per pod, through the custom metrics API (for example
+    prometheus-adapter). An HPA cannot scale to zero: minReplicas 0 becomes 1."""
+    scaling = body["spec"]["autoscaling"]
+    _, metric, target = autoscaling_target(body["spec"])
+    name = body["metadata"]["name"]
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": _meta(body, name, "autoscaler"),
+            "spec": {"scaleTargetRef": _scale_target(body), "minReplicas": max(1, scaling.get("minReplicas", 1)),
+                     "maxReplicas": scaling["maxReplicas"],
+                     "metrics": [{"type": "Pods", "pods": {"metric": {"name": metric},
+                                                           "target": {"type": "AverageValue",
+                                                                      "averageValue": str(target)}}}],
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds":
+                                                scaling.get("scaleDownDelaySeconds", 300)}}}}
+
+
+def render(body: Manifest, default_image: str = DEFAULT_IMAGE, *, pull_attempt: int = 0,
+           model_bytes: int | None = None, autoscaler: str | None = None, prometheus_address: str = "") -> Children:
+    """All children of one DDTreeDeployment (the object must carry metadata.uid and namespace).
+
+    What the cluster decides is passed in: the pull attempt, the pulled models' size (for the memory
+    request) and the autoscaler available (`KEDA`, `HPA` or None) with KEDA's Prometheus address.
+    """
     image = body["spec"].get("image") or default_image
-    return Children(service=render_service(body), deployment=render_deployment(body, image),
-                    pvc=render_pvc(body), pull_job=render_pull_job(body, image),
-                    monitor=render_monitor(body), pdb=render_pdb(body))
+    scaler = None
+    if body["spec"].get("autoscaling") and autoscaler == "KEDA":
+        scaler = render_scaled_object(body, prometheus_address)
+    elif body["spec"].get("autoscaling") and autoscaler == "HPA":
+        scaler = render_hpa(body)
+    return Children(service=render_service(body), deployment=render_deployment(body, image, model_bytes),
+                    pvc=render_pvc(body), pull_job=render_pull_job(body, image, pull_attempt),
+                    monitor=render_monitor(body), pdb=render_pdb(body), autoscaler=scaler)

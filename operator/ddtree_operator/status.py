@@ -7,29 +7,50 @@ left out rather than set False.
 
 from __future__ import annotations
 
+import datetime
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ddtree_operator import render
 
 Manifest = dict[str, Any]
+Condition = tuple[str, str, str]  # (status, reason, message)
 
-WARNING_REASONS = frozenset({"PullFailed", "InsufficientCapacity", "Degraded"})
+WARNING_REASONS = frozenset({"PullFailed", "InsufficientCapacity", "Degraded", "NameConflict", "ApplyFailed",
+                             "ImagePullFailed", "CrashLooping", "ConfigError", "AutoscalerUnavailable"})
+INDEPENDENT_CONDITIONS = frozenset({"Autoscaling"})  # not rolled up into Ready
+# Container waiting reasons, by the Ready reason they become (first match wins, most actionable first).
+WAITING_REASONS = {
+    "ConfigError": frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}),
+    "ImagePullFailed": frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                                  "RegistryUnavailable", "SignatureValidationFailed"}),
+    "CrashLooping": frozenset({"CrashLoopBackOff"}),
+}
 
 
 @dataclass(frozen=True)
 class Observed:
-    """What the reconciler saw of the children this tick."""
+    """What the reconciler saw of the children this pass, and what it could not do."""
 
     job: Manifest | None = None
     deployment: Manifest | None = None
-    pods: tuple[Manifest, ...] = ()
+    pods: tuple[Manifest, ...] = ()  # server pods
+    pull_pods: tuple[Manifest, ...] = ()  # pods of the current pull Job
     download: Manifest | None = None
+    conflict: str | None = None  # a child's name is taken by an object this DDTreeDeployment does not own
+    apply_errors: tuple[str, ...] = ()  # children the API server rejected, with its message
+    monitoring_error: str | None = None
+    autoscaling: Condition | None = None
+    pull_attempt: int = 0
+    pull_retry_at: datetime.datetime | None = None
+    pull_error: str | None = None  # the failed pull pod's last error line
+    pulled: Manifest | None = None  # {job, bytes} of the last finished pull
 
 
 @dataclass(frozen=True)
 class Transition:
-    """A condition whose status or reason changed: becomes one Kubernetes Event."""
+    """A condition whose status or reason changed."""
 
     type: str
     status: str
@@ -41,26 +62,52 @@ class Transition:
         return "Warning" if self.reason in WARNING_REASONS else "Normal"
 
 
-def _condition(obj: Manifest | None, type_: str) -> Manifest | None:
+def parse_time(value: str | None) -> datetime.datetime:
+    """A Kubernetes timestamp (RFC 3339, `Z`); the epoch when absent so that it is never in the future."""
+    if not value:
+        return datetime.datetime.fromtimestamp(0, datetime.UTC)
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def format_time(value: datetime.datetime) -> str:
+    return value.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def job_condition(obj: Manifest | None, type_: str) -> Manifest | None:
+    """The condition of that type when it is True."""
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:
         if c.get("type") == type_ and c.get("status") == "True":
             return c
     return None
 
 
-def _models(body: Manifest, job: Manifest | None) -> tuple[str, str, str] | None:
-    """(status, reason, message) of ModelsReady; None in emptyDir mode, where each pod pulls."""
-    if body["spec"].get("storage", {}).get("mode", "pvc") == "emptyDir":
-        return None
-    if job is None:
-        return "False", "Pulling", "creating the pull Job"
-    if _condition(job, "Complete"):
-        return "True", "Pulled", f"target and draft are on the models volume (Job {job['metadata']['name']})"
-    failed = _condition(job, "Failed")
-    if failed:
-        detail = failed.get("message") or failed.get("reason") or "see the Job's pod logs"
-        return "False", "PullFailed", f"Job {job['metadata']['name']} failed: {detail}"
-    return "False", "Pulling", f"Job {job['metadata']['name']} is pulling target and draft"
+def pod_problem(pods: tuple[Manifest, ...], what: str) -> tuple[str, str] | None:
+    """(reason, message) of the most actionable container problem among the pods: a missing Secret or bad
+    command (ConfigError), an image that cannot be pulled (ImagePullFailed), a crash loop (CrashLooping),
+    with the container's own message."""
+    found: dict[str, str] = {}
+    for pod in pods:
+        status = pod.get("status") or {}
+        for s in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            waiting = (s.get("state") or {}).get("waiting") or {}
+            for reason, waiting_reasons in WAITING_REASONS.items():
+                if waiting.get("reason") in waiting_reasons and reason not in found:
+                    detail = waiting.get("message") or waiting["reason"]
+                    if reason == "CrashLooping":
+                        detail = _crash_detail(s)
+                    found[reason] = f"{what} {pod['metadata']['name']}: container {s.get('name')}: {detail}"
+    for reason in WAITING_REASONS:
+        if reason in found:
+            return reason, found[reason]
+    return None
+
+
+def _crash_detail(container_status: Manifest) -> str:
+    last = (container_status.get("lastState") or {}).get("terminated") or {}
+    lines = [line for line in (last.get("message") or "").strip().splitlines() if line.strip()]
+    said = f": {lines[-1].strip()}" if lines else ""
+    return (f"restarted {container_status.get('restartCount', 0)} times, last exit code "
+            f"{last.get('exitCode', '?')} ({last.get('reason', 'Error')}){said}")
 
 
 def _unschedulable(pods: tuple[Manifest, ...]) -> str | None:
@@ -79,6 +126,27 @@ def _pulling_in_pod(pods: tuple[Manifest, ...]) -> bool:
     return False
 
 
+def _pod_ready(pod: Manifest) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def serving_model(body: Manifest, pods: tuple[Manifest, ...]) -> Manifest | None:
+    """What the Ready server pods serve (their model annotations): during a model change, the model most
+    of them still serve (the new one on a tie), with how many do."""
+    served: Counter[tuple[str, str]] = Counter()
+    for pod in pods:
+        annotations = pod["metadata"].get("annotations") or {}
+        if _pod_ready(pod) and render.ANNOTATION_TARGET in annotations:
+            served[(annotations[render.ANNOTATION_TARGET], annotations.get(render.ANNOTATION_DRAFT, ""))] += 1
+    if not served:
+        return None
+    wanted = render.model_annotations(body["spec"])
+    (target, draft), replicas = max(served.items(), key=lambda kv: (kv[1], kv[0] == (
+        wanted[render.ANNOTATION_TARGET], wanted[render.ANNOTATION_DRAFT])))
+    return {"target": target, "draft": draft, "readyReplicas": replicas}
+
+
 def _progress_text(download: Manifest) -> str:
     """`target 12.0/54.0 GB, draft done` for condition messages (kubectl describe)."""
     parts = []
@@ -91,28 +159,72 @@ def _progress_text(download: Manifest) -> str:
     return ", ".join(parts)
 
 
-def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, tuple[str, str, str]]]:
+def _pull_failure(body: Manifest, seen: Observed) -> str:
+    """Why the pull Job failed, in the pull pod's words, and when (or how) it is retried."""
+    job = seen.job or {}
+    failed = job_condition(job, "Failed") or {}
+    if failed.get("reason") == "DeadlineExceeded":
+        detail = (f"it ran longer than storage.pullTimeoutSeconds "
+                  f"({job.get('spec', {}).get('activeDeadlineSeconds', '?')} s)")
+    else:
+        detail = seen.pull_error or failed.get("message") or failed.get("reason") or "see the Job's pod logs"
+    retry = (f"retrying at {format_time(seen.pull_retry_at)}; " if seen.pull_retry_at else "")
+    return (f"Job {job.get('metadata', {}).get('name')} (attempt {seen.pull_attempt + 1}) failed: {detail}; "
+            f"{retry}retry now with `kubectl annotate ddt {body['metadata']['name']} "
+            f"{render.ANNOTATION_RETRY_PULL}=$(date +%s) --overwrite`")
+
+
+def _models(body: Manifest, seen: Observed) -> Condition | None:
+    """ModelsReady; None in emptyDir mode, where each pod pulls."""
+    if not render.pulls_in_job(body["spec"]):
+        return None
+    job = seen.job
+    if job is None:
+        return "False", "Pulling", "creating the pull Job"
+    name = job["metadata"]["name"]
+    if job_condition(job, "Complete"):
+        return "True", "Pulled", f"target and draft are on the models volume (Job {name})"
+    if job_condition(job, "Failed"):
+        return "False", "PullFailed", _pull_failure(body, seen)
+    problem = pod_problem(seen.pull_pods, "pull pod")
+    if problem:
+        return "False", problem[0], problem[1]
+    progress = f": {_progress_text(seen.download)}" if seen.download else ""
+    return "False", "Pulling", f"Job {name} is pulling target and draft{progress}"
+
+
+def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, Condition]]:
     """The status fields and the conditions as {type: (status, reason, message)}."""
     spec = body["spec"]
     desired = spec.get("replicas", 1)
     dep_status = (seen.deployment or {}).get("status") or {}
     ready = dep_status.get("readyReplicas") or 0
-    models = _models(body, seen.job)
-    if models and models[1] == "Pulling" and seen.download:
-        models = (models[0], models[1], f"{models[2]}: {_progress_text(seen.download)}")
-    conditions: dict[str, tuple[str, str, str]] = {}
+    models = _models(body, seen)
+    conditions: dict[str, Condition] = {}
     if models:
         conditions["ModelsReady"] = models
+    pulling = models is not None and models[0] == "False"
+    server_problem = pod_problem(seen.pods, "pod")
+
+    def failing(reason: str, message: str) -> tuple[str, str, str]:
+        return reason, message, "Degraded" if ready else "Failed"
 
     unschedulable = _unschedulable(seen.pods)
-    if models and models[1] == "PullFailed":
-        reason, message, phase = "PullFailed", models[2], "Failed"
+    if seen.conflict:
+        reason, message, phase = failing("NameConflict", seen.conflict)
+    elif seen.apply_errors:
+        more = f" (and {len(seen.apply_errors) - 1} more)" if len(seen.apply_errors) > 1 else ""
+        reason, message, phase = failing("ApplyFailed", seen.apply_errors[0] + more)
+    elif models and models[1] in ("PullFailed", "ConfigError", "ImagePullFailed"):
+        reason, message, phase = failing(models[1], models[2])
     elif seen.deployment is None:
         reason, message, phase = "Pulling", "waiting for the models before starting the server", "Downloading"
     elif desired == 0:
         reason, message, phase = "ScaledToZero", "spec.replicas is 0", "Pending"
     elif ready >= desired:
         reason, message, phase = "Ready", f"{ready}/{desired} replicas ready", "Ready"
+    elif server_problem:
+        reason, message, phase = failing(*server_problem)
     elif unschedulable:
         reason, message = "InsufficientCapacity", f"pods cannot be scheduled: {unschedulable}"
         phase = "Degraded" if ready else "Pending"
@@ -128,24 +240,29 @@ def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, tuple[s
     else:
         conditions["Available"] = ("False", reason if reason != "Ready" else "Starting", message)
 
-    generation = body["metadata"].get("generation")
     dep_meta = (seen.deployment or {}).get("metadata") or {}
     rolling = seen.deployment is not None and (
         dep_status.get("observedGeneration", 0) < dep_meta.get("generation", 0)
         or (dep_status.get("updatedReplicas") or 0) < desired or ready < desired)
-    if models and models[1] == "PullFailed":
+    if seen.conflict or seen.apply_errors:
+        conditions["Progressing"] = ("False", reason, message)
+    elif models and models[1] == "PullFailed":
         conditions["Progressing"] = ("False", "PullFailed", models[2])
-    elif models and models[1] == "Pulling":
-        conditions["Progressing"] = ("True", "Pulling", models[2])
+    elif pulling:
+        conditions["Progressing"] = ("True", models[1], models[2])
+    elif rolling and server_problem:
+        conditions["Progressing"] = ("True", server_problem[0], server_problem[1])
     elif rolling:
         conditions["Progressing"] = ("True", "RollingOut", f"{ready}/{desired} replicas ready")
     else:
         conditions["Progressing"] = ("False", "Complete", "the latest spec is rolled out")
+    if seen.autoscaling:
+        conditions["Autoscaling"] = seen.autoscaling
     conditions["Ready"] = ("True" if reason == "Ready" else "False", reason, message)
 
     name = body["metadata"]["name"]
     status: Manifest = {
-        "observedGeneration": generation,
+        "observedGeneration": body["metadata"].get("generation"),
         "phase": phase,
         "replicas": dep_status.get("replicas") or 0,
         "readyReplicas": ready,
@@ -154,14 +271,16 @@ def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, tuple[s
         "url": render.url(body),
         "pullJob": seen.job["metadata"]["name"] if seen.job else None,
         "download": seen.download,
+        "pulled": seen.pulled,
+        "servingModel": serving_model(body, seen.pods),
     }
     return status, conditions
 
 
-def merge_conditions(old: list[Manifest], new: dict[str, tuple[str, str, str]], generation: int | None,
+def merge_conditions(old: list[Manifest], new: dict[str, Condition], generation: int | None,
                      now: str) -> tuple[list[Manifest], list[Transition]]:
     """The full conditions list (merge patches replace lists) keeping lastTransitionTime of unchanged
-    statuses, and the transitions worth an Event."""
+    statuses, and the conditions whose status or reason changed."""
     previous = {c["type"]: c for c in old or []}
     out, transitions = [], []
     for type_, (status, reason, message) in new.items():
@@ -173,3 +292,11 @@ def merge_conditions(old: list[Manifest], new: dict[str, tuple[str, str, str]], 
         if changed or before.get("reason") != reason:
             transitions.append(Transition(type_, status, reason, message))
     return out, transitions
+
+
+def events(transitions: list[Transition]) -> list[Transition]:
+    """The transitions a pass reports as Events: one for what Ready rolls up (Ready's own when it changed,
+    else the first sub-condition's), and Autoscaling's, which Ready does not roll up."""
+    rolled = [t for t in transitions if t.type not in INDEPENDENT_CONDITIONS]
+    out = [next((t for t in rolled if t.type == "Ready"), rolled[0])] if rolled else []
+    return out + [t for t in transitions if t.type in INDEPENDENT_CONDITIONS]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_testing import CRD_FILE, KUBELITE, MONITOR_CRDS, free_port, install_crd, new_namespace
+from k8s_testing import CRD_FILE, KUBELITE, MONITOR_CRDS, free_port, install_crd, new_namespace, start_kubelite
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,14 +28,23 @@ def kubeconfig() -> Iterator[str]:
         pytest.skip("no Kubernetes API server: set KUBECONFIG (any cluster, e.g. kind) or provide ../shared/kubelite")
     if not shutil.which("etcd"):
         pytest.skip("kubelite needs etcd on PATH (apt-get install etcd-server), or set KUBECONFIG to a cluster")
-    out = subprocess.run([str(KUBELITE / "up")], capture_output=True, text=True, check=True).stdout
-    env = dict(kv.split("=", 1) for kv in out.split()[1:])
-    os.environ["KUBECONFIG"] = env["KUBECONFIG"]
+    env = start_kubelite()
+    os.environ.update(KUBECONFIG=env["KUBECONFIG"], DDTREE_TEST_AUDIT_LOG=env["AUDIT_LOG"])
     try:
         yield env["KUBECONFIG"]
     finally:
         os.environ.pop("KUBECONFIG", None)
+        os.environ.pop("DDTREE_TEST_AUDIT_LOG", None)
         subprocess.run([str(KUBELITE / "down"), env["KUBELITE_DIR"]], check=False)
+
+
+@pytest.fixture(scope="session")
+def audit_log(kubeconfig: str) -> str:
+    """The API server's audit log: kubelite started by this session has one, another cluster may not."""
+    path = os.environ.get("DDTREE_TEST_AUDIT_LOG")
+    if not path:
+        pytest.skip("no audit log: the session runs against $KUBECONFIG, not its own kubelite")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import lzma
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,6 +31,58 @@ MONITOR_CRDS = [
               "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
                   "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}}
     for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"))]
+
+
+# Audit every request's metadata: the RBAC test derives the operator's verbs from what it actually called.
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+"""
+OPERATOR_USER_AGENTS = ("kopf/", "ddtree-operator/")
+
+
+def start_kubelite() -> dict[str, str]:
+    """Start kubelite (../shared/kubelite/up) with an audit log; returns KUBECONFIG, KUBELITE_DIR and AUDIT_LOG.
+
+    `up` runs the API server binary it finds in KUBELITE_DIR, so a wrapper placed there adds the audit flags.
+    """
+    state = Path(tempfile.mkdtemp(prefix="kubelite."))
+    real = state / "kubelite-apiserver.real"
+    with lzma.open(KUBELITE / "kubelite-apiserver.xz") as packed, open(real, "wb") as out:
+        shutil.copyfileobj(packed, out)
+    real.chmod(0o755)
+    (state / "audit-policy.yaml").write_text(AUDIT_POLICY)
+    wrapper = state / "kubelite-apiserver"
+    wrapper.write_text(f'#!/bin/sh\nexec "{real}" --audit-log-path="{state}/audit.log" '
+                       f'--audit-policy-file="{state}/audit-policy.yaml" "$@"\n')
+    wrapper.chmod(0o755)
+    out = subprocess.run([str(KUBELITE / "up")], capture_output=True, text=True, check=True,
+                         env={**os.environ, "KUBELITE_DIR": str(state)}).stdout
+    env = dict(kv.split("=", 1) for kv in out.split()[1:])
+    return {**env, "AUDIT_LOG": str(state / "audit.log")}
+
+
+def audit_events(path: str | Path, offset: int = 0) -> list[dict[str, Any]]:
+    """The audit events logged after byte `offset` (the log's size when the caller started watching)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return [json.loads(line) for line in f.read().splitlines() if line.strip()]
+
+
+def operator_calls(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(API group, resource[/subresource], verb) of every resource request an operator made. A server-side
+    apply that created its object (201) is authorized as `create` too, as Kubernetes does."""
+    calls = set()
+    for e in events:
+        ref = e.get("objectRef")
+        if ref and e.get("userAgent", "").startswith(OPERATOR_USER_AGENTS):
+            resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            calls.add((ref.get("apiGroup", ""), resource, e["verb"]))
+            if e["verb"] == "patch" and e.get("responseStatus", {}).get("code") == 201:
+                calls.add((ref.get("apiGroup", ""), resource, "create"))
+    return calls
 
 
 def cr(spec: dict[str, Any] | None = None, name: str = "qwen") -> dict[str, Any]:
@@ -77,6 +132,23 @@ def install_crd(cluster, manifest: dict[str, Any]) -> None:
         conditions = api.read_custom_resource_definition(name).status.conditions or []
         return any(c.type == "Established" and c.status == "True" for c in conditions)
     wait_for(established, what=f"CRD {name} established")
+
+
+def delete_crd(cluster, name: str) -> None:
+    """Delete a CRD (typed client, as in install_crd) and wait until its API is gone."""
+    from kubernetes import client
+
+    api = client.ApiextensionsV1Api(cluster.api_client)
+    with contextlib.suppress(client.ApiException):
+        api.delete_custom_resource_definition(name)
+
+    def gone() -> bool:
+        try:
+            api.read_custom_resource_definition(name)
+        except client.ApiException as err:
+            return err.status == 404
+        return False
+    wait_for(gone, what=f"CRD {name} deleted")
 
 
 @contextlib.contextmanager

@@ -3,16 +3,14 @@ Job/Deployment/Pod status (there are no controllers), spec and model changes, de
 
 from __future__ import annotations
 
-import copy
-import json
 import time
 import urllib.request
+from collections import Counter
 from typing import Any
 
 import pytest
 import yaml
 from k8s_testing import DDT, EXAMPLE, new_namespace, wait_for
-from kubernetes.client import ApiException
 
 pytestmark = pytest.mark.cluster
 
@@ -75,9 +73,9 @@ def deployment_ready(cluster, ns: str, name: str, replicas: int) -> None:
         "updatedReplicas": replicas, "availableReplicas": replicas}}, "status")
 
 
-def event_reasons(cluster, ns: str, name: str) -> set[str]:
-    return {e.get("reason") for e in cluster.list("v1", "Event", ns, "")
-            if e["involvedObject"]["name"] == name}
+def event_reasons(cluster, ns: str, name: str) -> Counter[str]:
+    return Counter(e.get("reason") for e in cluster.list("v1", "Event", ns, "")
+                   if e["involvedObject"]["name"] == name)
 
 
 def table_row(cluster, ns: str, name: str) -> dict[str, Any]:
@@ -103,6 +101,7 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     assert {"name": "DDTREE_TARGET_HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}} \
         in pull["env"]
     assert job["metadata"]["ownerReferences"][0]["kind"] == "DDTreeDeployment"
+    assert job["spec"]["activeDeadlineSeconds"] == 14400  # storage.pullTimeoutSeconds, defaulted by the CRD
     assert cluster.get("v1", "Service", ns, name)["spec"]["ports"][0]["port"] == 8000
     assert cluster.get("policy/v1", "PodDisruptionBudget", ns, name)["spec"]["maxUnavailable"] == 1
     monitor = cluster.get("monitoring.coreos.com/v1", "ServiceMonitor", ns, name)
@@ -125,6 +124,9 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     assert server["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "15"]
     assert pod["terminationGracePeriodSeconds"] == 60
     assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    assert server["resources"]["requests"]["cpu"] and server["resources"]["requests"]["memory"]  # not BestEffort
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}  # keeps serving
+    assert dep["spec"]["progressDeadlineSeconds"] == 1800 + 600  # a model load is not a stuck rollout
     assert pull["args"][2] in server["args"]  # the server reads exactly what the Job pulled
     wait_for(lambda: condition(ddt(cluster, ns, name), "ModelsReady") == ("True", "Pulled"), what="ModelsReady")
     wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Starting"), what="Ready=False/Starting")
@@ -141,6 +143,7 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "InsufficientCapacity"), what="InsufficientCapacity")
     assert ddt(cluster, ns, name)["status"]["phase"] == "Pending"
     cluster.delete("v1", "Pod", ns, f"{name}-0")
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Starting"), what="Starting again")
 
     # All replicas ready: Ready=True, and the printer columns say so.
     deployment_ready(cluster, ns, name, 2)
@@ -155,9 +158,9 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
     assert scale["status"]["selector"] == "app.kubernetes.io/name=ddtree,app.kubernetes.io/instance=qwen," \
         "app.kubernetes.io/component=server"
-    assert {"Pulling", "Pulled", "InsufficientCapacity", "Ready"} <= wait_for(
-        lambda: (r := event_reasons(cluster, ns, name)) >= {"Pulling", "Pulled", "InsufficientCapacity", "Ready"}
-        and r, what="transition events")
+    # One Event per transition: Pulling, Starting, InsufficientCapacity, Starting again, Ready.
+    expected = Counter({"Pulling": 1, "Starting": 2, "InsufficientCapacity": 1, "Ready": 1})
+    wait_for(lambda: event_reasons(cluster, ns, name) == expected, what=f"exactly the events {expected}")
 
     # Spec change rolls out; one replica needs no PDB and the PodMonitor replaces the ServiceMonitor.
     patch(cluster, *DDT, ns, name, {"spec": {"decoding": {"budget": 64}, "replicas": 1,
@@ -192,25 +195,72 @@ def test_pvc_lifecycle(cluster, operator, namespace):
              and not cluster.list("v1", "Service", ns, ""), timeout=30, what="children garbage-collected")
 
 
-def test_pull_failure_is_reported(cluster, operator, namespace):
+def make_pod(cluster, ns: str, name: str, labels: dict[str, str], status: dict[str, Any],
+             annotations: dict[str, str] | None = None) -> None:
+    """A pod as a kubelet would report it (there is none: create it, then write its status)."""
+    pods = cluster.dynamic.resources.get(api_version="v1", kind="Pod")
+    pods.create(namespace=ns, body={"apiVersion": "v1", "kind": "Pod",
+                                    "metadata": {"name": name, "labels": labels, "annotations": annotations or {}},
+                                    "spec": {"containers": [{"name": "pull", "image": "x"}]}})
+    patch(cluster, "v1", "Pod", ns, name, {"status": status}, "status")
+
+
+def fail_job(cluster, ns: str, job: str, at: str) -> None:
+    patch(cluster, "batch/v1", "Job", ns, job, {"status": {"startTime": at, "failed": 4, "conditions": [
+        {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded", "lastTransitionTime": at},
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+         "message": "Job has reached the specified backoff limit", "lastTransitionTime": at}]}}, "status")
+
+
+def ready_message(obj: dict[str, Any] | None) -> str:
+    return next(c["message"] for c in obj["status"]["conditions"] if c["type"] == "Ready")
+
+
+def test_pull_failure_is_reported_and_retried(cluster, operator, namespace):
     ns, name = namespace, "broken"
     create(cluster, ns, name, {**SPEC, "replicas": 1})
     job = wait_for(lambda: pull_jobs(cluster, ns, name), what="pull Job")[0]
-    now = "2026-01-01T00:00:00Z"
-    patch(cluster, "batch/v1", "Job", ns, job["metadata"]["name"], {"status": {"startTime": now, "failed": 4,
-          "conditions": [{"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
-                          "lastTransitionTime": now},
-                         {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                          "message": "Job has reached the specified backoff limit", "lastTransitionTime": now}]}},
-          "status")
+    job_name = job["metadata"]["name"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+
+    # The pull pod cannot start: its token Secret is missing. Named at once, not "Pulling" forever.
+    make_pod(cluster, ns, f"{job_name}-a", labels, {"phase": "Pending", "containerStatuses": [
+        {"name": "pull", "image": "x", "imageID": "", "ready": False, "restartCount": 0,
+         "state": {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}}}]})
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "ConfigError"), what="ConfigError")
+    assert ready_message(ddt(cluster, ns, name)) == f'pull pod {job_name}-a: container pull: secret "hf" not found'
+
+    # It fails with the Hub's answer: PullFailed quotes the pod's last error and says when it retries.
+    make_pod(cluster, ns, f"{job_name}-b", labels, {"phase": "Failed", "containerStatuses": [
+        {"name": "pull", "image": "x", "imageID": "", "ready": False, "restartCount": 0, "state": {"terminated": {
+            "exitCode": 1, "reason": "Error",
+            "message": '{"dest": "/models/t", "bytesDone": 0}\nddtree pull: hf://Qwen/Qwen3.6-27B: 403 gated\n'}}}]})
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fail_job(cluster, ns, job_name, now)
     wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "PullFailed"), what="PullFailed")
     obj = ddt(cluster, ns, name)
     assert obj["status"]["phase"] == "Failed"
-    assert "backoff limit" in next(c["message"] for c in obj["status"]["conditions"] if c["type"] == "Ready")
+    message = ready_message(obj)
+    assert f"Job {job_name} (attempt 1) failed: ddtree pull: hf://Qwen/Qwen3.6-27B: 403 gated; retrying at " in message
+    assert "kubectl annotate ddt broken ddtree.io/retry-pull=$(date +%s) --overwrite" in message
     warning = wait_for(lambda: [e for e in cluster.list("v1", "Event", ns, "")
                                 if e["reason"] == "PullFailed" and e["involvedObject"]["name"] == name], what="event")
-    assert warning[0]["type"] == "Warning"
+    assert warning[0]["type"] == "Warning" and "403 gated" in warning[0]["message"]
     assert cluster.get("apps/v1", "Deployment", ns, name) is None
+    time.sleep(2)
+    assert [j["metadata"]["name"] for j in pull_jobs(cluster, ns, name)] == [job_name]  # backoff: not yet
+
+    # Retried on demand: a new Job at once, the failed one removed.
+    patch(cluster, *DDT, ns, name, {"metadata": {"annotations": {"ddtree.io/retry-pull": "1"}}})
+    retry = wait_for(lambda: [j for j in pull_jobs(cluster, ns, name) if j["metadata"]["name"] != job_name],
+                     what="a new pull Job")[0]
+    wait_for(lambda: cluster.get("batch/v1", "Job", ns, job_name) is None, what="the failed Job pruned")
+    wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Pulling"), what="Pulling again")
+
+    # Retried by itself once the backoff has passed.
+    fail_job(cluster, ns, retry["metadata"]["name"], "2026-01-01T00:00:00Z")
+    wait_for(lambda: [j for j in pull_jobs(cluster, ns, name)
+                      if j["metadata"]["name"] == retry["metadata"]["name"] + "-1"], what="the automatic retry")
 
 
 def test_empty_dir_pulls_in_each_pod(cluster, operator, namespace):
@@ -222,7 +272,7 @@ def test_empty_dir_pulls_in_each_pod(cluster, operator, namespace):
     pod = dep["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["initContainers"]] == ["pull"]
     assert {"name": "models", "emptyDir": {"sizeLimit": "5Gi"}} in pod["volumes"]
-    assert not pod["containers"][0].get("resources")  # CPU-only: no GPU request
+    assert "nvidia.com/gpu" not in str(pod["containers"][0]["resources"])  # CPU-only: no GPU request
     assert pull_jobs(cluster, ns, name) == []
     assert cluster.get("v1", "PersistentVolumeClaim", ns, f"{name}-models") is None
     wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Starting"), what="Starting")
@@ -250,47 +300,6 @@ def test_examples_are_accepted(cluster, crd, namespace, path):
     assert decoding["fastPath"] is example["spec"].get("decoding", {}).get("fastPath", True)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"target": {"model": {"uri": "s3://bucket/model"}}}, "uri must be hf://org/name, pvc://claim/path"),
-    ({"draft": {"model": {"uri": "/x", "revision": "main"}}}, "revision only applies to hf:// models"),
-    ({"decoding": {"method": "beam"}}, 'Unsupported value: "beam"'),
-    ({"decoding": {"temperature": 3}}, "should be less than or equal to 2"),
-    ({"decoding": {"generationConfig": "hf"}}, 'Unsupported value: "hf"'),
-    ({"server": {"extraArgs": ["--generation-config=none"]}}, "must not set flags that have spec fields"),
-    ({"storage": {"mode": "existingClaim"}}, "storage.claimName is required when storage.mode is existingClaim"),
-    ({"gpu": {"count": 0, "products": ["NVIDIA-H100"]}}, "gpu.products needs gpu.count > 0"),
-    ({"server": {"extraArgs": ["--port=9000"]}}, "server.extraArgs must not set flags that have spec fields"),
-    ({"server": {"extraArgs": ["--fast"]}}, "server.extraArgs must not set flags that have spec fields"),
-    ({"server": {"extraArgs": ["--no-fast"]}}, "server.extraArgs must not set flags that have spec fields"),
-    ({"decoding": {"fastPath": "yes"}}, "must be of type boolean"),
-    ({"decoding": {"thinking": "off"}}, "must be of type boolean"),
-    ({"decoding": {"draftVocab": {"configMapRef": {"name": "hot", "key": "../x"}}}}, "should match"),
-    ({"decoding": {"draftVocab": {}}}, "configMapRef: Required value"),
-    ({"server": {"extraArgs": ["--draft-vocab=/x.json"]}}, "server.extraArgs must not set flags that have spec fields"),
-    ({"decoding": {"draftQuantization": "int4"}}, 'Unsupported value: "int4"'),
-    ({"server": {"extraArgs": ["--draft-quantization", "fp8"]}},
-     "server.extraArgs must not set flags that have spec fields"),
-    ({"server": {"extraArgs": ["--default-chat-template-kwargs={}"]}},
-     "server.extraArgs must not set flags that have spec fields"),
-    ({"server": {"drainSeconds": 90}}, "must be greater than server.drainSeconds"),
-    ({"replicas": -1}, "should be greater than or equal to 0"),
-])
-def test_invalid_specs_are_rejected(cluster, crd, namespace, change, message):
-    spec = copy.deepcopy(SPEC)
-    for key, value in change.items():
-        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
-    with pytest.raises(ApiException) as err:
-        create(cluster, namespace, "bad", spec)
-    assert err.value.status == 422
-    assert message in json.loads(err.value.body)["message"]
-
-
-def test_long_names_are_rejected(cluster, crd, namespace):
-    with pytest.raises(ApiException) as err:
-        create(cluster, namespace, "n" * 41, SPEC)
-    assert "metadata.name must be at most 40 characters" in json.loads(err.value.body)["message"]
-
-
 def test_restart_loses_nothing(cluster, operator, monkeypatch):
     """What happens while the operator is down is picked up when it comes back (state lives in the API)."""
     from kopf.testing import KopfRunner
@@ -313,16 +322,3 @@ def test_restart_loses_nothing(cluster, operator, monkeypatch):
             cluster.delete(*DDT, ns, "qwen")
             wait_for(lambda: ddt(cluster, ns, "qwen") is None, timeout=60, what="CR deleted")
         assert second.exception is None, second.output
-
-
-@pytest.mark.parametrize(("storage", "message"), [
-    ({"mode": "emptyDir"}, "storage.mode cannot change"),
-    ({"storageClassName": "other"}, "storageClassName and storage.accessModes of a PVC cannot change"),
-    ({"size": "50Gi"}, "storage.size of a PVC can only grow"),
-])
-def test_storage_changes_a_pvc_cannot_take_are_rejected(cluster, crd, namespace, storage, message):
-    create(cluster, namespace, "s", {**SPEC, "storage": {"mode": "pvc", "size": "100Gi"}})
-    patch(cluster, *DDT, namespace, "s", {"spec": {"storage": {"size": "200Gi"}}})  # growing is fine
-    with pytest.raises(ApiException) as err:
-        patch(cluster, *DDT, namespace, "s", {"spec": {"storage": storage}})
-    assert message in json.loads(err.value.body)["message"]

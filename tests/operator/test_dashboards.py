@@ -48,6 +48,8 @@ def test_dashboards_are_well_formed():
         assert len(ids) == len(set(ids))
         for _, expr in panel_queries(dashboard):
             assert 'ddtree_deployment=~"$deployment"' in expr, expr
+        deployment = next(v for v in dashboard["templating"]["list"] if v["name"] == "deployment")
+        assert deployment["allValue"] == ".+"  # "All" means every DDTreeDeployment, not every server's series
         titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
         for topic in ("acceptance length", "per-position", "tokens/s", "ttft", "tpot", "queue", "phase", "tree size"):
             assert topic in titles, topic
@@ -60,7 +62,10 @@ def test_every_panel_returns_data_from_a_real_server(tmp_path: Path):
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "ddtree", "static_configs": [{
             "targets": [f"127.0.0.1:{server_port}"],
-            "labels": {"namespace": "demo-ns", "ddtree_deployment": "demo"}}]}],
+            "labels": {"namespace": "demo-ns", "ddtree_deployment": "demo"}}]},
+            # The same server seen as another vLLM-style server of the namespace, without our label.
+            {"job_name": "other", "static_configs": [{"targets": [f"127.0.0.1:{server_port}"],
+                                                      "labels": {"namespace": "demo-ns"}}]}],
     }))
     prom = f"http://127.0.0.1:{prom_port}"
     server = ["ddtree", "serve", "--host", "127.0.0.1", "--port", str(server_port), "--served-model-name", "demo"]
@@ -97,6 +102,13 @@ def test_every_panel_returns_data_from_a_real_server(tmp_path: Path):
         wait_for("vllm:generation_tokens_total", str(int(float(final))), "the server after the last request")
 
         assert query('up{job="ddtree"}')[0]["value"][1] == "1"
+        wait_for('up{job="other"}', "1", "the unlabelled copy")
+        for path in DASHBOARDS:  # "All" in every selector still leaves the other server out
+            variables = {v["name"]: v["allValue"] for v in json.loads(path.read_text())["templating"]["list"]
+                         if "allValue" in v}
+            namespace, deployment = variables["namespace"], variables["deployment"]
+            series = query(f'vllm:num_requests_running{{namespace=~"{namespace}", ddtree_deployment=~"{deployment}"}}')
+            assert [r["metric"]["job"] for r in series] == ["ddtree"]
         empty = []
         for path in DASHBOARDS:
             dashboard = json.loads(path.read_text())

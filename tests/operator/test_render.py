@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import re
 from typing import Any
@@ -42,20 +43,31 @@ def test_pvc_mode_pulls_once_in_a_job_and_mounts_read_only():
                             "--token-env", "DDTREE_TARGET_HF_TOKEN", "--token-env", "DDTREE_DRAFT_HF_TOKEN",
                             "--progress", "json"]
     assert job_pod["restartPolicy"] == "Never"
+    assert children.pull_job["spec"]["activeDeadlineSeconds"] == 14400  # storage.pullTimeoutSeconds
+    assert pull["terminationMessagePolicy"] == "FallbackToLogsOnError"  # PullFailed quotes the pod's error
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "qwen-models"}} in job_pod["volumes"]
     server = pod_spec(children)["containers"][0]
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in server["volumeMounts"]
     assert "initContainers" not in pod_spec(children)
 
 
-def test_job_name_follows_the_models():
+def test_job_name_follows_what_it_fetches_only():
     job = render.render(cr()).pull_job
-    same = render.render(cr({"replicas": 3})).pull_job
+    for unrelated in ({"replicas": 3}, {"nodeSelector": {"pool": "b"}}, {"image": "other:2"},
+                      {"storage": {"pullTimeoutSeconds": 60}}, {"tolerations": [{"operator": "Exists"}]}):
+        assert render.render(cr(unrelated), "newer:1").pull_job["metadata"]["name"] == job["metadata"]["name"]
     other = cr()
     other["spec"]["draft"]["model"]["revision"] = "v2"
     changed = render.render(other).pull_job
-    assert job["metadata"]["name"] == same["metadata"]["name"]  # scaling does not re-pull
-    assert job["metadata"]["name"] != changed["metadata"]["name"]  # a model change does
+    assert job["metadata"]["name"] != changed["metadata"]["name"]  # a model change re-pulls
+    token = cr()
+    token["spec"]["target"]["model"]["secretRef"] = {"name": "hf"}
+    retry = cr()
+    retry["metadata"]["annotations"] = {"ddtree.io/retry-pull": "1"}
+    claim = cr({"storage": {"mode": "existingClaim", "claimName": "mine"}})
+    names = {render.render(b).pull_job["metadata"]["name"] for b in (token, retry, claim)}
+    assert len(names) == 3 and job["metadata"]["name"] not in names
+    assert render.render(cr(), pull_attempt=2).pull_job["metadata"]["name"] == job["metadata"]["name"] + "-2"
     assert render.model_dest(cr()["spec"], "draft") != render.model_dest(other["spec"], "draft")
     assert render.model_dest(cr()["spec"], "target") == render.model_dest(other["spec"], "target")
 
@@ -96,7 +108,7 @@ def test_gpu_placement_merges_with_user_affinity_and_tolerations():
     user_affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
         {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}}
-    spec = {"gpu": {"count": 2, "products": ["NVIDIA-H200"], "resourceName": "nvidia.com/gpu",
+    spec = {"gpu": {"count": 1, "products": ["NVIDIA-H200"], "resourceName": "nvidia.com/gpu",
                     "runtimeClassName": "nvidia"},
             "affinity": user_affinity, "tolerations": [{"key": "dedicated", "operator": "Exists"}],
             "nodeSelector": {"pool": "gpu"}, "priorityClassName": "inference",
@@ -111,17 +123,93 @@ def test_gpu_placement_merges_with_user_affinity_and_tolerations():
                                   {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] == {"pool": "gpu"} and pod["priorityClassName"] == "inference"
     assert pod["runtimeClassName"] == "nvidia"
-    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "8", "nvidia.com/gpu": "2"},
-                                                 "limits": {"nvidia.com/gpu": "2"}}
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "8", "memory": "16Gi", "nvidia.com/gpu": "1"},
+                                                 "limits": {"nvidia.com/gpu": "1"}}
 
 
-def test_cpu_only_has_no_gpu_request_and_surges():
-    children = render.render(cr({"gpu": {"count": 0}}))
-    pod = pod_spec(children)
-    assert "resources" not in pod["containers"][0] and "tolerations" not in pod and "affinity" not in pod
-    assert children.deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 1}
-    gpu = render.render(cr()).deployment["spec"]["strategy"]["rollingUpdate"]
-    assert gpu == {"maxSurge": 0, "maxUnavailable": 1}  # no spare GPU for a surge pod
+def test_cpu_only_has_no_gpu_request_or_placement():
+    pod = pod_spec(render.render(cr({"gpu": {"count": 0}, "storage": {"accessModes": ["ReadWriteMany"]}})))
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
+    assert "tolerations" not in pod and "affinity" not in pod
+
+
+def test_rollouts_keep_serving_and_wait_for_a_whole_model_load():
+    dep = render.render(cr({"server": {"startupTimeoutSeconds": 2400}})).deployment["spec"]
+    assert dep["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert dep["progressDeadlineSeconds"] == 2400 + 600  # a slow load is not a failed rollout
+    scarce = render.render(cr({"rollout": {"maxSurge": 0, "maxUnavailable": 1}})).deployment["spec"]["strategy"]
+    assert scarce["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+@pytest.mark.parametrize(("spec", "model_bytes", "requests", "limits"), [
+    ({}, None, {"cpu": "4", "memory": "16Gi"}, {}),  # size unknown: a floor, never BestEffort
+    ({}, 54_000_000_000, {"cpu": "4", "memory": "60Gi"}, {}),  # 27B in bf16: the weights pass through host memory
+    ({"gpu": {"count": 0}}, 300_000_000, {"cpu": "1", "memory": "2Gi"}, {}),
+    ({"resources": {"limits": {"memory": "8Gi"}}}, 54_000_000_000, {"cpu": "4"}, {"memory": "8Gi"}),  # theirs wins
+    ({"resources": {"requests": {"cpu": "2", "memory": "1Gi"}}}, None, {"cpu": "2", "memory": "1Gi"}, {}),
+])
+def test_default_requests_are_sized_for_the_models(spec, model_bytes, requests, limits):
+    server = render.render_deployment(cr(spec), "img", model_bytes)["spec"]["template"]["spec"]["containers"][0]
+    gpu = {} if spec.get("gpu", {}).get("count") == 0 else {"nvidia.com/gpu": "1"}
+    assert server["resources"] == {"requests": {**requests, **gpu}, **({"limits": {**limits, **gpu}}
+                                                                        if limits or gpu else {})}
+
+
+def test_server_pods_say_what_they_serve():
+    spec = {"target": {"model": {"uri": "hf://Qwen/Qwen3-8B", "revision": "abc"}}}
+    template = render.render(cr(spec)).deployment["spec"]["template"]["metadata"]
+    assert template["annotations"] == {"ddtree.io/target": "hf://Qwen/Qwen3-8B@abc",
+                                       "ddtree.io/draft": "hf://z-lab/Qwen3-8B-DFlash-b16"}
+
+
+def test_single_node_storage_keeps_every_pod_of_the_claim_on_one_node():
+    spec = {"gpu": {"count": 1, "products": ["NVIDIA-H200"], "runtimeClassName": "nvidia"},
+            "nodeSelector": {"zone": "a"}}
+    children = render.render(cr(spec))  # ReadWriteOnce, the default
+    job_pod = children.pull_job["spec"]["template"]["spec"]
+    server_pod = pod_spec(children)
+    colocate = {"labelSelector": {"matchLabels": {"ddtree.io/models-claim": "qwen-models"}},
+                "topologyKey": "kubernetes.io/hostname"}
+    for pod, labels in ((job_pod, children.pull_job["spec"]["template"]["metadata"]["labels"]),
+                        (server_pod, children.deployment["spec"]["template"]["metadata"]["labels"])):
+        assert labels["ddtree.io/models-claim"] == "qwen-models"
+        assert pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [colocate]
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert terms[0]["matchExpressions"][-1]["values"] == ["NVIDIA-H200"]  # pull where the servers can run
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert pod["nodeSelector"] == {"zone": "a"}
+    assert "nvidia.com/gpu" not in str(job_pod["containers"][0]["resources"])  # the pull takes no GPU
+    assert "runtimeClassName" not in job_pod and server_pod["runtimeClassName"] == "nvidia"
+
+    shared = render.render(cr({**spec, "storage": {"accessModes": ["ReadWriteMany"]}}))
+    job_pod = shared.pull_job["spec"]["template"]["spec"]
+    assert "affinity" not in job_pod and "tolerations" not in job_pod  # any node, e.g. a CPU one
+    assert "podAffinity" not in pod_spec(shared)["affinity"]
+    assert "ddtree.io/models-claim" not in shared.deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def test_autoscaling_renders_keda_or_an_hpa_on_the_serving_gauge():
+    body = cr({"autoscaling": {"minReplicas": 0, "maxReplicas": 4, "target": {"tokensPerSecond": 1500},
+                               "scaleDownDelaySeconds": 600}})
+    assert render.render(body).autoscaler is None  # no autoscaler available
+    keda = render.render(body, autoscaler="KEDA", prometheus_address="http://prom:9090").autoscaler
+    assert keda["apiVersion"] == "keda.sh/v1alpha1" and keda["kind"] == "ScaledObject"
+    assert keda["spec"]["scaleTargetRef"] == {"apiVersion": "ddtree.io/v1alpha1", "kind": "DDTreeDeployment",
+                                              "name": "qwen"}
+    assert (keda["spec"]["minReplicaCount"], keda["spec"]["maxReplicaCount"]) == (0, 4)  # scale to zero
+    assert keda["spec"]["cooldownPeriod"] == 600
+    assert keda["spec"]["triggers"] == [{"type": "prometheus", "metadata": {
+        "serverAddress": "http://prom:9090",
+        "query": 'sum(ddtree_generation_tokens_per_second{namespace="ml", ddtree_deployment="qwen"})',
+        "threshold": "1500", "activationThreshold": "0", "ignoreNullValues": "true"}}]
+    hpa = render.render(body, autoscaler="HPA").autoscaler
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["spec"]["minReplicas"] == 1  # an HPA cannot reach zero
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "ddtree_generation_tokens_per_second"},
+        "target": {"type": "AverageValue", "averageValue": "1500"}}}]
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 600
+    waiting = cr({"autoscaling": {"maxReplicas": 2, "target": {"waitingRequests": 4}}})
+    assert "vllm:num_requests_waiting" in render.prometheus_query(waiting)
 
 
 def test_server_contract_probes_and_drain():
@@ -236,8 +324,9 @@ def deployment(ready: int, replicas: int = 2) -> dict[str, Any]:
                                                       "readyReplicas": ready, "updatedReplicas": replicas}}
 
 
-UNSCHEDULABLE = {"status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                            "message": "0/4 nodes: Insufficient nvidia.com/gpu"}]}}
+UNSCHEDULABLE = {"metadata": {"name": "qwen-1"}, "status": {"conditions": [
+    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+     "message": "0/4 nodes: Insufficient nvidia.com/gpu"}]}}
 
 
 @pytest.mark.parametrize(("seen", "ready", "phase"), [
@@ -265,11 +354,99 @@ def test_status_while_a_new_model_pulls_keeps_serving():
 
 
 def test_status_empty_dir_has_no_models_condition_and_sees_pulling_pods():
-    pulling = {"status": {"initContainerStatuses": [{"name": "pull", "state": {"running": {}}}]}}
+    pulling = {"metadata": {"name": "qwen-1"},
+               "status": {"initContainerStatuses": [{"name": "pull", "state": {"running": {}}}]}}
     body = cr({"storage": {"mode": "emptyDir"}})
     _, conditions = status.compute(body, status.Observed(deployment=deployment(0, 1), pods=(pulling,)))
     assert "ModelsReady" not in conditions
     assert conditions["Ready"][:2] == ("False", "Pulling")
+
+
+def waiting_pod(name: str, reason: str, message: str = "", **extra: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"containerStatuses": [
+        {"name": "server", "state": {"waiting": {"reason": reason, "message": message}}, **extra}]}}
+
+
+@pytest.mark.parametrize(("pod", "reason", "message"), [
+    (waiting_pod("qwen-1", "ImagePullBackOff", 'Back-off pulling image "ddtree-server:typo"'), "ImagePullFailed",
+     'pod qwen-1: container server: Back-off pulling image "ddtree-server:typo"'),
+    (waiting_pod("qwen-1", "CreateContainerConfigError", 'secret "api" not found'), "ConfigError",
+     'pod qwen-1: container server: secret "api" not found'),
+    (waiting_pod("qwen-1", "CrashLoopBackOff", "back-off 5m0s", restartCount=4, lastState={"terminated": {
+        "exitCode": 1, "reason": "Error", "message": "loading\nddtree serve: CUDA out of memory\n"}}),
+     "CrashLooping", "pod qwen-1: container server: restarted 4 times, last exit code 1 (Error): "
+                     "ddtree serve: CUDA out of memory"),
+])
+def test_pod_problems_have_their_own_reasons(pod, reason, message):
+    seen = status.Observed(job=job("Complete"), deployment=deployment(0), pods=(pod, UNSCHEDULABLE))
+    fields, conditions = status.compute(cr({"replicas": 2}), seen)
+    assert conditions["Ready"] == ("False", reason, message)  # rather than Starting or InsufficientCapacity
+    assert fields["phase"] == "Failed" and reason in status.WARNING_REASONS
+
+
+def test_a_pull_pod_that_cannot_start_is_not_pulling_forever():
+    pod = waiting_pod("qwen-pull-1-x", "CreateContainerConfigError", 'secret "hf" not found')
+    _, conditions = status.compute(cr(), status.Observed(job=job(None), pull_pods=(pod,)))
+    assert conditions["Ready"] == ("False", "ConfigError",
+                                   'pull pod qwen-pull-1-x: container server: secret "hf" not found')
+    assert conditions["ModelsReady"][1] == "ConfigError"
+
+
+def test_pull_failed_quotes_the_pod_and_says_how_to_retry():
+    retry_at = datetime.datetime(2026, 6, 1, 12, 2, tzinfo=datetime.UTC)
+    seen = status.Observed(job=job("Failed", "Job has reached the specified backoff limit"), pull_attempt=1,
+                           pull_error="ddtree pull: hf://Qwen/Qwen3-8B: 401 gated repo", pull_retry_at=retry_at)
+    _, conditions = status.compute(cr(), seen)
+    assert conditions["Ready"][:2] == ("False", "PullFailed")
+    assert conditions["Ready"][2] == ("Job qwen-pull-1 (attempt 2) failed: ddtree pull: hf://Qwen/Qwen3-8B: 401 gated "
+                                      "repo; retrying at 2026-06-01T12:02:00Z; retry now with `kubectl annotate ddt "
+                                      "qwen ddtree.io/retry-pull=$(date +%s) --overwrite`")
+    deadline = job("Failed")
+    deadline["status"]["conditions"][0]["reason"] = "DeadlineExceeded"
+    deadline["spec"] = {"activeDeadlineSeconds": 600}
+    message = status.compute(cr(), status.Observed(job=deadline))[1]["Ready"][2]
+    assert "it ran longer than storage.pullTimeoutSeconds (600 s)" in message
+
+
+@pytest.mark.parametrize(("seen", "reason", "phase"), [
+    (status.Observed(conflict="Service qwen already exists and is not owned by this DDTreeDeployment"),
+     "NameConflict", "Failed"),
+    (status.Observed(job=job("Complete"), deployment=deployment(2), apply_errors=("ServiceMonitor qwen: invalid",)),
+     "ApplyFailed", "Degraded"),
+])
+def test_refusals_and_rejections_are_on_the_object(seen, reason, phase):
+    fields, conditions = status.compute(cr({"replicas": 2}), seen)
+    assert conditions["Ready"][:2] == ("False", reason) and fields["phase"] == phase
+    assert conditions["Progressing"][:2] == ("False", reason)
+
+
+def test_serving_model_during_a_model_change():
+    body = cr({"replicas": 3})
+    new = render.model_annotations(body["spec"])
+    old = {"ddtree.io/target": "hf://Qwen/Qwen3-8B", "ddtree.io/draft": "hf://z-lab/old"}
+
+    def pod(name: str, annotations: dict[str, str], ready: bool = True) -> dict[str, Any]:
+        return {"metadata": {"name": name, "annotations": annotations},
+                "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+    pods = (pod("a", old), pod("b", old), pod("c", new), pod("d", new, ready=False))
+    assert status.serving_model(body, pods) == {"target": "hf://Qwen/Qwen3-8B", "draft": "hf://z-lab/old",
+                                                "readyReplicas": 2}
+    assert status.serving_model(body, (pod("a", old), pod("c", new)))["draft"] == new["ddtree.io/draft"]
+    assert status.serving_model(body, (pod("d", new, ready=False),)) is None
+
+
+def test_one_event_per_transition():
+    _, transitions = status.merge_conditions([], {"ModelsReady": ("False", "Pulling", "m"),
+                                                  "Available": ("False", "Pulling", "m"),
+                                                  "Progressing": ("True", "Pulling", "m"),
+                                                  "Autoscaling": ("False", "AutoscalerUnavailable", "a"),
+                                                  "Ready": ("False", "Pulling", "m")}, 1, "T")
+    assert [(t.type, t.reason) for t in status.events(transitions)] == [
+        ("Ready", "Pulling"), ("Autoscaling", "AutoscalerUnavailable")]
+    assert status.events(transitions)[1].event_type == "Warning"
+    sub_only = [status.Transition("ModelsReady", "True", "Pulled", "m")]
+    assert status.events(sub_only) == sub_only
 
 
 def test_merge_conditions_keeps_transition_times_and_reports_changes():
@@ -306,14 +483,15 @@ def test_operator_cli_requires_a_scope(capsys):
 
 
 @pytest.mark.parametrize("spec", [
-    {"storage": {"mode": "pvc", "storageClassName": "fast"}, "replicas": 3, "gpu": {"count": 2, "products": ["A"]}},
+    {"storage": {"mode": "pvc", "storageClassName": "fast"}, "replicas": 3, "gpu": {"count": 1, "products": ["A"]},
+     "autoscaling": {"maxReplicas": 3, "target": {"runningRequests": 8}}},
     {"storage": {"mode": "existingClaim", "claimName": "mine"}, "server": {"apiKeySecretRef": {"name": "k"}}},
     {"storage": {"mode": "emptyDir"}, "gpu": {"count": 0}, "draft": {"model": {"uri": "pvc://w/d"}}},
 ], ids=["pvc", "existingClaim", "emptyDir"])
 def test_children_validate_against_the_kubernetes_schemas(spec):
     import kubernetes_validate
 
-    for child in render.render(cr(spec)).all():
+    for child in render.render(cr(spec), autoscaler="HPA").all():
         if child["apiVersion"] != "monitoring.coreos.com/v1":
             kubernetes_validate.validate(child, "1.30.0", strict=True)
 

@@ -8,6 +8,11 @@ registry, so several servers (or tests) in one process never share counters.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ddtree import __version__
@@ -28,6 +33,43 @@ TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 500
 PHASES = ("draft", "tree_build", "verify", "commit", "total")
 # The engine's phase keys -> the exposed `phase` label.
 _ENGINE_PHASES = {"draft": "draft", "tree": "tree_build", "verify": "verify", "commit": "commit"}
+
+
+# Window of ddtree_generation_tokens_per_second: long enough to smooth bursts, short enough to scale on.
+THROUGHPUT_WINDOW_SECONDS = 30
+
+
+class TokenThroughput:
+    """The generated-tokens counter plus its recent rate: tokens per second over the last `window` seconds,
+    kept in one-second buckets. Autoscalers scale on the rate as a gauge, which a custom metrics API
+    (prometheus-adapter) serves without rate rules."""
+
+    def __init__(self, counter: Counter, window: int = THROUGHPUT_WINDOW_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._counter, self._window, self._clock = counter, window, clock
+        self._buckets: deque[list[float]] = deque()  # [second, tokens], oldest first
+        self._lock = threading.Lock()
+
+    def inc(self, amount: float = 1) -> None:
+        """Count generated tokens (what the scheduler calls for every step's output)."""
+        self._counter.inc(amount)
+        second = int(self._clock())
+        with self._lock:
+            if self._buckets and self._buckets[-1][0] == second:
+                self._buckets[-1][1] += amount
+            else:
+                self._buckets.append([second, amount])
+            self._expire(second)
+
+    def rate(self) -> float:
+        """Tokens per second over the window (read when /metrics is scraped)."""
+        with self._lock:
+            self._expire(int(self._clock()))
+            return sum(tokens for _, tokens in self._buckets) / self._window
+
+    def _expire(self, now: int) -> None:
+        while self._buckets and self._buckets[0][0] <= now - self._window:
+            self._buckets.popleft()
 
 
 def one_two_five_buckets(limit: int) -> tuple[int, ...]:
@@ -67,8 +109,12 @@ class ServerMetrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting in the queue.").labels(**labels)
         # Throughput counters (exposed with the `_total` suffix).
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(**labels)
-        self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Generated tokens returned to clients.").labels(**labels)
+        self.generation_tokens = TokenThroughput(counter("vllm:generation_tokens",
+                                                         "Generated tokens returned to clients.").labels(**labels))
+        gauge("ddtree_generation_tokens_per_second",
+              f"Generated tokens per second over the last {THROUGHPUT_WINDOW_SECONDS} s (what the operator's "
+              "autoscaling.target.tokensPerSecond scales on).").labels(**labels).set_function(
+            self.generation_tokens.rate)
         self._success = counter("vllm:request_success", "Finished requests by finish reason.",
                                 ("finished_reason",))
         self._labels = labels
