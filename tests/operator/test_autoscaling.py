@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from ddtree.metrics import ServerMetrics, TokenThroughput
+from ddtree.api.metrics import ServerMetrics, TokenThroughput
 from ddtree_operator import render
 from k8s_testing import DDT, delete_crd, install_crd, wait_for
 from prometheus_client import CollectorRegistry, Counter
