@@ -1,5 +1,5 @@
 """Would float8 draft weights pay through a Triton fp8 x fp8 few-row GEMM? (cuBLASLt's fp8 GEMM did not:
-fp8_probe.py, RESULTS v7.) It did (RESULTS v21): this is the probe behind `--draft-quantization fp8`.
+fp8_probe.py, RESULTS v7.) It did: this is the probe behind `--draft-quantization fp8`.
 
 The draft block's projections at 16 rows: the fast path's bf16 skinny GEMM (default launch rule) against the
 same kernel on fp8 operands (ddtree/kernels/gemm.py's `skinny_fp8`: e4m3 weights and rows, per-output-channel weight
@@ -7,7 +7,7 @@ scales and per-row activation scales applied after the sum) over a grid of tiles
 quantisation kernel, and the round's projection time summed over one draft pass plus one commit. µs per call:
 CYCLED_CALLS calls cycling over distinct weight copies in one CUDA graph.
 
-    PYTHONPATH=server python benchmarks/fp8_skinny_probe.py [--rows 16] [--quick]
+    PYTHONPATH=server python benchmarks/fp8_tune.py [--rows 16] [--quick]
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ add + RMSNorm, ddtree/kernels/rows.py) in front of every call, as in a verify's 
 MLP instead: the gate/up product, then the SiLU · up row kernel, against SiLU · up in the product's epilogue
 (Config.glu), alone and with the down projection after it.
 
-    PYTHONPATH=server python benchmarks/wgmma_probe.py [--rows 65 33 129] [--only qkv o] [--grid] [--chain]
-    PYTHONPATH=server python benchmarks/wgmma_probe.py --glu [--rows 33 65]
+    PYTHONPATH=server python benchmarks/wgmma_tune.py [--rows 65 33 129] [--only qkv o] [--grid] [--chain]
+    PYTHONPATH=server python benchmarks/wgmma_tune.py --glu [--rows 33 65]
 """
 
 from __future__ import annotations

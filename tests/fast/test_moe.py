@@ -23,7 +23,7 @@ def moe_ckpt(tmp_path_factory):
 @pytest.fixture(params=["grouped GEMM", "loop over experts", "Triton kernels"])
 def grouping(request, monkeypatch):
     """Every way the experts run: torch's grouped GEMM, the fixed loop that stands in where it is missing, and
-    the Triton kernels (interpreted on a CPU machine; tests/fast/test_cuda.py runs them compiled)."""
+    the Triton kernels (interpreted on a CPU machine; tests/kernels/test_experts.py runs them compiled)."""
     if request.param == "loop over experts":
         monkeypatch.setattr(moe, "grouped_works", lambda device, dtype: False)
     if request.param == "Triton kernels":
@@ -42,7 +42,7 @@ def test_experts_equal_the_sparse_block_they_replace(moe_ckpt, grouping, rows, d
     from transformers import AutoModelForCausalLM
 
     if grouping == "Triton kernels" and dtype == torch.bfloat16:
-        pytest.skip("Triton 3.9's interpreter garbles bf16 products (test_cuda.py runs the kernels in bf16)")
+        pytest.skip("Triton 3.9's interpreter garbles bf16 products (tests/kernels/test_experts.py runs them on a GPU)")
     model = AutoModelForCausalLM.from_pretrained(moe_ckpt / "moe", dtype=dtype)
     mlp = model.model.layers[0].mlp
     h = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -57,7 +57,7 @@ def test_experts_equal_the_sparse_block_they_replace(moe_ckpt, grouping, rows, d
 
 @pytest.mark.parametrize("grouping", ["grouped GEMM", "loop over experts"], indirect=True)
 def test_a_qwen3_moe_target_decodes_on_the_fast_path_with_the_reference_tokens(moe_ckpt, grouping):
-    """(Whole generations on the interpreted kernels, these included, are test_kernels_cpu.py's.)"""
+    """(Whole generations on the interpreted kernels, these included, are tests/fast/test_interpreted.py's.)"""
     fast = Engine.from_pretrained(moe_ckpt / "moe", moe_ckpt / "draft", device="cpu", fast=True, fast_capacity=256)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     assert fast.fast_unsupported is None and any(layer.experts for layer in fast.fast.layers)

@@ -82,7 +82,8 @@ def test_keda_else_hpa_else_a_warning(cluster, operator, namespace, stand_in_api
                                              "name": name}
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm:num_requests_waiting"
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
-    assert condition(ddt(cluster, ns, name), "Autoscaling") == ("True", "HPA")
+    # the HPA is applied before the status that reports it is patched
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Autoscaling") == ("True", "HPA"), what="Autoscaling HPA")
     assert "scaling to zero needs KEDA" in next(
         c["message"] for c in ddt(cluster, ns, name)["status"]["conditions"] if c["type"] == "Autoscaling")
 

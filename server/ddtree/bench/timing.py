@@ -86,20 +86,16 @@ def gdn_state_bytes(cfg, dtype_bytes: int) -> int:
     return recurrent + conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
 
 
-def graph_ms(fn: Callable[[], object], reps: int = 15, rewrite: Callable[[int], object] | None = None) -> float:
+def graph_ms(fn: Callable[[], object], reps: int = 15) -> float:
     """Median ms of one replay of `fn` captured as a CUDA graph (warmed up on a side stream first; the first
-    replays are dropped). `rewrite` gets the captured cudaGraph_t before it is instantiated (a probe's edge
-    rewrite: benchmarks/blas_pdl_probe.py)."""
+    replays are dropped)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph(keep_graph=rewrite is not None)
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    if rewrite is not None:
-        rewrite(graph.raw_cuda_graph())
-        graph.instantiate()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,13 +117,12 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
 
 
-def cycled_us(fn: Callable[..., object], weights: list, rewrite: Callable[[int], object] | None = None) -> float:
-    """µs per call of fn(weight): CYCLED_CALLS calls cycling over `weights`, replayed as one CUDA graph
-    (`rewrite`: graph_ms's)."""
+def cycled_us(fn: Callable[..., object], weights: list) -> float:
+    """µs per call of fn(weight): CYCLED_CALLS calls cycling over `weights`, replayed as one CUDA graph."""
     def calls() -> None:
         for i in range(CYCLED_CALLS):
             fn(weights[i % len(weights)])
-    return 1e3 * graph_ms(calls, rewrite=rewrite) / CYCLED_CALLS
+    return 1e3 * graph_ms(calls) / CYCLED_CALLS
 
 
 def grid_us(call: Callable[[object, dict], torch.Tensor], weights: list, want: torch.Tensor, configs: Iterable[dict],
@@ -158,7 +153,7 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.numel() * src.element_size() / (graph_ms(lambda: torch.neg(src, out=dst)) / 1e3)
 
 
-READ_BLOCK = 8192  # elements per program: on an H200 4.62 TB/s, against 4.22 for torch.sum (RESULTS v16)
+READ_BLOCK = 8192  # elements per program: on an H200 4.62 TB/s, against 4.22 for torch.sum
 
 
 def read_bandwidth(device: torch.device) -> float | None:
@@ -192,7 +187,7 @@ if triton is not None:
 
 def measured_ceilings(device: torch.device, tries: int = 3) -> tuple[float | None, float | None]:
     """(copy, read) bandwidth now, each the best of `tries`: right after the models were built, a first copy
-    measurement has read 7-10 % low on an H200 (RESULTS v16). The bench also measures after its runs and
+    measurement has read 7-10 % low on an H200. The bench also measures after its runs and
     keeps the best of both."""
     copies, reads = [copy_bandwidth(device) for _ in range(tries)], [read_bandwidth(device) for _ in range(tries)]
     return max(copies) if copies[0] else None, max(reads) if reads[0] else None

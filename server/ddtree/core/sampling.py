@@ -140,7 +140,7 @@ def filter_logits(out: torch.Tensor, top_k: int, top_p: float, min_p: float) -> 
     Top-p keeps the most probable tokens until the mass before the next one reaches top_p (the first always
     stays), and every token tied with the last one kept. After top-k, the k values torch.topk returned
     already rank the survivors, so top-p needs no sort of the vocabulary: on a GPU that sort was most of
-    what top-p cost (benchmarks/RESULTS.md).
+    what top-p cost.
     """
     if min_p > 0:
         probs = torch.softmax(out, dim=-1)

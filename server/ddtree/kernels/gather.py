@@ -3,7 +3,7 @@
 A round gathers rows several times: the block's and the tree's embeddings, the rotary table's rows at the
 new positions, the accepted path's tap features for the draft's context. torch's `index_select` takes a
 kernel for up to 16 indices whose threads each walk every index in turn (7.7-8.5 µs for each of the draft
-step's and the commit's 16-index gathers on an H200: RESULTS v29's profile), and no torch kernel launches as a
+step's and the commit's 16-index gathers on an H200), and no torch kernel launches as a
 programmatic dependent, so each also waits for the kernel before it to drain. Here one program copies one slice
 of one row.
 """

@@ -14,14 +14,14 @@ One program per value head does all of it: the causal conv of its q, k and v cha
 columns and the new row (SiLU, rounded to the model dtype as the compiled step rounds it), the gates
 (β = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), the L2 norms, the two products with its state (read
 once), u and o, and Qwen3.5's gated RMSNorm of o. That took the Qwen3.6-27B shape's AR step from 18.13 to
-16.05 ms (benchmarks/RESULTS.md, v10).
+16.05 ms.
 
 Tree (up to TREE_MAX nodes). The first kernel is the AR step's conv, gates and norms per (node, value head),
 each node's window read along its own path; the second, per (value head, slice of d_v), is fast/delta.py's
 closed form, a tile of rows at a time: K Kᵀ and the state products in d_k chunks on the tensor cores
 (tf32x3), the unit lower-triangular system solved by forward substitution, then o. The gated norm stays the
 fast path's compiled step. On the Qwen3.6-27B shape rounds took 19.49 against 22.43 ms at B = 16, 22.54
-against 24.54 at B = 32 (benchmarks/RESULTS.md, v12).
+against 24.54 at B = 32.
 
 Both write what the commit needs into the same `Recurrent` buffers the PyTorch steps fill (the conv window's
 columns, the normed keys, u and G), so the commit is unchanged.
@@ -38,13 +38,13 @@ except ImportError:  # CPU-only installs: the PyTorch steps
     triton = None
 
 # the AR-step kernel's warps: at 8 its sm_90 build keeps 6.7 KB a thread on the stack, at 4 none
-# (benchmarks/kernel_resources.py, Triton 3.6); the Qwen3.6-27B shape's AR step took 16.11 ms at 4, 16.12 at 8 (v12)
+# (benchmarks/kernel_resources.py, Triton 3.6); the Qwen3.6-27B shape's AR step took 16.11 ms at 4, 16.12 at 8
 ROW_WARPS = 4
 # nodes per tree kernel call; larger trees and prompt chunks take the PyTorch steps. Measured on the Qwen3.6-27B
-# shape (v12): at 17-64 nodes the kernels beat the steps (B = 32 round 23.10 against 24.63 ms); 65 nodes pad to
+# shape: at 17-64 nodes the kernels beat the steps (B = 32 round 23.10 against 24.63 ms); 65 nodes pad to
 # 128 rows, where the delta kernel's serial solve costs more than the steps (B = 64 round 28.64 against 27.45)
 TREE_MAX = 64
-# the delta kernel's (warps, rows per product) by padded tree size: the fastest in benchmarks/gdn_tune.py (v12)
+# the delta kernel's (warps, rows per product) by padded tree size: the fastest in benchmarks/gdn_tune.py
 TREE_CONFIGS = {16: (4, 16), 32: (4, 32), 64: (4, 16), 128: (8, 16)}
 TREE_SLICE, TREE_CHUNK = 64, 32  # d_v per program, d_k per product
 TREE_PRECISION = "tf32x3"  # the products in three tensor-core passes: float32's accuracy, not FMA's cost

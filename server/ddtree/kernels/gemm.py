@@ -139,8 +139,8 @@ def launch_config(n: int, k: int, fp8: bool = False) -> dict[str, int]:
     From benchmarks/skinny_tune.py on an H200 (Qwen3-8B and its DFlash draft's widths): 64-column tiles and
     128-wide K steps throughout; K splits until ~160 programs run, and further while each still covers
     3072 or more of K (the long down and fc weights). An fp8 weight (`skinny_fp8`) takes 256-wide K steps,
-    the same bytes a step: the best of benchmarks/fp8_skinny_probe.py's grid at every draft projection, with
-    the same splits and depths (RESULTS v21).
+    the same bytes a step: the best of benchmarks/fp8_tune.py's grid at every draft projection, with
+    the same splits and depths.
     """
     block_n = 64
     widths = (256, 128, 64) if fp8 else (128, 64)
@@ -180,7 +180,7 @@ def skinny_fp8(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dty
     `dtype`: the same kernel with fp8 operands (fp8 tensor cores: compute capability 8.9+), 256-wide K tiles (the
     bf16 kernel's bytes a step), each K tile's product added in float32, and (row scale x channel scale) applied
     after the sum. Any number of rows: past FP8_ROW_TILE (a prompt's context) they run in tiles, without K splits.
-    `config`: launch_config's keys, for tuning (benchmarks/fp8_skinny_probe.py)."""
+    `config`: launch_config's keys, for tuning (benchmarks/fp8_tune.py)."""
     cfg = config or launch_config(weight.shape[0], values.shape[1], fp8=True)
     return _skinny(values, scale, weight.data, weight.scale, dtype, cfg)
 
@@ -269,7 +269,7 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
             if FP8:  # each K tile's product added in float32: Hopper's fp8 MMA keeps fewer bits in its own
-                acc += tl.dot(w, x)  # accumulator, which over a long K strays ~1e-3 from the float32 sum (v21)
+                acc += tl.dot(w, x)  # accumulator, which over a long K strays ~1e-3 from the float32 sum
             else:
                 acc = tl.dot(w, x, acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K

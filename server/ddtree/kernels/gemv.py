@@ -1,7 +1,7 @@
 """One-row projections (an AR step) as Triton GEMVs that fold in the step before them.
 
 An AR step multiplies one row by every weight of the model; the weights' bytes are the whole cost, but
-cuBLAS reaches only 2.5–3.4 TB/s on the 4096-wide projections of an 8B model (benchmarks/RESULTS.md), and
+cuBLAS reaches only 2.5–3.4 TB/s on the 4096-wide projections of an 8B model, and
 the tiny kernels between the projections (residual add + RMSNorm, SiLU · up) cost a launch and a ramp
 each. Here one kernel reads the weight once, streaming tiles of BLOCK_N output rows, and computes its
 input on the fly from the previous step's outputs:

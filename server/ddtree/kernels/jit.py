@@ -8,7 +8,7 @@ says why on stderr.
 Each kernel module registers its own smoke test with `probe`, so this module imports none of them. On the CPU the
 fast path takes its PyTorch code, unless a test turns INTERPRETED_ON_CPU on while Triton's
 interpreter is on (TRITON_INTERPRET=1): then every kernel runs, interpreted, where the GPU would run it,
-so a CPU machine checks how the kernels fit together (tests/fast/test_kernels_cpu.py).
+so a CPU machine checks how the kernels fit together (tests/kernels/ and tests/fast/test_interpreted.py).
 """
 
 from __future__ import annotations

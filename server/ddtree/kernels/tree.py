@@ -87,7 +87,7 @@ def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] int64: torch.argmax(dim=-1), the lowest token among equal maxima and any NaN above
     every number. On CUDA two Triton kernels with programmatic dependent launch: each vocabulary chunk keeps its
     best (logit, token) key, one program per row takes the best of its chunks' (torch's reduction took 22 µs
-    for a B = 64 verify's 65 rows of 151936 bf16 logits; RESULTS v24)."""
+    for a B = 64 verify's 65 rows of 151936 bf16 logits)."""
     if triton_works(logits.device) and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] < 2 ** 31:
         best = attempt(("vocabulary argmax", *logits.shape, logits.dtype, logits.device), _vocab_argmax_on_gpu,
                        logits, min(program_block(logits.shape[1], logits.device, ARGMAX_CHUNK), 1 << 16))
@@ -167,7 +167,7 @@ def _chunk_width(vocab: int, top: int) -> int:
 
 def _chunk_warps(chunk: int, half: bool) -> int:
     """Launch width of the chunk top-k. 16-bit logits' int32 keys: from a sweep on an H200 (bf16, vocabulary
-    151936; RESULTS v16). float32's int64 keys keep the widths they were timed at (8 warps at k = 64 took
+    151936). float32's int64 keys keep the widths they were timed at (8 warps at k = 64 took
     152 us where 16 took 141)."""
     if half:
         return 4 if chunk <= 2048 else 8 if chunk <= 8192 else 16

@@ -10,7 +10,7 @@ In PyTorch that is about twenty small kernels (a gather, the comparisons, a redu
 a scatter to the path, gathers of the picks, a concatenation), each a launch in every round's graph. On CUDA it
 is one Triton program (interpreted on the CPU in the tests); elsewhere the PyTorch steps, the reference the
 tests hold the kernel to. On the 8B shape, in one process, the kernel took 0.028 ms off an AR step and
-0.015-0.025 ms off a B = 16 round (benchmarks/RESULTS.md, v25).
+0.015-0.025 ms off a B = 16 round.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """A tree verify's projections (33-136 half-precision rows) on Hopper: our own wgmma GEMM (wgmma.cu).
 
 cuBLASLt's nvjet kernels are the fastest library GEMMs at these rows, but they do not execute
-griddepcontrol.wait, so they cannot launch as programmatic dependents (benchmarks/RESULTS.md v22, v23): every
+griddepcontrol.wait, so they cannot launch as programmatic dependents: every
 one of a B = 64 verify's 145 projections starts only after the kernel before it has drained, and the norm
-or attention kernel after it waits for its tail. Triton pads 65 rows to 128 and turns compute-bound (v25).
+or attention kernel after it waits for its tail. Triton pads 65 rows to 128 and turns compute-bound.
 This kernel pads them to a multiple of 8 (the wgmma N side), streams the weight by TMA, and prefetches its
 first tiles while the kernel before it drains. On the 8B shape, in one process, a B = 64 round took 5.71 ms
-against 5.92 with cuBLASLt, a B = 32 round 5.42 against 5.68 (RESULTS v26).
+against 5.92 with cuBLASLt, a B = 32 round 5.42 against 5.68.
 
 A SwiGLU MLP's gate/up product can take SiLU · up in its epilogue (`Config.glu`, `silu_mul_linear`): the kernel
 writes the activation the down projection reads, with the row kernel's bits, so the row kernel between the two
@@ -83,7 +83,7 @@ def stage_bytes(consumers: int, bn: int, boxes: int = 1) -> int:
 
 
 def max_stages(consumers: int, bn: int, boxes: int = 1) -> int:
-    """As many stages as shared memory holds, up to STAGE_LIMIT (8: the deepest benchmarks/wgmma_probe.py tried)."""
+    """As many stages as shared memory holds, up to STAGE_LIMIT (8: the deepest benchmarks/wgmma_tune.py tried)."""
     return min(STAGE_LIMIT, (SHARED_BYTES - 2048) // stage_bytes(consumers, bn, boxes))
 
 
@@ -96,13 +96,13 @@ def launch_config(n: int, k: int, rows: int, sms: int = 132) -> Config:
     while the blocks still do (each split at least 8 K tiles); the widest tile where none fits (an LM head).
     Stages of BOXES K boxes where each split's K tiles make whole stages, as deep as shared memory holds.
 
-    From benchmarks/wgmma_probe.py on an H200 at 65 rows (RESULTS v26): narrow tiles and few splits won, e.g. q/k/v
+    From benchmarks/wgmma_tune.py on an H200 at 65 rows: narrow tiles and few splits won, e.g. q/k/v
     16.5 µs with 64-row tiles and no split against 19.0 with 192-row tiles over 4 splits, o (11.6 µs) and down
     with 64-row tiles over 2 splits; a split costs a float32 round trip of the partial tiles. The weight's lines
     are marked first to evict from L2, which the rows' tile, read by every block, is not: faster in 31 of the 34
     configs tried, most by 1-6 %. Two boxes a stage (256 contiguous bytes of each weight row, 6 stages of one
     warpgroup's tiles where one box allowed 8): q/k/v 16.0 µs against 16.7, o 12.8 against 13.5, down 29.9 against
-    30.5; in one process a B = 64 round took 5.37-5.40 ms against 5.46-5.47 (RESULTS v32).
+    30.5; in one process a B = 64 round took 5.37-5.40 ms against 5.46-5.47.
     """
     bn, k_tiles = padded_rows(rows), k // 64
     consumers = next((c for c in (1, 2, 3) if -(-n // (64 * c)) <= sms), 3)
@@ -139,7 +139,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     row-major with 16-byte aligned rows, on a Hopper GPU (sm_90; wgmma is not in later architectures' base
     instruction sets), where its blocks keep at least MIN_FILL of the SMs busy. Below that cuBLASLt's split-K
     kernels were the faster: a Qwen3.6-27B-shaped hybrid's 5120-row projections make 80 blocks on 132 SMs, and
-    its B = 64 round took 26.7 ms with every projection here against 25.8 with cuBLASLt (RESULTS v26); the 8B
+    its B = 64 round took 26.7 ms with every projection here against 25.8 with cuBLASLt; the 8B
     shape's projections fill 0.73-1.0."""
     if not (SWITCHES.wgmma and x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in nvrtc.TENSOR_MAP_TYPES and MIN_ROWS <= x.shape[0] <= MAX_ROWS

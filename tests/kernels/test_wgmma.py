@@ -1,6 +1,6 @@
 """The wgmma GEMM's host side, without a GPU: launch configs, the generated source, and who takes which rows.
 
-The kernel itself runs only on a Hopper GPU (tests/fast/test_cuda.py); what is pure is checked here.
+The configs and source are checked on any machine; the products themselves on a Hopper GPU (the tests marked gpu).
 """
 
 import dataclasses
@@ -82,7 +82,7 @@ def test_stages_hold_two_k_boxes_where_each_split_has_whole_stages(monkeypatch):
 
 
 def test_rows_on_the_cpu_never_reach_the_kernel():
-    """CPU tensors (every row count) take torch's product; test_cuda.py checks that 33-136 rows take the kernel."""
+    """CPU tensors (every row count) take torch's product; the GPU tests below check that 33-136 rows take it."""
     weight = torch.zeros(64, 128, dtype=torch.bfloat16)
     for rows in (1, 17, 65):
         assert not wgmma.supported(torch.zeros(rows, 128, dtype=torch.bfloat16), weight)
@@ -111,3 +111,108 @@ def test_every_8b_tile_compiles_without_a_gpu(dtype):
     configs |= {dataclasses.replace(wgmma.launch_config(24576, 4096, rows), glu=True) for rows in (33, 65, 129)}
     for cfg in configs:
         assert wgmma.cubin(cfg, dtype)[:4] == b"\x7fELF", cfg
+
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _fills_the_gpu(n: int, k: int, rows: int) -> bool:
+    """The wgmma kernel's fill rule for an [n, k] weight at `rows` rows on this GPU."""
+    from ddtree.kernels import wgmma
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return wgmma.fill(wgmma.launch_config(n, k, rows, sms), n, sms) >= wgmma.MIN_FILL
+
+
+@gpu
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "n", "k", "tiles"), [
+    (65, 6144, 4096, None), (65, 4096, 12288, None), (65, 24576, 4096, None), (33, 4100, 4096, None),
+    (129, 1000, 256, None), (136, 4096, 4096, None), (40, 200, 1024, (1, 2, 4)), (72, 384, 512, (3, 3, 1))])
+def test_wgmma_gemm_equals_a_float64_product_and_repeats_bit_for_bit(dtype, rows, n, k, tiles):
+    """The Hopper GEMM for a verify's rows against float64: rows padded to a multiple of 8 (zeros from TMA),
+    weights whose rows end inside a tile, K split over blocks (the last one sums in split order), a stage ring
+    that wraps; two launches give the same bits (the tickets reset), as do stages of one K box and of two, and
+    `gemm.linear` routes these rows to it."""
+    import torch.nn.functional as F
+    from ddtree.kernels import gemm, wgmma
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = (torch.randn(n, k, generator=gen) / 32).to(dtype).cuda()
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype).cuda()
+    config = None if tiles is None else wgmma.Config(tiles[0], wgmma.padded_rows(rows), tiles[1], tiles[2])
+    y = wgmma.linear(x, weight, config)
+    want = F.linear(x.double(), weight.double())
+    assert y.dtype == dtype and torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(wgmma.linear(x, weight, config), y)
+    used = config or wgmma.launch_config(n, k, rows, torch.cuda.get_device_properties(0).multi_processor_count)
+    boxes = 1 if used.boxes > 1 else 2
+    if (k // 64 // used.splits) % boxes == 0:
+        stages = min(used.stages, wgmma.max_stages(used.consumers, used.bn, boxes))
+        assert torch.equal(wgmma.linear(x, weight, dataclasses.replace(used, boxes=boxes, stages=stages)), y)
+    if tiles is None:  # `gemm.linear` routes these rows to it, unless its blocks would leave many SMs idle
+        assert wgmma.supported(x, weight) == _fills_the_gpu(n, k, rows)
+        assert not wgmma.supported(x, weight) or torch.equal(gemm.linear(x, weight), y)
+
+
+@gpu
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "n", "k", "tiles"), [
+    (65, 24576, 4096, None), (33, 6000, 1024, None), (129, 2000, 256, None), (136, 8192, 4096, None),
+    (40, 400, 1024, (1, 2, 4)), (72, 768, 512, (3, 3, 1)), (65, 4096, 12288, None)])
+def test_wgmma_silu_epilogue_equals_the_row_kernel_after_the_product(dtype, rows, n, k, tiles):
+    """SiLU(gate) · up in the gate/up product's epilogue gives the bits of ddtree/kernels/rows.py's kernel run on the
+    plain product: gate widths that end inside a block (3000 of 96 a block), K split over blocks, a stage ring that
+    wraps; and `gemm.silu_mul_linear` takes these rows where the fill rule lets the kernel take the product."""
+    from ddtree.kernels import gemm, wgmma
+    from ddtree.kernels import rows as row_kernels
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    weight = (torch.randn(n, k, generator=gen) / 16).to(dtype).cuda()
+    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype).cuda()
+    plain = None if tiles is None else wgmma.Config(tiles[0], wgmma.padded_rows(rows), tiles[1], tiles[2])
+    want = row_kernels.silu_mul(wgmma.linear(x, weight, plain))
+    if tiles is None:
+        got = wgmma.silu_mul_linear(x, weight)
+        assert wgmma.supported(x, weight) == _fills_the_gpu(n, k, rows)
+        fused_act = gemm.silu_mul_linear(x, weight)
+        assert fused_act is None if not _fills_the_gpu(n, k, rows) else torch.equal(fused_act, got)
+    else:
+        got = wgmma.linear(x, weight, dataclasses.replace(plain, glu=True))
+    assert got.shape == (rows, n // 2) and want.abs().max() > 0.5
+    assert torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+def test_wgmma_gemm_in_a_graph_reads_what_the_kernel_before_it_wrote():
+    """Captured after two Triton row kernels and launched as the second's programmatic dependent, the GEMM loads
+    its first weight tiles early (at 65 rows the norms let it launch before they wait, so while the first norm
+    may still run) but the rows only after the second is done: replays over new inputs give eager bits."""
+    from ddtree.kernels import wgmma
+    from ddtree.kernels.rows import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(4096, 4096, generator=gen) / 32).to(torch.bfloat16).cuda()
+    norm = torch.rand(4096, generator=gen).to(torch.bfloat16).cuda() + 0.5
+    x = torch.empty(65, 4096, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> torch.Tensor:
+        return wgmma.linear(rms_norm(rms_norm(x, norm, 1e-6), norm, 1e-6), weight)
+
+    x.copy_(torch.randn(65, 4096, generator=gen))
+    step()  # compiled and loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        x.copy_(torch.randn(65, 4096, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        assert torch.equal(out, step())

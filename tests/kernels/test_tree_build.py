@@ -1,0 +1,110 @@
+"""The tree step's kernels: vocabulary argmax and top-k, and the one-program best-first tree build."""
+
+import os
+from importlib.util import find_spec
+
+import pytest
+import torch
+from cases import argmax_case, distinct_logits
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+interpreted = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
+    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(5, 151936), (65, 151936), (129, 151936), (16, 16384), (5, 4097)])
+def test_the_argmax_kernels_equal_torchs_argmax_on_a_gpu(dtype, rows, vocab):
+    argmax_case(rows, vocab, dtype, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("budget", [1, 3, 16, 64, 128, 200])
+@pytest.mark.parametrize("vocab", [50, 8192])
+def test_the_one_kernel_tree_build_equals_the_pytorch_loop(budget, vocab):
+    from ddtree.kernels.tree import top_prefixes
+
+    logits = distinct_logits(15, vocab, seed=budget)
+    want = top_prefixes(logits, budget)  # CPU: torch.topk and the per-depth PyTorch loop
+    got = top_prefixes(logits.cuda(), budget)  # CUDA: the vocabulary kernels and the tree kernel
+    for g, w in zip(got, want, strict=True):  # tokens, parents, depths, ancestor matrix
+        assert torch.equal(g.cpu(), w)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("vocab", "k"), [(20, 2), (8192, 64), (151936, 16), (151936, 128), (5000, 300)])
+def test_vocab_top_kernels_equal_topk_and_logsumexp_on_a_gpu(dtype, vocab, k):
+    from ddtree.kernels.tree import vocab_top
+
+    logits = distinct_logits(15, vocab, seed=k).to(dtype)
+    logp, tokens = vocab_top(logits.cuda(), k)
+    wide = logits.float()
+    top, want_tokens = wide.topk(k, dim=-1)
+    want = top - wide.logsumexp(dim=-1, keepdim=True)
+    if dtype == torch.bfloat16:  # rounding makes ties: among equal logits the lower token comes first
+        want_tokens = wide.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(tokens.cpu(), want_tokens)
+    assert torch.allclose(logp.cpu(), want, atol=1e-5, rtol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("vocab", "chunk"), [(300, 64), (200, 128)])
+def test_the_argmax_kernels_equal_torchs_argmax_interpreted(dtype, vocab, chunk):
+    argmax_case(5, vocab, dtype, "cpu", chunk)
+
+
+@interpreted
+@pytest.mark.parametrize(("vocab", "k", "dtype"), [(20, 2, torch.float32), (300, 16, torch.float32),
+                                                   (2500, 40, torch.float32), (20, 2, torch.bfloat16),
+                                                   (2500, 40, torch.bfloat16)])
+def test_vocab_top_kernels_equal_topk_and_logsumexp_interpreted(vocab, k, dtype):
+    """bf16 logits take the kernel's int32 keys; among tied logits the lower token comes first. 2500 logits
+    make three chunks at k = 40 (interpreted, each chunk's bitonic top-k takes seconds)."""
+    from ddtree.kernels.tree import _vocab_top_on_gpu
+
+    logits = distinct_logits(4, vocab, seed=k)
+    if dtype == torch.bfloat16:
+        # 7 values: every top-k crosses ties, within chunks and between them (+ 0.0: no -0.0, which the keys
+        # order below +0.0 where a stable sort sees a tie)
+        logits = logits.div(2).round() + 0.0
+    logits = logits.to(dtype)
+    logp, tokens = _vocab_top_on_gpu(logits, k)
+    wide = logits.float()
+    top, want_tokens = wide.topk(k, dim=-1)
+    if dtype == torch.bfloat16:
+        want_tokens = wide.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(tokens, want_tokens)
+    assert torch.allclose(logp, top - wide.logsumexp(dim=-1, keepdim=True), atol=1e-5, rtol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize(("vocab", "k"), [(20, 2), (300, 16)])
+def test_vocab_top_kernels_map_a_draft_vocabularys_columns_to_token_ids(vocab, k):
+    """A draft vocabulary's column c is token token_ids[c]: the merge kernel writes the ids, as the CPU path does."""
+    from ddtree.kernels.tree import _vocab_top_on_gpu, vocab_top
+
+    logits = distinct_logits(3, vocab, seed=vocab)
+    token_ids = torch.randperm(5 * vocab, generator=torch.Generator().manual_seed(k))[:vocab]
+    logp, tokens = _vocab_top_on_gpu(logits, k, token_ids)
+    want_logp, want_tokens = vocab_top(logits, k, token_ids)  # the CPU path: torch.topk, then the ids
+    assert torch.equal(tokens, want_tokens)
+    assert torch.equal(tokens, token_ids[_vocab_top_on_gpu(logits, k)[1]])
+    assert torch.allclose(logp, want_logp, atol=1e-5, rtol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize(("budget", "vocab"), [(1, 50), (5, 50), (16, 50), (24, 300)])
+def test_the_one_program_tree_build_equals_the_pytorch_loop(budget, vocab):
+    from ddtree.kernels.tree import _build_on_gpu, _frontier, top_prefixes, tree_size, vocab_top
+
+    logits = distinct_logits(5, vocab, seed=budget)
+    want = top_prefixes(logits, budget)  # on the CPU: the per-depth PyTorch loop
+    k = min(budget, vocab)
+    logp, tokens = vocab_top(logits, k)
+    got = _build_on_gpu(logp, tokens, _frontier(budget, k, logits.device), budget, tree_size(5, vocab, budget))
+    for g, w in zip(got, want, strict=True):  # tokens, parents, depths, ancestor matrix
+        assert torch.equal(g, w)
