@@ -96,11 +96,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--draft-vocab", default=None, metavar="N", help="draft only the N lowest ids")
+    ap.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32) for a smoke run")
     args = ap.parse_args()
     sides = [parse_side(s) for s in args.side]
     if len(sides) < 2:
         ap.error("name at least two sides")
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     engines = []
     for side in sides:
         package = aliased(side.tree, side.label) if side.tree else "ddtree"
@@ -108,7 +110,7 @@ def main() -> None:
         runs = first_module(package, "bench.command", "fast.bench")
         sampling = first_module(package, "core.sampling", "sampling")
         with switches.override(**side.switches):
-            fast, _ = shapes.build_shape(args.shape, device, torch.bfloat16, fast_capacity=1024,
+            fast, _ = shapes.build_shape(args.shape, device, dtype, fast_capacity=1024,
                                          draft_vocab=args.draft_vocab, draft_quantization=side.draft)
         params = sampling.SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
         engines.append((fast, runs.run, params))

@@ -147,6 +147,30 @@ def _cli_grammar(args: argparse.Namespace) -> str | None:
     return grammar.json_schema_grammar(grammar.JSON_OBJECT if schema == {} else schema)
 
 
+def _add_batch_args(p: argparse.ArgumentParser) -> None:
+    """Continuous batching, with vLLM's names and meanings."""
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests decoded together (default 64; 1: one at a time, as before batching)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="rows one engine step may process: prompt chunks, every request's root and draft nodes "
+                        "(default 2048); longer prompts enter in chunks")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the server may take; the KV cache gets what the weights and "
+                        "activations leave (default 0.9)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache slots per block (default 16)")
+    p.add_argument("--batch-budget", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose each round's draft nodes across all requests by the round cost measured at "
+                        "start-up (default on, on CUDA); --no-batch-budget: every request's own budget")
+
+
+def _batch_options(args: argparse.Namespace):
+    from ddtree.engine.batch import BatchOptions
+
+    return BatchOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+                        batch_budget=args.batch_budget)
+
+
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (with Prometheus /metrics)")
     _add_model_args(p)
@@ -156,6 +180,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
     p.add_argument("--budget", type=int, default=None, help="DDTree node budget (default: 32)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
+    _add_batch_args(p)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize "
                    "(default: $DDTREE_API_KEY; none: open)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -207,7 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout, default_temperature=args.default_temperature,
         generation_config=args.generation_config, fast=args.fast,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-        default_chat_template_kwargs=template_kwargs,
+        default_chat_template_kwargs=template_kwargs, batch=_batch_options(args),
         log_level=args.log_level))
 
 

@@ -51,6 +51,9 @@ class ScriptedEngine:
     def decode(self, ids: list[int]) -> str:
         return "".join(WORDS[i] for i in ids)
 
+    def batch(self, options) -> ScriptedBatch:
+        return ScriptedBatch(self, options.max_num_seqs)
+
     def stream(self, prompt_ids, params, method=None, budget=None) -> ScriptedGeneration:
         self.params.append(params)
         gen = ScriptedGeneration(self.scripts.pop(0), self.gate)
@@ -67,3 +70,53 @@ def round_(tokens: list[int], finish: str | None = None) -> RoundOutput:
     return RoundOutput(tokens, None, 3, len(tokens) - 1, phases, finish)
 
 
+
+
+class ScriptedSequence:
+    def __init__(self, generation: ScriptedGeneration) -> None:
+        self.generation = generation
+        self.done = False
+
+
+class ScriptedBatch:
+    """The batch engine's interface over scripted generations: each step runs every live request's next round,
+    in the order they were added; an exception in a script fails that request only."""
+
+    backends, blocks, kv_usage = (), None, 0.0
+
+    def __init__(self, engine: ScriptedEngine, max_num_seqs: int) -> None:
+        from ddtree.engine.batch import StepStats
+
+        self.engine, self.max_num_seqs = engine, max_num_seqs
+        self.live: list[ScriptedSequence] = []
+        self.last = StepStats()
+        self.waiting = 0
+
+    @property
+    def running(self) -> int:
+        return len(self.live)
+
+    def add(self, prompt_ids, params) -> ScriptedSequence:
+        seq = ScriptedSequence(self.engine.stream(prompt_ids, params))
+        self.live.append(seq)
+        return seq
+
+    def abort(self, seq: ScriptedSequence) -> None:
+        if seq in self.live:
+            self.live.remove(seq)
+        seq.generation.close()
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list:
+        out = []
+        for seq in list(self.live):
+            try:
+                result = next(seq.generation)
+            except Exception as exc:
+                result = exc
+            if isinstance(result, Exception) or result.finish_reason is not None:
+                self.abort(seq)
+            out.append((seq, result))
+        return out

@@ -38,13 +38,13 @@ def targets(tmp_path_factory) -> dict[str, Engine]:
 def received(engine: Engine, bodies: list[dict], **config) -> list[tuple]:
     """The sampling fields the engine gets for each completions body, through the HTTP app."""
     seen = []
-    stream = engine.stream
+    request = engine.request
 
     def record(prompt_ids, params, **kw):
         seen.append(sampling(params))
-        return stream(prompt_ids, params, **kw)
+        return request(prompt_ids, params, **kw)
 
-    engine.stream = record
+    engine.request = record
     try:
         with TestClient(create_app(lambda: engine, ServerConfig(**config))) as client:
             wait_ready(client)
@@ -52,7 +52,7 @@ def received(engine: Engine, bodies: list[dict], **config) -> list[tuple]:
                 r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, **body})
                 assert r.status_code == 200, r.text
     finally:
-        del engine.stream
+        del engine.request
     return seen
 
 

@@ -6,9 +6,9 @@ import asyncio
 import threading
 
 from ddtree.api.metrics import ServerMetrics
-from ddtree.api.scheduler import Output, Request, Scheduler
+from ddtree.api.scheduler import Output, Request, Scheduler, SpecStats
 from ddtree.core.sampling import SamplingParams
-from scripted_engine import ScriptedEngine, prefill, round_
+from scripted_engine import ScriptedBatch, ScriptedEngine, prefill, round_
 
 
 def counter(metrics: ServerMetrics, name: str, **labels: str) -> float:
@@ -22,9 +22,11 @@ async def collect(request: Request) -> list[Output]:
     return outs
 
 
-def make(engine: ScriptedEngine) -> tuple[Scheduler, ServerMetrics]:
+def make(engine: ScriptedEngine, max_num_seqs: int = 1) -> tuple[Scheduler, ServerMetrics]:
     metrics = ServerMetrics("m", method="ddtree", budget=4, block_size=4, max_model_len=64)
-    return Scheduler(engine, metrics, max_queue=4), metrics
+    scheduler = Scheduler(ScriptedBatch(engine, max_num_seqs), engine.decode, metrics, max_queue=4,
+                          eos_token_ids=engine.eos_token_ids, spec=lambda: SpecStats("ddtree", 4, 4))
+    return scheduler, metrics
 
 
 def test_engine_failure_fails_that_request_only():

@@ -107,6 +107,10 @@ class ServerMetrics:
         # Scheduler state.
         self.running = gauge("vllm:num_requests_running", "Requests being decoded.").labels(**labels)
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting in the queue.").labels(**labels)
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0-1).").labels(
+            **labels)
+        self.preemptions = counter("vllm:num_preemptions",
+                                   "Requests preempted (caches dropped, recomputed later).").labels(**labels)
         # Throughput counters (exposed with the `_total` suffix).
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(**labels)
         self.generation_tokens = TokenThroughput(counter("vllm:generation_tokens",
@@ -170,8 +174,16 @@ class ServerMetrics:
         self.token_itl = histogram("ddtree_inter_token_latency_seconds",
                                    "Per token: a round of n tokens adds n observations of interval / n.",
                                    FINE_BUCKETS).labels(**labels)
-        self.verify_batch_tokens = histogram("ddtree_verify_batch_tokens", "Tree tokens per target forward.",
+        self.verify_batch_tokens = histogram("ddtree_verify_batch_tokens",
+                                             "Rows one verify forward takes: every request's root and tree.",
                                              ITERATION_TOKEN_BUCKETS).labels(**labels)
+        self.batch_size = histogram("ddtree_batch_size", "Requests whose round ran in one engine step.",
+                                    ITERATION_TOKEN_BUCKETS).labels(**labels)
+        self.step_draft_nodes = histogram("ddtree_step_draft_nodes",
+                                          "Draft nodes one engine step verified over all its requests (the batch "
+                                          "budget's choice).", ITERATION_TOKEN_BUCKETS).labels(**labels)
+        self.batch_budget = gauge("ddtree_batch_budget",
+                                  "Draft nodes the last engine step verified over all its requests.").labels(**labels)
         self.tokens_per_second = histogram("ddtree_request_tokens_per_second",
                                            "Per request: decode tokens per second.",
                                            TOKENS_PER_SECOND_BUCKETS).labels(**labels)
@@ -188,17 +200,29 @@ class ServerMetrics:
         """Count a request refused before it reached the engine (`queue_full`, `draining`, ...)."""
         self._rejected.labels(**self._labels, reason=reason).inc()
 
-    def observe_round(self, *, draft_nodes: int, accepted: int, phase_seconds: dict[str, float]) -> None:
-        """Record one verify round (never the prefill)."""
-        self.iteration_tokens.observe(draft_nodes + 1)
-        self.verify_batch_tokens.observe(draft_nodes + 1)
+    def observe_step(self, step) -> None:
+        """Record one engine step (engine/batch.py StepStats): tokens, batch size, the batch budget's choice,
+        preemptions and the phases of its rounds."""
+        if step.sequences == 0 and step.prefill_tokens == 0:
+            return
+        self.iteration_tokens.observe(step.prefill_tokens + step.verified_tokens)
+        self.preemptions.inc(step.preempted)
+        if step.sequences == 0:
+            return
+        self.verify_batch_tokens.observe(step.verified_tokens)
+        self.batch_size.observe(step.sequences)
+        self.step_draft_nodes.observe(step.draft_nodes)
+        self.batch_budget.set(step.draft_nodes)
         total = 0.0
-        for key, seconds in phase_seconds.items():
+        for key, seconds in step.phase_seconds.items():
             phase = _ENGINE_PHASES.get(key)
             if phase is not None:
                 self.round_seconds[phase].observe(seconds)
                 total += seconds
         self.round_seconds["total"].observe(total)
+
+    def observe_round(self, *, draft_nodes: int, accepted: int) -> None:
+        """Record one request's verify round (never the prefill): what it drafted and accepted."""
         if draft_nodes == 0:  # autoregressive step: nothing was drafted
             return
         self.num_drafts.inc()

@@ -1,10 +1,11 @@
-"""Request scheduling: a bounded fair queue in front of one engine worker thread.
+"""Request scheduling: a bounded fair queue in front of the batch engine, run by one worker thread.
 
-The engine is synchronous and holds one `Generation` at a time, so it runs in a worker thread and the
-event loop only moves bytes. Requests wait in a `FairQueue` (round-robin across clients, bounded: a full
-queue is refused with 429 rather than growing without limit). The worker admits up to `max_running`
-requests and advances each running one by one engine round per step; today the engine is batch 1
-(`max_running=1`), and a batched engine replaces `_step` with one batched call over `running`.
+The engine is synchronous, so it runs in a worker thread and the event loop only moves bytes. Requests wait
+in a `FairQueue` (round-robin across clients, bounded: a full queue is refused with 429 rather than growing
+without limit). The worker moves requests into the batch engine (engine/batch.py) while it has room for
+them (--max-num-seqs), and each engine step advances every running request by one round: their outputs
+are posted back to the waiting coroutines as they come. A request whose client goes away is aborted in the
+engine before the next step, which frees its KV blocks at once.
 
 Text handling lives here too, in the worker: each round's tokens are detokenized, cut at stop strings
 (text that may be the start of a stop string is withheld until resolved) and counted in the metrics,
@@ -277,24 +278,32 @@ class FairQueue:
 @dataclass
 class _Running:
     request: Request
-    generation: object  # ddtree.engine.Generation
+    sequence: object  # the batch engine's handle (ddtree.engine.sequence.Sequence)
     text: StopStringDetokenizer
 
 
 class Scheduler:
-    """Owns the engine: admits requests from the fair queue and runs them in one worker thread."""
+    """Owns the batch engine: admits requests from the fair queue and steps it in one worker thread."""
 
-    def __init__(self, engine, metrics: ServerMetrics, *, max_queue: int, max_running: int = 1) -> None:
-        """`max_running` > 1 needs a batched engine: today's holds one Generation at a time."""
-        self.engine = engine
+    def __init__(self, batch, decode: Callable[[list[int]], str], metrics: ServerMetrics, *, max_queue: int,
+                 eos_token_ids: set[int], spec: Callable[[], SpecStats]) -> None:
+        """`batch`: a BatchEngine (or a test double with its interface); `spec` makes a request's speculative
+        statistics record (its method, budget and block size)."""
+        self.batch = batch
+        self.decode = decode
         self.metrics = metrics
         self.queue = FairQueue(max_queue)
-        self.max_running = max_running
+        self.eos_token_ids = eos_token_ids
+        self.spec = spec
         self.draining = False
-        self._running: list[_Running] = []  # touched by the worker thread only
+        self._running: dict[object, _Running] = {}  # touched by the worker thread only
         self._mean_seconds = 1.0  # moving average of request service time, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def max_running(self) -> int:
+        return self.batch.max_num_seqs
 
     # -- event-loop side ---------------------------------------------------------------------------------
 
@@ -344,7 +353,7 @@ class Scheduler:
                 return
 
     def _admit(self) -> None:
-        """Start waiting requests while there is room (blocks for one when nothing runs)."""
+        """Move waiting requests into the batch engine while it has room (blocks for one when nothing runs)."""
         while len(self._running) < self.max_running:
             request = self.queue.get(block=not self._running)
             if request is None:
@@ -356,48 +365,63 @@ class Scheduler:
             request.scheduled = time.monotonic()
             self.metrics.queue_time.observe(request.scheduled - request.arrival)
             try:
-                generation = self.engine.stream(request.prompt_ids, request.params)
+                sequence = self.batch.add(request.prompt_ids, request.params)
             except Exception as exc:  # a bad request the validation missed must not kill the worker
                 log.exception("could not start request %s", request.request_id)
                 self._abort(request, str(exc))
                 continue
-            budget = self.engine.budget if self.engine.method == "ddtree" else None  # only trees have one
-            request.spec = SpecStats(self.engine.method, budget, self.engine.block_size)
-            text = StopStringDetokenizer(self.engine.decode, request.stop, request.include_stop_str)
-            self._running.append(_Running(request, generation, text))
-            self.metrics.running.set(len(self._running))
+            request.spec = self.spec()
+            text = StopStringDetokenizer(self.decode, request.stop, request.include_stop_str)
+            self._running[sequence] = _Running(request, sequence, text)
+        self._gauges()
 
     def _step(self) -> None:
-        """Advance every running request by one engine round (batch 1: one request)."""
-        for run in list(self._running):
-            try:
-                final = self._advance(run)
-            except Exception as exc:  # one request's failure must not stop the worker serving the others
-                log.exception("engine failed on request %s", run.request.request_id)
-                final = Output("", [], None, finish_reason="abort", error=str(exc))
-            if final is not None:
-                self._retire(run, final)
-
-    def _advance(self, run: _Running) -> Output | None:
-        """One round for one request: posts its output, or returns the final one when the request is over."""
-        request = run.request
-        if request.cancelled:
-            return Output("", [], None, finish_reason="abort")
+        """One engine step: every running request's next round. A cancelled request is aborted first (its
+        blocks freed); a request whose round failed ends with the error, the others go on."""
+        for run in list(self._running.values()):
+            if run.request.cancelled:
+                self.batch.abort(run.sequence)
+                self._retire(run, Output("", [], None, finish_reason="abort"))
         try:
-            out = next(run.generation)
-        except StopIteration:
-            return self._output(run, [], None, run.generation.finish_reason or "stop", None)
+            outputs = self.batch.step()
+        except Exception as exc:  # the engine itself failed: every running request ends with the error
+            log.exception("engine step failed")
+            for run in list(self._running.values()):
+                self.batch.abort(run.sequence)
+                self._retire(run, Output("", [], None, finish_reason="abort", error=str(exc)))
+            return
+        self.metrics.observe_step(self.batch.last)
+        for sequence, out in outputs:
+            run = self._running.get(sequence)
+            if run is None:
+                continue
+            if isinstance(out, Exception):
+                log.error("engine failed on request %s: %s", run.request.request_id, out)
+                self._retire(run, Output("", [], None, finish_reason="abort", error=str(out)))
+                continue
+            final = self._deliver(run, out)
+            if final is not None:
+                self.batch.abort(run.sequence)  # a no-op unless a stop string the engine did not see ended it
+                self._retire(run, final)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(len(self._running))
+        self.metrics.waiting.set(len(self.queue) + self.batch.waiting)
+        self.metrics.kv_cache_usage.set(self.batch.kv_usage)
+
+    def _deliver(self, run: _Running, out) -> Output | None:
+        """One round's output for one request: posts it, or returns the final one when the request is over."""
+        request = run.request
         now = time.monotonic()
         if out.is_prefill:
             request.prompt_logprobs = out.prompt_logprobs
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-            self.metrics.iteration_tokens.observe(len(request.prompt_ids))
             self.metrics.prefill_time.observe(now - request.scheduled)
             self.metrics.ttft.observe(now - request.arrival)
             request.first_token = now
         else:
-            self.metrics.observe_round(draft_nodes=out.draft_nodes, accepted=out.accepted,
-                                       phase_seconds=out.phase_seconds)
+            self.metrics.observe_round(draft_nodes=out.draft_nodes, accepted=out.accepted)
             request.spec.add_round(out.draft_nodes, out.accepted)
         # Cut the round at the first completed stop string.
         kept = 0
@@ -418,7 +442,7 @@ class Scheduler:
         if run.text.matched is not None:
             return self._output(run, tokens, logprobs, "stop", run.text.matched)
         if out.finish_reason is not None:
-            stop_reason = out.stop_token_id if out.stop_token_id not in self.engine.eos_token_ids else None
+            stop_reason = out.stop_token_id if out.stop_token_id not in self.eos_token_ids else None
             return self._output(run, tokens, logprobs, out.finish_reason, stop_reason)
         request.post(self._output(run, tokens, logprobs, None, None))
         return None
@@ -434,9 +458,8 @@ class Scheduler:
                       stop_reason)
 
     def _retire(self, run: _Running, final: Output) -> None:
-        """Free the engine state and record the metrics before the client hears the request is over."""
-        run.generation.close()
-        self._running.remove(run)
+        """Record the metrics before the client hears the request is over (the engine has freed its state)."""
+        self._running.pop(run.sequence, None)
         self.metrics.running.set(len(self._running))
         self._finish(run.request, final.finish_reason)
         run.request.post(final)

@@ -14,6 +14,7 @@ import uvicorn
 
 from ddtree.api.app import create_app
 from ddtree.api.state import ServerConfig, ServerState
+from ddtree.engine.batch import BatchOptions
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ServeOptions:
     tool_call_parser: str = "auto"  # auto | hermes | none
     reasoning_parser: str = "auto"  # auto | qwen3 | none
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    batch: BatchOptions = field(default_factory=BatchOptions)  # continuous batching
     log_level: str = "info"
 
 
@@ -75,7 +77,7 @@ def run(options: ServeOptions) -> int:
                           default_temperature=options.default_temperature,
                           generation_config=options.generation_config,
                           tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser,
-                          default_chat_template_kwargs=options.default_chat_template_kwargs)
+                          default_chat_template_kwargs=options.default_chat_template_kwargs, batch=options.batch)
     app = create_app(load, config, on_load_error)
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                timeout_graceful_shutdown=options.drain_timeout)

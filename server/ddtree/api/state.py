@@ -12,8 +12,9 @@ from typing import Any
 
 from ddtree.api.metrics import ServerMetrics
 from ddtree.api.protocol import APIError
-from ddtree.api.scheduler import Scheduler
+from ddtree.api.scheduler import Scheduler, SpecStats
 from ddtree.core.sampling import SamplingParams
+from ddtree.engine.batch import BatchOptions, warm_up
 
 log = logging.getLogger("ddtree.server")
 
@@ -41,6 +42,7 @@ class ServerConfig:
     # Qwen3's DFlash drafters were trained on replies without thinking, so thinking costs acceptance.
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call> blocks; hermes; none
+    batch: BatchOptions = field(default_factory=BatchOptions)  # continuous batching: sequences, tokens, memory
     reasoning_parser: str = "auto"  # auto: qwen3 when the chat template knows </think>; qwen3; none
 
 
@@ -66,9 +68,13 @@ class ServerState:
         metrics = ServerMetrics(name, method=engine.method, budget=budget, block_size=engine.block_size,
                                 max_model_len=engine.max_context)
         self.sampling_defaults = self._sampling_defaults(engine)
-        self._warm_up(engine)
+        batch = self._batch(engine)
+        self._warm_up(engine, batch)
         self.engine, self.model_name, self.metrics = engine, name, metrics
-        self.scheduler = Scheduler(engine, metrics, max_queue=self.config.max_queue)
+        budget = engine.budget if engine.method == "ddtree" else None  # only trees have one
+        self.scheduler = Scheduler(batch, engine.decode, metrics, max_queue=self.config.max_queue,
+                                   eos_token_ids=engine.eos_token_ids,
+                                   spec=lambda: SpecStats(engine.method, budget, engine.block_size))
         log.info("serving %s (method %s, budget %s, max context %d)", name, engine.method, engine.budget,
                  engine.max_context)
         if note := getattr(engine, "fast_note", None):
@@ -79,7 +85,25 @@ class ServerState:
         if quantized := getattr(engine, "draft_quantization", None):
             log.info("drafting in %s (--draft-quantization): the output stays the target's own", quantized)
 
-    def _warm_up(self, engine: Any) -> None:
+    def _batch(self, engine: Any) -> Any:
+        """The batch engine requests decode in, and what it holds, said once."""
+        started = time.perf_counter()
+        batch = engine.batch(self.config.batch)
+        kinds = ", ".join(backend.name for backend in batch.backends)
+        if batch.blocks is not None:
+            blocks = batch.blocks
+            tokens = blocks.num_blocks * blocks.block_size
+            log.info("KV cache: %d blocks of %d tokens (%d tokens; %.1f full-context requests at once)",
+                     blocks.num_blocks, blocks.block_size, tokens, tokens / engine.max_context)
+        log.info("continuous batching: up to %d requests and %d tokens a step (%s; set up in %.1f s)",
+                 batch.max_num_seqs, self.config.batch.max_num_batched_tokens, kinds, time.perf_counter() - started)
+        cost = getattr(batch.backends[0], "cost", None) if batch.backends else None
+        if cost is not None and len(cost.points) > 1:
+            log.info("batch budget: round cost measured at %s verified tokens (%.2f-%.2f ms)",
+                     ", ".join(str(t) for t, _ in cost.points[::4]), 1e3 * cost.points[0][1], 1e3 * cost.points[-1][1])
+        return batch
+
+    def _warm_up(self, engine: Any, batch: Any) -> None:
         """Capture the fast path's graphs before /ready says yes: for greedy requests and for requests that
         keep the default sampling settings (the two plans nearly every request runs on)."""
         if getattr(engine, "fast", None) is None:
@@ -90,7 +114,7 @@ class ServerState:
             settings = [SamplingParams(**merged_sampling(self.sampling_defaults, {}))]
             if not settings[0].greedy:
                 settings.append(SamplingParams(**merged_sampling(self.sampling_defaults, {"temperature": 0.0})))
-            done = engine.warm_up(*settings)
+            done = engine.warm_up(*settings) if batch.max_num_seqs == 1 else warm_up(batch, *settings)
         except Exception as exc:  # an optimisation only: the first requests then capture what they need
             log.warning("fast path warm-up failed (%s: %s); the first requests will capture their graphs",
                         type(exc).__name__, exc)

@@ -55,3 +55,41 @@ class Backend(Protocol):
 
     def rounds(self, request: DecodeRequest) -> Iterator[Round]:
         """The prefill's Round, then one per target forward, for as long as the caller asks."""
+
+
+@dataclass
+class Prefill:
+    """A slice of a sequence's context to write into its caches this step (chunked prefill): context tokens
+    [start, start + len(tokens)). At the last chunk of a new sequence the backend picks its first token (a
+    prefill Round); a sequence resumed after preemption already emitted it (`root`), so none is picked."""
+
+    seq_id: int
+    tokens: list[int]
+    start: int
+    last: bool
+    root: int | None = None  # a resumed sequence's next token, already emitted
+
+
+class BatchBackend(Protocol):
+    """Runs the rounds of many sequences at once (engine/batch.py schedules them)."""
+
+    name: str
+    chunked: bool  # takes a prompt in chunks over several steps (else whole, in one step)
+    paged: bool  # its caches live in the batch engine's blocks (engine/blocks.py)
+
+    def accepts(self, request: DecodeRequest) -> bool:
+        """Whether this backend can decode the request."""
+
+    def open(self, seq_id: int, request: DecodeRequest) -> None:
+        """A sequence starts (or starts again, after preemption) on this backend."""
+
+    def close(self, seq_id: int) -> None:
+        """The sequence ends, is cancelled or preempted: drop what it holds."""
+
+    def rows_per_round(self, request: DecodeRequest) -> int:
+        """Cache slots past the committed ones that one decode round of the request may write."""
+
+    def step(self, prefills: list[Prefill], decodes: list[int], node_limit: int | None) -> dict[int, Round]:
+        """Write the prefill chunks, run one round of each decoding sequence (their draft nodes chosen together,
+        at most `node_limit` in all when given), commit; the Rounds by sequence id (a prefill chunk that is not
+        the last of a new sequence has none)."""

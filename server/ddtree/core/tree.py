@@ -21,6 +21,7 @@ class DraftTree:
     depths: list[int] = field(default_factory=list)  # depths[i - 1] is node i's depth (1..D)
     parents: list[int] = field(default_factory=lambda: [-1])  # parents[i], -1 for the root
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])  # token -> child node, per node
+    scores: list[float] = field(default_factory=list)  # scores[i - 1]: draft log-prob of node i's whole prefix
 
     @property
     def size(self) -> int:
@@ -38,22 +39,32 @@ class DraftTree:
         """The last-added node of the greatest depth (the root when the tree is empty)."""
         return max(range(self.size + 1), key=lambda n: (self.depths[n - 1] if n else 0, n))
 
-    def add(self, parent: int, token: int, depth: int) -> int:
+    def add(self, parent: int, token: int, depth: int, score: float = 0.0) -> int:
         node = len(self.parents)
         self.tokens.append(token)
         self.depths.append(depth)
         self.parents.append(parent)
         self.children.append({})
         self.children[parent][token] = node
+        self.scores.append(score)
         return node
 
+    def prefix(self, n: int) -> DraftTree:
+        """The tree of the first n nodes: prefix-closed, since every node comes after its parent. A best-first
+        tree's first n nodes are its n most probable prefixes, so a smaller budget is a prefix of a larger one."""
+        tree = DraftTree()
+        for i in range(1, min(n, self.size) + 1):
+            tree.add(self.parents[i], self.tokens[i - 1], self.depths[i - 1], self.scores[i - 1])
+        return tree
 
-def chain_tree(tokens: list[int]) -> DraftTree:
-    """Linear DFlash: one path of the draft's argmax tokens."""
+
+def chain_tree(tokens: list[int], logps: list[float] | None = None) -> DraftTree:
+    """Linear DFlash: one path of the draft's argmax tokens (with their log-probs, each node's prefix scored)."""
     tree = DraftTree()
-    node = 0
+    node, score = 0, 0.0
     for depth, token in enumerate(tokens, start=1):
-        node = tree.add(node, token, depth)
+        score += logps[depth - 1] if logps is not None else 0.0
+        node = tree.add(node, token, depth, score)
     return tree
 
 
@@ -77,12 +88,20 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, spine: bool = False,
     the result is deterministic. With `spine`, the whole top-1 chain is placed first, so small budgets
     still reach full depth.
     """
-    max_depth = draft_logits.shape[0]
+    if budget <= 0 or draft_logits.shape[0] == 0:
+        return DraftTree()
+    k = min(budget, draft_logits.shape[1])
+    return tree_from_candidates(*top_candidates(draft_logits, k, token_ids), budget, spine=spine)
+
+
+def tree_from_candidates(logp: list[list[float]], tok: list[list[int]], budget: int, *,
+                         spine: bool = False) -> DraftTree:
+    """`build_tree` over per-depth top-k log-probs and tokens already on the host (best first at each depth):
+    a batched round takes every request's candidates in one copy and builds each tree from them."""
+    max_depth, k = len(logp), len(logp[0]) if logp else 0
     tree = DraftTree()
     if budget <= 0 or max_depth == 0:
         return tree
-    k = min(budget, draft_logits.shape[1])
-    logp, tok = top_candidates(draft_logits, k, token_ids)
     # Heap entry: (-score, rank tuple, parent score, parent node, depth, rank)
     heap: list[tuple[float, tuple[int, ...], float, int, int, int]] = []
 
@@ -95,13 +114,13 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, spine: bool = False,
         for depth in range(1, min(budget, max_depth) + 1):
             if k > 1:
                 push(score, ranks, node, depth, 1)  # the spine node's first sibling
-            node = tree.add(node, tok[depth - 1][0], depth)
             score, ranks = score + logp[depth - 1][0], (*ranks, 0)
+            node = tree.add(node, tok[depth - 1][0], depth, score)
     else:
         push(0.0, (), 0, 1, 0)
     while heap and tree.size < budget:
         neg_score, ranks, parent_score, parent, depth, rank = heapq.heappop(heap)
-        node = tree.add(parent, tok[depth - 1][rank], depth)
+        node = tree.add(parent, tok[depth - 1][rank], depth, -neg_score)
         if rank + 1 < k:
             push(parent_score, ranks[:-1], parent, depth, rank + 1)
         if depth < max_depth:

@@ -19,8 +19,9 @@ import torch
 from transformers import GenerationConfig
 
 from ddtree.core import grammar
-from ddtree.core.rounds import DecodeRequest
+from ddtree.core.rounds import Backend, DecodeRequest
 from ddtree.core.sampling import SamplingParams
+from ddtree.engine.batch import BatchEngine, BatchOptions, batch_engine
 from ddtree.engine.generation import Generation, GenerationResult, TokenLogprob
 from ddtree.engine.reference import ReferenceBackend
 from ddtree.errors import DDTreeError
@@ -191,6 +192,10 @@ class Engine:
                 done.append("greedy" if params.greedy else f"temperature {params.temperature:g}")
         return done
 
+    def batch(self, options: BatchOptions | None = None) -> BatchEngine:
+        """A batch engine over this engine's models: many requests decoded together (engine/batch.py)."""
+        return batch_engine(self, options or BatchOptions())
+
     @property
     def max_context(self) -> int:
         return self.target.max_context
@@ -222,11 +227,20 @@ class Engine:
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, method: str | None = None,
                budget: int | None = None) -> Generation:
         """A generation of `prompt_ids` (iterate it for its rounds' outputs), on the fast path when it takes it."""
+        request = self.request(prompt_ids, params, method=method, budget=budget)
+        backend = self.fast if self.fast is not None and self.fast.accepts(request) else self.reference
+        return self.generation(request, backend)
+
+    def request(self, prompt_ids: Sequence[int], params: SamplingParams, *, method: str | None = None,
+                budget: int | None = None) -> DecodeRequest:
+        """A request as a backend decodes it, checked (one-line errors); the engine's method and budget by default."""
         method, budget = check_method(method or self.method, self.budget if budget is None else budget,
                                       has_draft=self.draft is not None)
-        request = DecodeRequest(self.check_prompt(prompt_ids), params, method, budget if method == "ddtree" else 0,
-                                self.constraint(params))
-        backend = self.fast if self.fast is not None and self.fast.accepts(request) else self.reference
+        return DecodeRequest(self.check_prompt(prompt_ids), params, method, budget if method == "ddtree" else 0,
+                             self.constraint(params))
+
+    def generation(self, request: DecodeRequest, backend: Backend | None) -> Generation:
+        """The request's loop, pulling its rounds from `backend`, or fed by a batch engine (None)."""
         return Generation(request, backend, block_size=self.block_size, max_context=self.max_context,
                           eos_token_ids=self.eos_token_ids)
 

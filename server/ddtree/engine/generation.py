@@ -91,9 +91,12 @@ class GenerationResult:
 
 
 class Generation:
-    """One request's decoding: iterate for RoundOutputs; close() stops early and frees the backend's state."""
+    """One request's decoding: iterate for RoundOutputs; close() stops early and frees the backend's state.
 
-    def __init__(self, request: DecodeRequest, backend: Backend, *, block_size: int, max_context: int,
+    Given a `backend`, the generation pulls its rounds itself (one request at a time: `Engine.stream`); without
+    one, a batch engine runs the rounds and hands each to `take` (engine/batch.py)."""
+
+    def __init__(self, request: DecodeRequest, backend: Backend | None, *, block_size: int, max_context: int,
                  eos_token_ids: set[int]) -> None:
         self.request, self.backend = request, backend
         self.prompt_ids, self.params = request.prompt_ids, request.params
@@ -106,7 +109,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._stop_ids = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else eos_token_ids)
-        self._rounds = backend.rounds(request)
+        self._rounds = backend.rounds(request) if backend is not None else None
         self._decode_start: float | None = None
 
     def __iter__(self) -> Iterator[RoundOutput]:
@@ -115,10 +118,13 @@ class Generation:
     def __next__(self) -> RoundOutput:
         if self.finish_reason is not None:
             raise StopIteration
+        if self._rounds is None:
+            raise TypeError("this generation's rounds come from a batch engine (BatchEngine.step)")
         return self.take(next(self._rounds))
 
     def close(self) -> None:
-        self._rounds.close()
+        if self._rounds is not None:
+            self._rounds.close()
 
     def take(self, raw: Round) -> RoundOutput:
         """Turn a backend's round into what this request emits, and account for it."""

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.kernels.jit import after_previous, launch_fitting, probe, triton_works
+from ddtree.kernels.paged_attention import PagedMask, paged_attention
 from ddtree.kernels.wgmma import early_pdl
 
 try:
@@ -65,8 +66,11 @@ def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups:
     return TreeMask(start, n, window, additive=additive.repeat(groups, 1)[None, None])
 
 
-def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask) -> torch.Tensor:
-    """Grouped queries q [kv, groups*n, d] over cache [2, kv, T, d] -> [n, H*d] (H = kv * groups)."""
+def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask | PagedMask) -> torch.Tensor:
+    """Grouped queries q [kv, groups*n, d] over cache [2, kv, T, d] -> [n, H*d] (H = kv * groups); a batch of
+    sequences over a paged cache when the mask is a PagedMask (paged_attention.py)."""
+    if isinstance(mask, PagedMask):
+        return paged_attention(q, cache, mask)
     kv_heads, rows, d = q.shape
     n = mask.n
     if mask.visible is not None:

@@ -1,0 +1,277 @@
+"""The batch engine: many requests decoded together, one round at a time (continuous batching).
+
+Each step the scheduler (schedule.py) picks the sequences that run and the prompt chunks that enter; every
+backend then runs its share in one call (a batched backend: one drafter pass for every block, one target
+forward over every tree, the draft nodes chosen across all requests under one budget, core/budget.py), and
+each sequence's round goes through its own generation loop (generation.py: stops, the token limit, grammar,
+logprobs), exactly as when it runs alone. A request that finishes, is cancelled or is preempted gives its
+KV blocks back at once.
+
+Backends that decode one request at a time (the reference path, the single-sequence fast path) take part
+through `SerialBackend`: each of their sequences runs its own rounds in turn within the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
+
+from ddtree.core.blocks import BlockManager
+from ddtree.core.rounds import Backend, BatchBackend, DecodeRequest, Prefill, Round
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine.generation import RoundOutput
+from ddtree.engine.schedule import Scheduler
+from ddtree.engine.sequence import Sequence, Status
+from ddtree.errors import DDTreeError
+
+
+class SerialBackend:
+    """A one-request-at-a-time backend (`rounds` generators) as a batch backend: its sequences take turns, each
+    running its next round within the step. Prompts go in whole; nothing is paged."""
+
+    chunked = False
+    paged = False
+
+    def __init__(self, backend: Backend, capacity: int | None = None) -> None:
+        self.backend, self.capacity = backend, capacity
+        self.name = backend.name
+        self._rounds: dict[int, Iterator[Round]] = {}
+
+    def accepts(self, request: DecodeRequest) -> bool:
+        full = self.capacity is not None and len(self._rounds) >= self.capacity
+        return not full and self.backend.accepts(request)
+
+    def open(self, seq_id: int, request: DecodeRequest) -> None:
+        self._rounds[seq_id] = self.backend.rounds(request)
+
+    def close(self, seq_id: int) -> None:
+        rounds = self._rounds.pop(seq_id, None)
+        if rounds is not None:
+            rounds.close()
+
+    def rows_per_round(self, request: DecodeRequest) -> int:
+        return 0
+
+    def step(self, prefills: list[Prefill], decodes: list[int],
+             node_limit: int | None) -> dict[int, Round | Exception]:
+        """Each sequence's next round; one that fails gets its exception, the others go on."""
+        out: dict[int, Round | Exception] = {}
+        for seq_id in [p.seq_id for p in prefills] + decodes:
+            try:
+                out[seq_id] = next(self._rounds[seq_id])
+            except Exception as exc:  # one request's failure must not stop the others
+                out[seq_id] = exc
+        return out
+
+
+@dataclass
+class StepStats:
+    """What one step ran, for metrics."""
+
+    sequences: int = 0  # sequences that ran a decode round
+    prefill_tokens: int = 0
+    verified_tokens: int = 0  # target rows of the decode rounds (roots and draft nodes)
+    draft_nodes: int = 0
+    preempted: int = 0
+    seconds: float = 0.0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # the decode rounds' phases, summed
+
+
+class BatchEngine:
+    """Requests in, rounds out: `add` a request, call `step` until it finishes; `abort` frees it at once."""
+
+    def __init__(self, engine, backends: Seq[BatchBackend], *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, blocks: BlockManager | None = None) -> None:
+        if not backends:
+            raise ValueError("a batch engine needs at least one backend")
+        self.engine, self.backends, self.blocks = engine, list(backends), blocks
+        self.scheduler = Scheduler(blocks, max_num_seqs, max_num_batched_tokens)
+        self.sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self.last = StepStats()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, *, method: str | None = None,
+            budget: int | None = None) -> Sequence:
+        """A new request: checked now (one-line errors), decoded from the next step on."""
+        request = self.engine.request(prompt_ids, params, method=method, budget=budget)
+        generation = self.engine.generation(request, None)
+        backend = next((b for b in self.backends if b.accepts(request)), None)
+        if backend is None:
+            raise DDTreeError("no decoding path takes this request")
+        if backend.paged and self.blocks is not None:
+            slots = len(request.prompt_ids) + params.max_new_tokens + backend.rows_per_round(request) + 1
+            if self.blocks.blocks_for(slots) > self.blocks.num_blocks:
+                raise DDTreeError(f"the request needs {slots} KV cache slots (prompt, max_tokens and one round), "
+                                  f"more than the {self.blocks.num_blocks * self.blocks.block_size} the cache holds")
+        seq = Sequence(next(self._ids), generation, backend)
+        self.sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request now (its client went away): its state and blocks are freed before the next step."""
+        if seq.status is not Status.FINISHED:
+            self._finish(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of KV blocks in use (0 without paged caches)."""
+        return self.blocks.usage if self.blocks is not None else 0.0
+
+    def step(self) -> list[tuple[Sequence, RoundOutput | Exception]]:
+        """One step: every running sequence's next round (and the prompt chunks that fit), through each
+        sequence's generation loop. Returns the outputs in the order the sequences run; a sequence whose round
+        failed gets the exception and is finished (a batched backend's failure fails every sequence it ran)."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            seq.backend.close(seq.seq_id)
+            seq.opened = False
+        for seq, _, _ in plan.prefills:
+            if not seq.opened:
+                seq.backend.open(seq.seq_id, seq.request)
+                seq.opened = True
+        outputs: list[tuple[Sequence, RoundOutput | Exception]] = []
+        stats = StepStats(preempted=len(plan.preempted))
+        counted: list[dict[str, float]] = []
+        for backend in self.backends:
+            prefills = [self._prefill(seq, lo, hi) for seq, lo, hi in plan.prefills if seq.backend is backend]
+            decodes = [seq for seq in plan.decodes if seq.backend is backend]
+            if not prefills and not decodes:
+                continue
+            try:
+                rounds = backend.step(prefills, [seq.seq_id for seq in decodes], plan.node_limit)
+            except Exception as exc:  # the backend's whole batch failed: those sequences end with the error
+                rounds = {seq_id: exc for seq_id in [p.seq_id for p in prefills] + [s.seq_id for s in decodes]}
+            for chunk in prefills:
+                seq = self.sequences[chunk.seq_id]
+                seq.cached = chunk.start + len(chunk.tokens)
+                stats.prefill_tokens += len(chunk.tokens)
+            for seq in [self.sequences[p.seq_id] for p in prefills] + decodes:
+                raw = rounds.get(seq.seq_id)
+                if raw is None:
+                    continue
+                if isinstance(raw, Exception):
+                    self._finish(seq)
+                    outputs.append((seq, raw))
+                    continue
+                if not raw.is_prefill:
+                    stats.sequences += 1
+                    stats.verified_tokens += raw.nodes + 1
+                    stats.draft_nodes += raw.nodes
+                    if all(raw.phase_seconds is not seen for seen in counted):  # a batched round's are shared
+                        counted.append(raw.phase_seconds)
+                        for name, seconds in raw.phase_seconds.items():
+                            stats.phase_seconds[name] = stats.phase_seconds.get(name, 0.0) + seconds
+                outputs.append((seq, self._take(seq, raw)))
+        stats.seconds = time.perf_counter() - started
+        self.last = stats
+        return outputs
+
+    def _prefill(self, seq: Sequence, lo: int, hi: int) -> Prefill:
+        context = seq.context
+        last = hi >= seq.prefill_target
+        resumed = bool(seq.generation.token_ids)
+        return Prefill(seq.seq_id, context[lo:hi], lo, last, context[-1] if last and resumed else None)
+
+    def _take(self, seq: Sequence, raw: Round) -> RoundOutput:
+        out = seq.generation.take(raw)
+        seq.cached = len(seq.request.prompt_ids) + len(seq.generation.token_ids) - 1
+        if seq.generation.finish_reason is not None:
+            self._finish(seq)
+        return out
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if seq.opened:
+            seq.backend.close(seq.seq_id)
+            seq.opened = False
+        seq.status = Status.FINISHED
+        self.sequences.pop(seq.seq_id, None)
+        if seq.generation.finish_reason is None:
+            seq.generation.finish_reason = "abort"
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How many requests decode together and in how much memory (vLLM's flags and meanings)."""
+
+    max_num_seqs: int = 64  # requests decoded together
+    max_num_batched_tokens: int = 2048  # rows one step may process: prompt chunks, roots and draft nodes
+    gpu_memory_utilization: float = 0.9  # the share of the GPU the process may take; the KV pool gets the rest
+    block_size: int = 16  # KV cache slots per block
+    kv_cache_tokens: int | None = None  # the pool's size in slots; None: from the GPU's memory (CUDA), else a default
+    batch_budget: bool = True  # choose the round's draft nodes across requests by the measured cost model
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise DDTreeError("--max-num-seqs must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise DDTreeError("--max-num-batched-tokens must be at least --max-num-seqs (one row per request)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise DDTreeError("--gpu-memory-utilization must be in (0, 1]")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise DDTreeError("--block-size must be a power of two")
+
+
+def warm_up(batch: BatchEngine, *settings: SamplingParams) -> list[str]:
+    """One short request per sampling setting through the batch engine, so the code paths its first requests
+    take are compiled now (its CUDA graphs were captured when it was built). Returns what was warmed up."""
+    done = []
+    engine = batch.engine
+    prompt = [i % engine.vocab_size for i in range(1, 9)]
+    for params in settings:
+        seq = batch.add(prompt, replace(params, max_new_tokens=2 * engine.block_size, ignore_eos=True))
+        while seq.status is not Status.FINISHED:
+            batch.step()
+        done.append("greedy" if params.greedy else f"temperature {params.temperature:g}")
+    return done
+
+
+def batch_engine(engine, options: BatchOptions) -> BatchEngine:
+    """The batch engine for a loaded engine: the batched fast path over paged caches where the target takes it
+    (dense and MoE Qwen3 / Llama targets), with the reference path for what it declines; one request at a time
+    (today's single-sequence paths) with --max-num-seqs 1."""
+    import torch
+
+    from ddtree.fast.batch import PagedBackend, pool_tokens
+    from ddtree.fast.runner import unsupported
+    from ddtree.models.target import HybridTarget
+
+    reference = SerialBackend(engine.reference)
+    if options.max_num_seqs == 1:
+        singles = [SerialBackend(engine.fast, capacity=1)] if engine.fast is not None else []
+        return BatchEngine(engine, [*singles, reference], max_num_seqs=1,
+                           max_num_batched_tokens=options.max_num_batched_tokens)
+    if unsupported(engine.target) is not None or isinstance(engine.target, HybridTarget):
+        return BatchEngine(engine, [reference], max_num_seqs=options.max_num_seqs,
+                           max_num_batched_tokens=options.max_num_batched_tokens)
+    tokens = options.kv_cache_tokens or pool_tokens(engine, options)
+    blocks = BlockManager(max(1, tokens // options.block_size), options.block_size)
+    paged = PagedBackend(engine.target, engine.draft, engine.draft_head, blocks, max_seqs=options.max_num_seqs,
+                         max_rows=options.max_num_batched_tokens)
+    if engine.target.device.type == "cuda":
+        with torch.inference_mode():
+            paged.capture_all()
+            if options.batch_budget and engine.draft is not None:
+                paged.cost = paged.measure_cost()
+    return BatchEngine(engine, [paged, reference], max_num_seqs=options.max_num_seqs,
+                       max_num_batched_tokens=options.max_num_batched_tokens, blocks=blocks)

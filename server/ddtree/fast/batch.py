@@ -1,0 +1,604 @@
+"""The batched fast path: many sequences' rounds in one drafter pass and one target forward, over paged caches.
+
+Each step (engine/batch.py schedules it):
+
+    prefill  the prompt chunks of the sequences entering, as one causal forward of all their rows; the last
+             chunk of a new sequence picks its first token
+    draft    one DFlash block pass for every drafting sequence's block, each over its own context rows
+    tree     each sequence's best-first tree from its top candidates at its own budget; then the batch budget
+             (core/budget.py) keeps the round's most probable prefixes across all sequences, as many as maximise
+             expected committed tokens per second under the cost model measured on this device
+    verify   one target forward over every sequence's root and tree (each row sees its own sequence's committed
+             slots and its ancestors only: kernels/paged_attention.py); each sequence's picks, with its own
+             sampling settings, logit processors and grammar, then the walk
+    commit   each sequence keeps its accepted path's rows and extends its drafter context
+
+The target's and the drafter's caches are pools of slots shared by every sequence through the block tables of
+core/blocks.py (one table per sequence serves both pools). The layers are the single-sequence fast path's
+(fast/layers.py), so each row is computed as it is there. On CUDA the draft and verify forwards are replayed as
+CUDA graphs, one per bucket of rows (`BatchGraphs`); elsewhere they run eagerly.
+
+Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's), greedy or sampled with any of the
+request's settings; hybrid (Gated DeltaNet) targets batch on the reference path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.core import grammar
+from ddtree.core.blocks import BlockManager
+from ddtree.core.budget import FLAT, CostModel, choose_nodes
+from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
+from ddtree.core.sampling import History, make_generator, pick_tokens, process_logits, token_logprobs
+from ddtree.core.tree import DraftTree, chain_tree, tree_from_candidates, visibility, walk
+from ddtree.fast.layers import Draft, Ops, TargetLayer
+from ddtree.fast.rope import RopeTable
+from ddtree.fast.runner import MAX_BUDGET, decoder_layer
+from ddtree.kernels.fp8 import Fp8Weight
+from ddtree.kernels.gather import embed
+from ddtree.kernels.gemm import linear
+from ddtree.kernels.heads import attention_heads as heads_kernel
+from ddtree.kernels.jit import triton_works
+from ddtree.kernels.paged_attention import BLOCK_M, PagedLayout, PagedMask, paged_mask, tiles_for
+from ddtree.models.draft import DFlashDraft
+from ddtree.models.draft_vocab import DraftHead
+from ddtree.models.target import HybridTarget, Target
+
+
+@dataclass
+class SeqState:
+    """What the backend keeps of one sequence between steps."""
+
+    request: DecodeRequest
+    start: int = 0  # context rows in both caches
+    root: int | None = None  # the last emitted token, not cached yet
+    generator: torch.Generator | None = None
+    history: History | None = None
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks' raw logits, for prompt logprobs
+
+
+class StaticRows:
+    """The device buffers one captured batched forward reads: its rows (ids, positions, cache slots) and the
+    paged layout of its sequences, all at fixed sizes, filled before each replay. Rows past the batch's are
+    padding: they write the pools' scratch slot, and their outputs are never read."""
+
+    def __init__(self, rows: int, seqs: int, table_width: int, vis_capacity: int, scratch: int,
+                 device: torch.device) -> None:
+        self.rows, self.seqs, self.scratch = rows, seqs, scratch
+        long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
+        self.ids, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
+        self.slots = torch.full((rows,), scratch, **long)
+        self.starts, self.row_offsets = torch.zeros(seqs, **i32), torch.zeros(seqs + 1, **i32)
+        self.tables = torch.zeros((seqs, table_width), **i32)
+        self.visible = torch.zeros(vis_capacity, dtype=torch.int8, device=device)
+        self.vis_offsets = torch.zeros(seqs, **i32)
+        self.tiles = torch.full((rows // BLOCK_M + seqs, 2), -1, **i32)
+
+    def fits(self, rows: int, layout: PagedLayout) -> bool:
+        tables = max((len(t) for t in layout.tables), default=0)
+        return (rows <= self.rows and len(layout.starts) <= self.seqs and tables <= self.tables.shape[1]
+                and sum(v.numel() for v in layout.visible) <= self.visible.numel())
+
+    def fill(self, ids: list[int], positions: list[int], slots: list[int], layout: PagedLayout) -> None:
+        pad = self.rows - len(ids)
+        rows = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch] * pad], dtype=torch.long)
+        seqs = len(layout.starts)
+        per_seq = torch.zeros((3, self.seqs + 1), dtype=torch.int32)
+        per_seq[0, :seqs] = torch.tensor(layout.starts, dtype=torch.int32)
+        per_seq[1, :seqs + 1] = torch.tensor(layout.row_offsets, dtype=torch.int32)
+        per_seq[1, seqs + 1:] = layout.row_offsets[-1]
+        flat = [v.reshape(-1).to(torch.int8) for v in layout.visible]
+        offsets = [0]
+        for v in flat[:-1]:
+            offsets.append(offsets[-1] + v.numel())
+        per_seq[2, :seqs] = torch.tensor(offsets, dtype=torch.int32)
+        tables = torch.zeros(self.tables.shape, dtype=torch.int32)
+        for b, table in enumerate(layout.tables):
+            tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        tiles = torch.tensor(tiles_for(layout.row_offsets, self.tiles.shape[0]), dtype=torch.int32)
+        self.ids.copy_(rows[0], non_blocking=True)
+        self.positions.copy_(rows[1], non_blocking=True)
+        self.slots.copy_(rows[2], non_blocking=True)
+        self.starts.copy_(per_seq[0, :self.seqs], non_blocking=True)
+        self.row_offsets.copy_(per_seq[1], non_blocking=True)
+        self.vis_offsets.copy_(per_seq[2, :self.seqs], non_blocking=True)
+        self.tables.copy_(tables, non_blocking=True)
+        if flat:
+            visible = torch.cat(flat)
+            self.visible[:visible.numel()].copy_(visible, non_blocking=True)
+        self.tiles.copy_(tiles, non_blocking=True)
+
+    def mask(self, page: int, window: int | None = None) -> PagedMask:
+        return PagedMask(self.rows, self.starts, self.row_offsets, self.tables, self.visible, self.vis_offsets,
+                         self.tiles, page, window)
+
+
+class Captured:
+    """A batched forward over StaticRows, replayed as a CUDA graph (captured on first use), or run eagerly on
+    the same buffers where graphs are off."""
+
+    def __init__(self, run, rows: StaticRows, cuda: bool, pool: object | None) -> None:
+        self.run, self.rows, self.cuda, self.pool = run, rows, cuda, pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: object = None
+
+    def __call__(self) -> object:
+        if not self.cuda:
+            return self.run(self.rows)
+        if self.graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # first calls compile, probe and allocate
+                for _ in range(2):
+                    self.run(self.rows)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.out = self.run(self.rows)
+        self.graph.replay()
+        return self.out
+
+
+def buckets(largest: int) -> list[int]:
+    """Row counts a captured forward is padded to: multiples of 8 up to 64, then steps of a quarter of a power
+    of two (a batch pads by at most a quarter)."""
+    out, n = [8, 16, 24, 32, 40, 48, 56, 64], 64
+    while out[-1] < largest:
+        n *= 2
+        out += [n * 5 // 8, n * 3 // 4, n * 7 // 8, n]
+    return [b for b in out if b < largest] + [largest]
+
+
+class PagedBackend:
+    """Batched rounds over paged caches for a dense target (+ its DFlash drafter)."""
+
+    name = "fast"
+    chunked = True
+    paged = True
+
+    def __init__(self, target: Target, draft: DFlashDraft | None, draft_head: DraftHead | None,
+                 blocks: BlockManager, *, max_seqs: int = 64, max_rows: int = 2048, cost: CostModel = FLAT) -> None:
+        if isinstance(target, HybridTarget):
+            raise ValueError("hybrid targets batch on the reference path")
+        cfg = target.config
+        self.target, self.draft, self.draft_head, self.blocks, self.cost = target, draft, draft_head, blocks, cost
+        self.model = target.model.model
+        self.device, self.dtype = target.device, target.dtype
+        self.eps = cfg.rms_norm_eps
+        self.ops = Ops(compile=self.device.type == "cuda")
+        head_dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+        if draft is not None:
+            head_dims.add(draft.config.head_dim)
+        if triton_works(self.device):
+            self.ops.take_row_kernels()
+            if all(d & (d - 1) == 0 for d in head_dims):
+                self.ops.attention_heads = heads_kernel
+        self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
+        self.max_context = target.max_context
+        self.target_rope = RopeTable(self.model.rotary_emb, self.max_context, self.dtype, self.device)
+        self.max_seqs, self.max_rows = max_seqs, max_rows
+        self.scratch = blocks.num_blocks * blocks.block_size  # one block past the pool: padding rows write there
+        slots = self.scratch + blocks.block_size
+        head_dim = self.layers[0].head_dim
+        self.kv = torch.zeros((len(self.layers), 2, cfg.num_key_value_heads, slots, head_dim), dtype=self.dtype,
+                              device=self.device)
+        self.taps: tuple[int, ...] = ()
+        self.block = 1
+        if draft is not None:
+            dc = draft.config
+            self.taps, self.block = dc.target_layer_ids, dc.block_size
+            self.fused_draft = Draft.of(draft)
+            # a draft block near the context's end reaches past it (those rows draft nothing that is kept)
+            self.draft_rope = RopeTable(draft.rotary, self.max_context + self.block, self.dtype, self.device)
+            self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, slots, dc.head_dim), dtype=self.dtype,
+                                        device=self.device)
+        self.vocab = target.lm_head.weight.shape[0]
+        self.states: dict[int, SeqState] = {}
+        self.last_nodes = 0  # draft nodes the last round verified in all (the batch budget's choice)
+        # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
+        # forward builds its own layout and attention goes through SDPA.
+        self.cuda = self.device.type == "cuda"
+        self.static = triton_works(self.device)
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.captured: dict[tuple[str, int], Captured] = {}
+        self.buckets = buckets(max_rows)
+
+    # -- the batch backend's interface ---------------------------------------------------------------------
+
+    def accepts(self, request: DecodeRequest) -> bool:
+        if request.method != "ar" and self.draft is None:
+            return False
+        return request.method != "ddtree" or 1 <= request.budget <= MAX_BUDGET
+
+    def open(self, seq_id: int, request: DecodeRequest) -> None:
+        params = request.params
+        history = History(request.prompt_ids, self.vocab, self.device) if params.penalized else None
+        self.states[seq_id] = SeqState(request, generator=make_generator(params, self.device), history=history)
+
+    def close(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+    def rows_per_round(self, request: DecodeRequest) -> int:
+        """A round writes the root and its tree's nodes in the target's cache, the draft block in the drafter's."""
+        if request.method == "ar":
+            return 0
+        depth = self.block - 1
+        return max(depth if request.method == "dflash" else min(request.budget, MAX_BUDGET), depth)
+
+    @torch.inference_mode()
+    def step(self, prefills: list[Prefill], decodes: list[int], node_limit: int | None) -> dict[int, Round]:
+        out: dict[int, Round] = {}
+        if prefills:
+            out.update(self._prefill(prefills))
+        if decodes:
+            out.update(self._round(decodes, node_limit))
+        return out
+
+    # -- prefill -------------------------------------------------------------------------------------------
+
+    def _prefill(self, chunks: list[Prefill]) -> dict[int, Round]:
+        """Every chunk's rows in one causal forward; picks for new sequences whose prompt is now whole."""
+        started = time.perf_counter()
+        ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
+        for chunk in chunks:
+            n = len(chunk.tokens)
+            ids += chunk.tokens
+            positions += range(chunk.start, chunk.start + n)
+            slots += self.blocks.slots(chunk.seq_id, chunk.start, n)
+            self._describe(layout, chunk.seq_id, chunk.start, torch.ones(n, n, dtype=torch.bool).tril())
+        ids_t, positions_t, slots_t = self._tensor(ids), self._tensor(positions), self._tensor(slots)
+        wanted = [i for i, chunk in enumerate(chunks)
+                  if self.states[chunk.seq_id].request.params.prompt_logprobs is not None]
+        logit_rows = [r for i in wanted for r in range(layout.row_offsets[i], layout.row_offsets[i + 1])]
+        logit_rows += [layout.row_offsets[i + 1] - 1 for i, chunk in enumerate(chunks)
+                       if chunk.last and chunk.root is None and i not in wanted]
+        logit_index = {row: k for k, row in enumerate(logit_rows)}
+        logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
+                                         self._tensor(logit_rows))
+        if self.draft is not None:
+            self._extend_draft(taps, positions_t, slots_t)
+        out: dict[int, Round] = {}
+        for index, chunk in enumerate(chunks):
+            state = self.states[chunk.seq_id]
+            lo, hi = layout.row_offsets[index], layout.row_offsets[index + 1]
+            if state.request.params.prompt_logprobs is not None:
+                state.prompt_logits.append(logits[logit_index[lo]:logit_index[lo] + hi - lo])
+            state.start = chunk.start + len(chunk.tokens)
+            if not chunk.last:
+                continue
+            if chunk.root is not None:  # resumed after preemption: its next token is already out
+                state.root = chunk.root
+                continue
+            last = logit_index[hi - 1]
+            processed = self._processed(state, logits[last:last + 1], [[]])
+            root = int(pick_tokens(processed, state.request.params, state.generator)[0])
+            state.root = root
+            if state.history is not None:
+                state.history.add([root])
+            prompt_logits = torch.cat(state.prompt_logits) if state.prompt_logits else None
+            state.prompt_logits = []
+            out[chunk.seq_id] = Round([root], 0, 0, {"prefill": time.perf_counter() - started},
+                                      self._logprob_rows(state, processed, [root]), prompt_logits, is_prefill=True)
+        return out
+
+    # -- one round ------------------------------------------------------------------------------------------
+
+    def _round(self, seq_ids: list[int], node_limit: int | None) -> dict[int, Round]:
+        phases = dict.fromkeys(PHASES, 0.0)
+        t = self._now()
+        states = [self.states[s] for s in seq_ids]
+        drafting = [i for i, st in enumerate(states) if st.request.method != "ar" and self._depth(st) > 0]
+        logits = self._draft(seq_ids, states, drafting) if drafting else None
+        phases["draft"], t = self._lap(t)
+        trees = self._trees(states, drafting, logits, node_limit)
+        phases["tree"], t = self._lap(t)
+        ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
+        for seq_id, state, tree in zip(seq_ids, states, trees, strict=True):
+            n = tree.size + 1
+            ids += [state.root, *tree.tokens]
+            positions += [state.start, *(state.start + d for d in tree.depths)]
+            slots += self.blocks.slots(seq_id, state.start, n)
+            self._describe(layout, seq_id, state.start, visibility(tree))
+        logits, taps = self._run("verify", ids, positions, slots, layout)
+        phases["verify"], t = self._lap(t)
+        greedy = self._greedy_picks(states, logits)
+        out, accepted_rows, accepted_positions, accepted_slots, moves = {}, [], [], [], ([], [])
+        for index, (seq_id, state, tree) in enumerate(zip(seq_ids, states, trees, strict=True)):
+            lo, hi = layout.row_offsets[index], layout.row_offsets[index + 1]
+            if greedy is not None and self._plain_greedy(state):
+                processed, picks = logits[lo:hi], greedy[lo:hi]
+            else:
+                processed, picks = self._pick(state, tree, logits[lo:hi])
+            path = walk(tree, picks)
+            emitted = [picks[node] for node in path]
+            rows = self._logprob_rows(state, processed[path], emitted)
+            # commit: the path's rows move down to start.. in the target's cache; their taps feed the drafter
+            for j, node in enumerate(path):
+                if node != j:
+                    moves[0].append(slots[lo + node])
+                    moves[1].append(slots[lo + j])
+            accepted_rows += [lo + node for node in path]
+            accepted_positions += range(state.start, state.start + len(path))
+            accepted_slots += slots[lo:lo + len(path)]
+            state.start += len(path)
+            state.root = emitted[-1]
+            if state.history is not None:
+                state.history.add(emitted)
+            out[seq_id] = Round(emitted, tree.size, len(path) - 1, phases, rows)
+        if moves[0]:
+            src, dst = self._tensor(moves[0]), self._tensor(moves[1])
+            self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
+        if self.draft is not None and drafting:
+            keep = self._tensor(accepted_rows)
+            self._extend_draft(taps.index_select(0, keep), self._tensor(accepted_positions),
+                               self._tensor(accepted_slots))
+        phases["commit"], _ = self._lap(t)
+        self.last_nodes = sum(tree.size for tree in trees)
+        return out
+
+    def _depth(self, state: SeqState) -> int:
+        """Draft depth this round: the block's, less what the context has left."""
+        return max(0, min(self.block - 1, self.max_context - 1 - state.start))
+
+    def _draft(self, seq_ids: list[int], states: list[SeqState], drafting: list[int]) -> torch.Tensor:
+        """The block pass of every drafting sequence: [root, mask x D] at start.. over its context rows ->
+        logits [S, D, V] over the draft head's tokens."""
+        mask_id = self.draft.config.mask_token_id
+        ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
+        block_visible = torch.ones(self.block, self.block, dtype=torch.bool)
+        for i in drafting:
+            state = states[i]
+            ids += [state.root] + [mask_id] * (self.block - 1)
+            positions += range(state.start, state.start + self.block)
+            slots += self.blocks.slots(seq_ids[i], state.start, self.block)
+            self._describe(layout, seq_ids[i], state.start, block_visible)
+        logits = self._run("draft", ids, positions, slots, layout)
+        return logits.view(len(drafting), self.block, -1)[:, 1:]
+
+    def _trees(self, states: list[SeqState], drafting: list[int], logits: torch.Tensor | None,
+               node_limit: int | None) -> list[DraftTree]:
+        """Each drafting sequence's best-first tree (a chain for `dflash`) at its own budget, cut to the nodes the
+        batch budget keeps."""
+        trees = [DraftTree() for _ in states]
+        if logits is None:
+            return trees
+        k = max(1, min(max((states[i].request.budget for i in drafting), default=1), logits.shape[-1]))
+        logp, columns = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+        tokens = self.draft_head.tokens(columns)
+        logp, tokens = logp.cpu().double().tolist(), tokens.cpu().tolist()
+        for slot, i in enumerate(drafting):
+            state, depth = states[i], self._depth(states[i])
+            if state.request.method == "dflash":
+                trees[i] = chain_tree([row[0] for row in tokens[slot][:depth]], [row[0] for row in logp[slot][:depth]])
+            else:
+                trees[i] = tree_from_candidates(logp[slot][:depth], tokens[slot][:depth], state.request.budget)
+        scores = [tree.scores for tree in trees]
+        limit = sum(len(s) for s in scores) if node_limit is None else node_limit
+        counts = choose_nodes(scores, self.cost, range(min(limit, sum(len(s) for s in scores)) + 1))
+        return [tree.prefix(n) for tree, n in zip(trees, counts, strict=True)]
+
+    def capture_all(self) -> None:
+        """Capture every bucket's verify forward, and the draft forward for every batch of blocks, before any
+        sequence runs (the pools are empty, so dummy rows may write any slots): the server does this before it
+        says it is ready, so no request waits for a capture."""
+        dummy = PagedLayout([0], [0, 1], [[0]], [torch.ones(1, 1, dtype=torch.bool)])
+        for bucket in self.buckets:
+            self._capture("verify", bucket).rows.fill([0], [0], [self.scratch], dummy)
+            self.captured[("verify", bucket)]()
+        if self.draft is not None:
+            for bucket in self.buckets:
+                if bucket >= self.block and bucket < self.max_seqs * self.block + self.block:
+                    self._capture("draft", bucket).rows.fill([0], [0], [self.scratch], dummy)
+                    self.captured[("draft", bucket)]()
+
+    def measure_cost(self, repeats: int = 3) -> CostModel:
+        """The round's cost model on this device, measured before any sequence runs: the verify forward at each
+        bucket of rows (one sequence of that many causal rows), and the drafter's block pass per sequence (the
+        slope between one block and eight). The pools are empty, so the rows may write any slots."""
+        page = self.page
+        samples = [b for b in self.buckets if b <= max(8, self.max_rows)]
+
+        def layout(rows: int, seqs: int) -> tuple[list[int], list[int], list[int], PagedLayout]:
+            per = rows // seqs
+            lay = PagedLayout([], [0], [], [])
+            for s in range(seqs):
+                lay.starts.append(0)
+                lay.row_offsets.append(lay.row_offsets[-1] + per)
+                lay.tables.append([(s * per // page + i) % self.blocks.num_blocks for i in range(-(-per // page))])
+                lay.visible.append(torch.ones(per, per, dtype=torch.bool).tril())
+            slots = [lay.tables[r // per][(r % per) // page] * page + r % page for r in range(per * seqs)]
+            return [0] * (per * seqs), [r % per for r in range(per * seqs)], slots, lay
+
+        def timed(kind: str, rows: int, seqs: int) -> float:
+            args = layout(rows, seqs)
+            for _ in range(2):  # capture (on a GPU) and warm up
+                self._run(kind, *args)
+            times = []
+            for _ in range(repeats):
+                t = self._now()
+                self._run(kind, *args)
+                times.append(self._now() - t)
+            return min(times)
+
+        points, slowest = [], 0.0
+        for rows in samples:  # more rows never take less time: noise is flattened out
+            slowest = max(slowest, timed("verify", rows, max(1, min(self.max_seqs, rows // 16))))
+            points.append((rows, slowest))
+        per_request = 0.0
+        if self.draft is not None and self.max_seqs >= 8 and 8 * self.block <= self.buckets[-1]:
+            one, eight = timed("draft", self.block, 1), timed("draft", 8 * self.block, 8)
+            per_request = max((eight - one) / 7, 0.0)
+        return CostModel(tuple(points), per_request)
+
+    # -- picks ----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _plain_greedy(state: SeqState) -> bool:
+        params = state.request.params
+        return (params.greedy and not params.penalized and not params.logit_bias and state.request.constraint is None)
+
+    def _greedy_picks(self, states: list[SeqState], logits: torch.Tensor) -> list[int] | None:
+        """Every row's argmax in one launch and one copy, when some sequence picks plainly greedily."""
+        if not any(self._plain_greedy(s) for s in states):
+            return None
+        return logits.argmax(dim=-1).tolist()
+
+    def _pick(self, state: SeqState, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The sequence's own picks at each of its nodes, its processors applied to each node for its own path."""
+        pending = [[tree.tokens[j - 1] for j in tree.path_to(i)[1:]] for i in range(tree.size + 1)]
+        processed = self._processed(state, logits, pending)
+        return processed, pick_tokens(processed, state.request.params, state.generator).tolist()
+
+    def _processed(self, state: SeqState, logits: torch.Tensor, pending: list[list[int]]) -> torch.Tensor:
+        request = state.request
+        if request.constraint is not None:
+            logits = grammar.mask_logits(logits, request.constraint.allowed(pending))
+        return process_logits(logits, request.params, state.history.rows(pending) if state.history else None)
+
+    @staticmethod
+    def _logprob_rows(state: SeqState, processed: torch.Tensor,
+                      tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        k = state.request.params.logprobs
+        if k is None:
+            return None
+        return token_logprobs(processed, torch.tensor(tokens, device=processed.device), k)
+
+    # -- forwards -------------------------------------------------------------------------------------------
+
+    def _describe(self, layout: PagedLayout, seq_id: int, start: int, visible: torch.Tensor) -> None:
+        """Add a sequence's new rows (their visibility among themselves) to a forward's layout."""
+        layout.starts.append(start)
+        layout.row_offsets.append(layout.row_offsets[-1] + visible.shape[0])
+        layout.tables.append(self.blocks.tables[seq_id])
+        layout.visible.append(visible)
+
+    @property
+    def page(self) -> int:
+        return self.blocks.block_size
+
+    def _run(self, kind: str, ids: list[int], positions: list[int], slots: list[int],
+             layout: PagedLayout) -> object:
+        """The verify ("verify": logits and taps of every row) or draft ("draft": logits of every row) forward over
+        these rows: on static buffers padded to a bucket (a CUDA graph on a GPU) where the kernels run, else
+        directly."""
+        if not self.static:
+            ids_t, positions_t, slots_t = self._tensor(ids), self._tensor(positions), self._tensor(slots)
+            if kind == "verify":
+                return self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device))
+            windows = set(self.draft.config.layer_windows)
+            return self._draft_rows(ids_t, positions_t, slots_t,
+                                    {w: paged_mask(layout, self.page, self.device, w) for w in windows})
+        n = len(ids)
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None:
+            raise ValueError(f"{n} rows exceed the batched forward's largest bucket ({self.buckets[-1]})")
+        forward = self.captured.get((kind, bucket)) or self._capture(kind, bucket)
+        if not forward.rows.fits(n, layout):
+            raise ValueError(f"a batch of {len(layout.starts)} sequences and {n} rows does not fit its buffers")
+        forward.rows.fill(ids, positions, slots, layout)
+        out = forward()
+        if kind == "verify":
+            return out[0][:n], (out[1][:n] if out[1] is not None else None)
+        return out[:n]
+
+    def _capture(self, kind: str, bucket: int) -> Captured:
+        per_seq = MAX_BUDGET + 1 if kind == "verify" else self.block
+        width = -(-self.max_context // self.page) + 1
+        rows = StaticRows(bucket, self.max_seqs, width, bucket * min(bucket, per_seq), self.scratch, self.device)
+        if kind == "verify":
+            def run(r: StaticRows) -> object:
+                return self._target_rows(r.ids, r.positions, r.slots, r.mask(self.page))
+        else:
+            windows = set(self.draft.config.layer_windows)
+
+            def run(r: StaticRows) -> object:
+                return self._draft_rows(r.ids, r.positions, r.slots, {w: r.mask(self.page, w) for w in windows})
+        self.captured[(kind, bucket)] = Captured(run, rows, self.cuda, self.pool)
+        return self.captured[(kind, bucket)]
+
+    def _target_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: PagedMask,
+                     logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target rows of every sequence: logits [N, V] (only of `logit_rows` when given) and the drafter's taps
+        [N, k*H]."""
+        x = embed(self.model.embed_tokens, ids)
+        cos, sin = self.target_rope(positions)
+        tapped: dict[int, torch.Tensor] = {}
+        delta = None
+        for i, layer in enumerate(self.layers):
+            tapped[i - 1], x, delta = decoder_layer(self.ops, layer, x, delta, self.kv[i], mask, slots, cos, sin,
+                                                    self.eps)
+        norm = self.model.norm
+        h, x = self.ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+        tapped[len(self.layers) - 1] = x
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
+        logits = linear(h, self.target.lm_head.weight, self.target.lm_head.bias)
+        taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
+        return logits, taps
+
+    def _draft_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    masks: dict[int | None, PagedMask]) -> torch.Tensor:
+        """The drafter over block rows (each block's rows see its sequence's context and the whole block) ->
+        logits [N, V] over the draft head's tokens (a block's first row's are never read)."""
+        dc, fused, ops = self.draft.config, self.fused_draft, self.ops
+        x = embed(self.target.embed_tokens, ids)
+        cos, sin = self.draft_rope(positions)
+        delta = None
+        for i, layer in enumerate(fused.layers):
+            _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[dc.layer_windows[i]], slots,
+                                        cos, sin, dc.rms_norm_eps)
+        fp8 = isinstance(self.draft_head.weight, Fp8Weight)
+        h, _ = ops.normed(x, delta, self.draft.norm.weight, dc.rms_norm_eps, fp8)
+        return linear(h, self.draft_head.weight, self.draft_head.bias)
+
+    def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context K/V of committed rows (their tap features at their positions) into the drafter's pool."""
+        draft, fused, dc = self.draft, self.fused_draft, self.draft.config
+        ctx, _ = self.ops.normed(fused.fc(feats), None, draft.hidden_norm.weight, dc.rms_norm_eps,
+                                 fused.context_kv.fp8)
+        cos, sin = self.draft_rope(positions)
+        kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
+                                    dc.num_kv_heads, dc.head_dim)
+        self.draft_kv.index_copy_(3, slots, kv)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _lap(self, t: float) -> tuple[float, float]:
+        now = self._now()
+        return now - t, now
+
+
+def slot_bytes(target: Target, draft: DFlashDraft | None) -> int:
+    """Bytes one cache slot takes in every pool: the target's K and V in each layer, and the drafter's."""
+    cfg = target.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    size = 2 * len(target.layers) * cfg.num_key_value_heads * head_dim
+    if draft is not None:
+        dc = draft.config
+        size += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim
+    return size * target.dtype.itemsize
+
+
+def pool_tokens(engine, options) -> int:
+    """Cache slots for the pool: on a GPU what --gpu-memory-utilization leaves once the weights are loaded, less
+    room for a full step's activations and logits; elsewhere enough for every sequence at 2048 tokens."""
+    if engine.target.device.type != "cuda":
+        return options.max_num_seqs * min(engine.max_context, 2048)
+    free, total = torch.cuda.mem_get_info(engine.target.device)
+    activations = options.max_num_batched_tokens * engine.vocab_size * 4 * 3 + 2 * 2**30  # logits, processing, slack
+    budget = int(total * options.gpu_memory_utilization) - (total - free) - activations
+    tokens = budget // slot_bytes(engine.target, engine.draft)
+    if tokens < options.block_size * 2:
+        raise ValueError(f"no room for a KV cache: {budget / 2**30:.1f} GiB left at --gpu-memory-utilization "
+                         f"{options.gpu_memory_utilization}")
+    return tokens

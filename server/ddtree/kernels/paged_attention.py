@@ -1,0 +1,220 @@
+"""Attention for a batch of sequences over a paged cache: each sequence's rows see its own committed slots and
+the new rows (a tree, a draft block, a prompt chunk) its visibility allows, and nothing of any other sequence.
+
+The cache is one pool of slots for every sequence, [2, kv, slots, d] per layer, cut into pages of `page` slots;
+a sequence's cache slot i is pool slot table[i // page] * page + i % page (ddtree.core.blocks). One forward's
+rows are every sequence's new rows back to back (sequence b's rows row_offsets[b] .. row_offsets[b + 1]), its
+new rows written at its cache slots start_b .. start_b + n_b - 1 before attention reads them. Queries come
+grouped by K/V head, [kv, groups * N, d] (row = group * N + t), as the heads step writes them, and the output
+is [N, H * d], as the output projection reads it.
+
+On CUDA a Triton kernel takes one program per (tile of one sequence's rows, K/V head), walking the sequence's
+pages through its block table; the tile list is a device tensor of fixed length, so a CUDA graph replays the
+same launch for any batch that fits it. Elsewhere (and as the kernel's reference) each sequence's slots are
+gathered and go through SDPA with the mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.kernels.jit import probe, triton_works
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the SDPA path below
+    triton = None
+
+BLOCK_M = 16  # query rows of one sequence a program takes (times the heads that share a K/V head)
+
+
+@dataclass(frozen=True)
+class PagedMask:
+    """Who sees what in one batched forward, prepared once for all its layers. The device tensors are what the
+    kernel reads; `host` holds the same layout as lists, for the SDPA path (which loops over sequences)."""
+
+    n: int  # rows in the forward, every sequence's
+    starts: torch.Tensor  # [B] int32: committed slots of each sequence (its new rows follow)
+    row_offsets: torch.Tensor  # [B + 1] int32
+    tables: torch.Tensor  # [B, blocks] int32 block tables (padded)
+    visible: torch.Tensor  # flat int8: sequence b's [n_b, n_b] visibility at vis_offsets[b]
+    vis_offsets: torch.Tensor  # [B] int32
+    tiles: torch.Tensor  # [T, 2] int32: (sequence, first row) of each program's rows; sequence -1: no work
+    page: int
+    window: int | None
+    host: PagedLayout | None = None
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    starts: list[int]
+    row_offsets: list[int]
+    tables: list[list[int]]
+    visible: list[torch.Tensor]  # per sequence, bool [n_b, n_b]
+
+
+def tiles_for(row_offsets: list[int], count: int | None = None) -> list[tuple[int, int]]:
+    """(sequence, first row) of every BLOCK_M-row tile of every sequence's rows, padded with (-1, 0) to `count`."""
+    tiles = [(b, lo) for b in range(len(row_offsets) - 1)
+             for lo in range(0, row_offsets[b + 1] - row_offsets[b], BLOCK_M)]
+    if count is not None:
+        if len(tiles) > count:
+            raise ValueError(f"{len(tiles)} tiles do not fit {count}")
+        tiles += [(-1, 0)] * (count - len(tiles))
+    return tiles
+
+
+def paged_mask(layout: PagedLayout, page: int, device: torch.device, window: int | None = None,
+               tile_count: int | None = None) -> PagedMask:
+    """The device form of a layout (built on the host each step; a captured step copies it into its buffers)."""
+    blocks = max((len(t) for t in layout.tables), default=1) or 1
+    tables = torch.zeros((len(layout.tables), blocks), dtype=torch.int32)
+    for b, table in enumerate(layout.tables):
+        tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    flat = [v.reshape(-1).to(torch.int8) for v in layout.visible]
+    vis_offsets = [0]
+    for v in flat[:-1]:
+        vis_offsets.append(vis_offsets[-1] + v.numel())
+    as_int = dict(dtype=torch.int32, device=device)
+    return PagedMask(layout.row_offsets[-1], torch.tensor(layout.starts, **as_int),
+                     torch.tensor(layout.row_offsets, **as_int), tables.to(device),
+                     torch.cat(flat).to(device) if flat else torch.zeros(1, dtype=torch.int8, device=device),
+                     torch.tensor(vis_offsets, **as_int), torch.tensor(tiles_for(layout.row_offsets, tile_count),
+                                                                       **as_int).view(-1, 2),
+                     page, window, layout)
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:
+    """Grouped queries q [kv, groups*N, d] over a paged cache [2, kv, slots, d] -> [N, H*d]."""
+    d = q.shape[2]
+    if d >= 16 and d & (d - 1) == 0 and triton_works(q.device):
+        return _triton_paged(q, cache, mask)
+    return paged_attention_sdpa(q, cache, mask)
+
+
+def paged_attention_sdpa(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:
+    """The reference: per sequence, its slots gathered and SDPA with its mask."""
+    layout = mask.host
+    if layout is None:
+        raise ValueError("the SDPA path needs the mask's host layout")
+    kv_heads, rows, d = q.shape
+    groups, n = rows // mask.n, mask.n
+    grouped = q.view(kv_heads, groups, n, d)
+    out = torch.empty((n, kv_heads * groups * d), dtype=q.dtype, device=q.device)
+    for b, start in enumerate(layout.starts):
+        lo, hi = layout.row_offsets[b], layout.row_offsets[b + 1]
+        if hi == lo:
+            continue
+        total = start + hi - lo
+        table = layout.tables[b]
+        slots = torch.tensor([table[i // mask.page] * mask.page + i % mask.page for i in range(total)],
+                             device=q.device)
+        k, v = cache[0].index_select(1, slots), cache[1].index_select(1, slots)  # [kv, total, d]
+        allowed = torch.ones((hi - lo, total), dtype=torch.bool, device=q.device)
+        allowed[:, start:] = layout.visible[b].to(q.device)
+        if mask.window is not None:
+            query_pos = start + torch.arange(hi - lo, device=q.device)
+            allowed &= query_pos[:, None] - torch.arange(total, device=q.device)[None, :] < mask.window
+        additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed,
+                                                                                          torch.finfo(q.dtype).min)
+        rows_q = grouped[:, :, lo:hi].reshape(kv_heads, groups * (hi - lo), d)
+        attended = F.scaled_dot_product_attention(rows_q[None], k[None], v[None],
+                                                  attn_mask=additive.repeat(groups, 1)[None, None])[0]
+        out[lo:hi] = attended.view(kv_heads, groups, hi - lo, d).permute(2, 0, 1, 3).reshape(hi - lo, -1)
+    return out
+
+
+def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:
+    kv_heads, rows, d = q.shape
+    groups = rows // mask.n
+    out = torch.empty((mask.n, kv_heads * groups * d), dtype=q.dtype, device=q.device)
+    k, v = cache[0], cache[1]
+    block_n = min(mask.page, 64) if mask.page & (mask.page - 1) == 0 else 16
+    _paged_kernel[(mask.tiles.shape[0], kv_heads)](
+        q, k, v, out, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets, mask.tiles,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), mask.tables.stride(0), mask.n, 1.0 / math.sqrt(d),
+        PAGE=mask.page, WINDOW=mask.window or 0, GROUPS=groups, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """Matrix product; exact float32 (no TF32) when the model runs in float32, as the reference does."""
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _paged_kernel(Q, K, V, Out, Starts, Offsets, Tables, Vis, VisOffsets, Tiles, stride_qh, stride_qr,
+                      stride_kh, stride_kt, stride_table, n_total, scale, PAGE: tl.constexpr, WINDOW: tl.constexpr,
+                      GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      IEEE: tl.constexpr):
+        """One tile of one sequence's query rows (every head that shares K/V head `head`), over the sequence's
+        committed slots and its visible new rows, in pages through its block table."""
+        tile, head = tl.program_id(0), tl.program_id(1)
+        seq = tl.load(Tiles + 2 * tile)
+        if seq >= 0:
+            first = tl.load(Tiles + 2 * tile + 1)
+            row0 = tl.load(Offsets + seq)
+            n = tl.load(Offsets + seq + 1) - row0
+            start = tl.load(Starts + seq)
+            vis_base = tl.load(VisOffsets + seq)
+            r = tl.arange(0, BLOCK_M * GROUPS)
+            t = first + r // GROUPS  # the row within the sequence's new rows
+            group = r % GROUPS
+            row_ok = t < n
+            dims = tl.arange(0, HEAD_DIM)
+            q_rows = group * n_total + row0 + t
+            q = tl.load(Q + head * stride_qh + q_rows[:, None] * stride_qr + dims[None, :], mask=row_ok[:, None],
+                        other=0.0)
+            m_i = tl.full((BLOCK_M * GROUPS,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M * GROUPS,), tl.float32)
+            acc = tl.zeros((BLOCK_M * GROUPS, HEAD_DIM), tl.float32)
+            total = start + n
+            for j0 in range(0, total, BLOCK_N):
+                cols = j0 + tl.arange(0, BLOCK_N)
+                in_range = cols < total
+                page = tl.load(Tables + seq * stride_table + cols // PAGE, mask=in_range, other=0)
+                slots = page * PAGE + cols % PAGE
+                k = tl.load(K + head * stride_kh + slots[:, None] * stride_kt + dims[None, :], mask=in_range[:, None],
+                            other=0.0)
+                s = _dot(q, tl.trans(k), IEEE) * scale
+                rel = cols - start
+                is_new = (rel >= 0) & in_range
+                vis = tl.load(Vis + vis_base + t[:, None] * n + rel[None, :], mask=is_new[None, :] & row_ok[:, None],
+                              other=0)
+                allowed = ((rel < 0)[None, :] | (vis != 0)) & in_range[None, :]
+                if WINDOW > 0:
+                    allowed = allowed & ((start + t)[:, None] - cols[None, :] < WINDOW)
+                s = tl.where(allowed, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                v = tl.load(V + head * stride_kh + slots[:, None] * stride_kt + dims[None, :], mask=in_range[:, None],
+                            other=0.0)
+                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+                m_i = m_new
+                l_i = l_i * alpha + tl.sum(p, 1)
+            heads = tl.num_programs(1)
+            dst = (row0 + t) * (heads * GROUPS * HEAD_DIM) + (head * GROUPS + group) * HEAD_DIM
+            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            tl.store(Out + dst[:, None] + dims[None, :], (acc / l_safe[:, None]).to(Out.dtype.element_ty),
+                     mask=row_ok[:, None])
+
+
+@probe
+def _smoke_test(device: torch.device) -> None:
+    """Two sequences of one and two rows over a 2-slot page."""
+    layout = PagedLayout([1, 0], [0, 1, 3], [[0], [1]], [torch.ones(1, 1, dtype=torch.bool),
+                                                         torch.ones(2, 2, dtype=torch.bool).tril()])
+    mask = paged_mask(layout, 2, device)
+    _triton_paged(torch.zeros(1, 3, 16, device=device), torch.zeros(2, 1, 4, 16, device=device), mask)
