@@ -1,0 +1,71 @@
+"""The batch budget: a round's draft nodes go to the most probable prefixes over every request, and as many as
+maximise expected committed tokens per second of round time under the cost model."""
+
+import math
+
+import pytest
+from ddtree.core.budget import FLAT, CostModel, choose_nodes, chosen_nodes, expected_tokens
+from ddtree.core.tree import tree_from_candidates
+
+
+def scores_of(*probabilities: list[float]) -> list[list[float]]:
+    return [[math.log(p) for p in ps] for ps in probabilities]
+
+
+def test_the_total_goes_to_the_best_nodes_over_all_requests():
+    scores = scores_of([0.9, 0.5, 0.1], [0.8, 0.7, 0.6, 0.05])
+    assert chosen_nodes(scores, 0) == [0, 0]
+    assert chosen_nodes(scores, 3) == [1, 2]  # 0.9, 0.8, 0.7
+    assert chosen_nodes(scores, 5) == [2, 3]  # + 0.6, 0.5
+    assert chosen_nodes(scores, 100) == [3, 4]  # never more than a request has
+
+
+def test_a_request_never_gets_more_than_its_own_tree():
+    """Each request's candidates are its best-first tree at its own budget: a low budget caps it however
+    probable its next nodes would be."""
+    logp = [[math.log(0.9), math.log(0.05)]] * 4
+    tok = [[1, 2]] * 4
+    small, large = tree_from_candidates(logp, tok, 2), tree_from_candidates(logp, tok, 6)
+    assert small.size == 2 and large.size == 6
+    assert chosen_nodes([small.scores, large.scores], 8) == [2, 6]
+
+
+def test_a_flat_cost_verifies_every_candidate():
+    scores = scores_of([0.9, 0.5], [0.3])
+    assert choose_nodes(scores, FLAT) == [2, 1]
+
+
+def test_a_steep_cost_shrinks_trees_toward_chains_then_to_plain_steps():
+    scores = scores_of([0.9, 0.85, 0.8, 0.3, 0.2, 0.1], [0.9, 0.2, 0.1])
+    # verified tokens cost time: each node must pay for itself
+    cost = CostModel(((2, 1.0), (100, 1.0 + 98 * 0.25)))
+    counts = choose_nodes(scores, cost)
+    assert 0 < sum(counts) < 9 and counts[0] >= 3 and counts[1] >= 1
+    assert expected_tokens(scores, counts) / cost.seconds(2 + sum(counts), 2) >= max(
+        expected_tokens(scores, c) / cost.seconds(2 + sum(c), 2) for c in ([6, 3], [0, 0], [1, 1]))
+    # so expensive that no draft node pays: plain autoregressive steps
+    assert choose_nodes(scores, CostModel(((2, 1.0), (3, 10.0)))) == [0, 0]
+
+
+def test_one_request_with_a_flat_round_is_todays_ddtree():
+    """With one request and a round whose time does not depend on its tokens (a batch-1 GPU round), the
+    request verifies its whole budget-sized tree."""
+    scores = scores_of([0.95 ** i for i in range(1, 33)])
+    cost = CostModel(((1, 5.0), (64, 5.0)))
+    assert choose_nodes(scores, cost) == [32]
+
+
+def test_totals_limit_the_choice():
+    scores = scores_of([0.9, 0.8, 0.7], [0.6])
+    assert sum(choose_nodes(scores, FLAT, range(3))) == 2
+
+
+def test_the_cost_model_interpolates_and_rejects_nonsense():
+    cost = CostModel(((10, 1.0), (20, 3.0)), per_request=0.5)
+    assert cost.seconds(15, 2) == pytest.approx(2.0 + 1.0)
+    assert cost.seconds(30, 0) == pytest.approx(5.0)  # past the last point: along the last segment
+    assert cost.seconds(5, 0) == pytest.approx(1.0)  # never below the cheapest measured round
+    with pytest.raises(ValueError):
+        CostModel(((10, 1.0), (10, 2.0)))
+    with pytest.raises(ValueError):
+        CostModel(((10, 0.0),))

@@ -1,0 +1,226 @@
+"""Continuous batching is lossless: every request in a batch decodes exactly what it decodes alone.
+
+The batched fast path (fast/batch.py) runs here eagerly on the CPU, with attention through SDPA over each
+sequence's gathered pages, and once with every kernel in Triton's interpreter (the static buffers a GPU
+replays as CUDA graphs). Batches mix lengths, methods, budgets, sampling settings, grammars and stop ids;
+small pools force preemption, small token budgets chunked prefill.
+"""
+
+import pytest
+from ddtree.core.blocks import BlockManager
+from ddtree.core.budget import CostModel
+from ddtree.core.grammar import json_schema_grammar
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine.batch import BatchEngine, BatchOptions, SerialBackend
+from ddtree.engine.sequence import Status
+from ddtree.fast.batch import PagedBackend
+from distributions import exact_joint, fit_p_value
+from tiny import make_draft, make_target
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+PROMPTS = [[1, 2, 3], list(range(4, 40)), [8, 9], list(range(10, 80)), [13], list(range(20, 30)) * 3]
+METHODS = [("ddtree", 8), ("dflash", None), ("ar", None), ("ddtree", 32), ("ddtree", 3), ("dflash", None)]
+
+
+def paged(engine, *, blocks: int = 64, max_num_seqs: int = 4, max_num_batched_tokens: int = 64,
+          cost: CostModel | None = None) -> BatchEngine:
+    pool = BlockManager(blocks, 8)
+    backend = PagedBackend(engine.target, engine.draft, engine.draft_head, pool, max_seqs=max_num_seqs,
+                           max_rows=max_num_batched_tokens, **({"cost": cost} if cost else {}))
+    return BatchEngine(engine, [backend, SerialBackend(engine.reference)], max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, blocks=pool)
+
+
+def run(batch: BatchEngine, requests: list[tuple[list[int], SamplingParams, str, int | None]]) -> list:
+    seqs = [batch.add(prompt, params, method=method, budget=budget) for prompt, params, method, budget in requests]
+    while batch.has_work():
+        batch.step()
+    return seqs
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "moe"])
+def test_every_request_in_a_batch_decodes_what_it_decodes_alone(engines, arch):
+    engine = engines[arch]
+    requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS, METHODS, strict=True)]
+    batch = paged(engine)
+    seqs = run(batch, requests)
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.backend.name == "fast" and seq.status is Status.FINISHED
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+def test_preempted_requests_are_recomputed_and_give_the_same_output(engines):
+    """A pool too small for every sequence at once: the newest running sequences give their blocks up and
+    are recomputed later from their prompt and what they emitted."""
+    engine = engines["qwen3"]
+    requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS, METHODS, strict=True)]
+    batch = paged(engine, blocks=16)
+    seqs = run(batch, requests)
+    assert sum(seq.preemptions for seq in seqs) > 0
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    assert batch.blocks.free_blocks == 16
+
+
+def test_chunked_prefill_equals_a_whole_prefill(engines):
+    """A prompt entering over several steps (a small token budget) decodes as one prefilled whole, and its
+    prompt logprobs are the same."""
+    engine = engines["qwen3"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    prompt = list(range(3, 90))
+    chunked = run(paged(engine, max_num_batched_tokens=16), [(prompt, params, "ddtree", 8)])[0]
+    whole = run(paged(engine, max_num_batched_tokens=256), [(prompt, params, "ddtree", 8)])[0]
+    alone = engine.generate(prompt, params, method="ddtree", budget=8)
+    assert chunked.generation.token_ids == whole.generation.token_ids == alone.token_ids
+
+
+def test_prompt_logprobs_and_logprobs_in_a_batch_equal_the_reference(engines):
+    engine = engines["qwen3"]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+    batch = paged(engine, max_num_batched_tokens=16)
+    seq = batch.add(list(range(3, 40)), params, method="ddtree", budget=8)
+    outs = []
+    while batch.has_work():
+        outs += [out for s, out in batch.step() if s is seq]
+    ref = list(engine.stream(list(range(3, 40)), params, method="ddtree", budget=8))
+    got_prompt = outs[0].prompt_logprobs
+    want_prompt = ref[0].prompt_logprobs
+    assert [e and e.token_id for e in got_prompt] == [e and e.token_id for e in want_prompt]
+    assert all(g is None or (g.rank == w.rank and g.logprob == pytest.approx(w.logprob, abs=1e-4))
+               for g, w in zip(got_prompt, want_prompt, strict=True))
+    got = [e for out in outs for e in out.logprobs]
+    want = [e for out in ref for e in out.logprobs]
+    assert [e.token_id for e in got] == [e.token_id for e in want]
+    assert all(g.logprob == pytest.approx(w.logprob, abs=1e-4) for g, w in zip(got, want, strict=True))
+
+
+def test_mixed_settings_in_one_batch(engines):
+    """Penalties, logit bias, a grammar, stop ids and a seeded sample, each in its own request of one batch:
+    each gives what it gives alone."""
+    engine = engines["qwen3"]
+    full = engine.generate([1, 2, 3], GREEDY, method="ar").token_ids
+    settings = [
+        SamplingParams(max_new_tokens=20, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(max_new_tokens=20, ignore_eos=True, logit_bias=((5, 3.0), (7, -2.0))),
+        SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=(full[6],)),
+        SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7),
+        SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=3),
+    ]
+    requests = [([1, 2, 3], params, "ddtree", 8) for params in settings]
+    seqs = run(paged(engine, max_num_seqs=5), requests)
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        alone = engine.generate(prompt, params, method=method, budget=budget)
+        if params.greedy:
+            assert seq.generation.token_ids == alone.token_ids
+            assert seq.generation.finish_reason == alone.finish_reason
+        else:  # a seed fixes a request's draws, not the tree shapes a batch gives it: only the support is checked
+            assert len(seq.generation.token_ids) == 20
+
+
+def test_a_grammar_in_a_batch_constrains_only_its_request():
+    pytest.importorskip("llguidance")
+    from ddtree.engine import Engine
+
+    engine = Engine.from_pretrained(device="cpu")  # the demo pair: a tokenizer the grammar reads
+    schema = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    constrained = SamplingParams(max_new_tokens=30, grammar=schema)
+    prompt = engine.encode("def f(x):\n    return")
+    seqs = run(paged(engine), [(prompt, constrained, "ddtree", 8), (prompt, GREEDY, "ddtree", 8)])
+    assert seqs[0].generation.token_ids == engine.generate(prompt, constrained, budget=8).token_ids
+    assert seqs[1].generation.token_ids == engine.generate(prompt, GREEDY, budget=8).token_ids
+    assert seqs[0].generation.token_ids != seqs[1].generation.token_ids
+
+
+def test_an_aborted_request_frees_its_blocks_at_once(engines):
+    engine = engines["qwen3"]
+    batch = paged(engine)
+    long, short = batch.add(list(range(5, 60)), GREEDY), batch.add([1, 2], GREEDY)
+    for _ in range(3):
+        batch.step()
+    assert long.seq_id in batch.blocks.tables
+    held = len(batch.blocks.tables[long.seq_id])
+    free = batch.blocks.free_blocks
+    batch.abort(long)
+    assert long.status is Status.FINISHED and batch.blocks.free_blocks == free + held
+    while batch.has_work():
+        batch.step()
+    assert short.generation.token_ids == engine.generate([1, 2], GREEDY).token_ids
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+def test_a_request_larger_than_the_cache_is_refused_in_one_line(engines):
+    from ddtree.errors import DDTreeError
+
+    batch = paged(engines["qwen3"], blocks=4)
+    with pytest.raises(DDTreeError, match="KV cache slots"):
+        batch.add(list(range(40)), GREEDY)
+
+
+def test_the_batch_budget_shrinks_trees_when_verified_tokens_cost_time(engines):
+    """Under a cost model where every verified row costs as much as a round's fixed part, the batch verifies
+    fewer draft nodes a step than the requests' own budgets add up to, and still gives their tokens."""
+    engine = engines["qwen3"]
+    requests = [([i, i + 1, i + 2], GREEDY, "ddtree", 16) for i in range(1, 5)]
+
+    def nodes_per_step(batch: BatchEngine) -> tuple[list, list[int]]:
+        seqs = [batch.add(prompt, params, method=method, budget=budget) for prompt, params, method, budget in requests]
+        nodes = []
+        while batch.has_work():
+            batch.step()
+            if batch.last.sequences == len(requests):
+                nodes.append(batch.last.draft_nodes)
+        return seqs, nodes
+
+    steep, steep_nodes = nodes_per_step(paged(engine, max_num_batched_tokens=256,
+                                              cost=CostModel(((4, 1.0), (200, 197.0)))))
+    flat, flat_nodes = nodes_per_step(paged(engine, max_num_batched_tokens=256))
+    assert all(s.generation.token_ids == f.generation.token_ids for s, f in zip(steep, flat, strict=True))
+    assert max(flat_nodes) == 4 * 16 and max(steep_nodes) < 4 * 16
+
+
+def test_batch_options_refuse_nonsense_in_one_line():
+    from ddtree.errors import DDTreeError
+
+    for bad in (dict(max_num_seqs=0), dict(max_num_batched_tokens=2, max_num_seqs=4),
+                dict(gpu_memory_utilization=1.5), dict(block_size=12)):
+        with pytest.raises(DDTreeError):
+            BatchOptions(**bad)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    from ddtree.engine import Engine
+
+    root = tmp_path_factory.mktemp("batch_small_vocab")
+    make_target(root / "t", vocab=12, seed=11)
+    make_draft(root / "d", vocab=12, seed=12, block_size=4)
+    return Engine.from_pretrained(root / "t", root / "d", device="cpu")
+
+
+@pytest.mark.slow
+def test_sampling_inside_a_batch_follows_the_targets_distribution(small_vocab):
+    """1000 seeded requests decoded 64 at a time: the first three sampled tokens follow the target's exact
+    joint distribution (chi-square, as the single-request test)."""
+    kw = dict(temperature=0.8, top_p=0.8, top_k=0)
+    joint = exact_joint(small_vocab.target.model, [1, 2, 3], 12, 3, **kw)
+    batch = paged(small_vocab, blocks=512, max_num_seqs=64, max_num_batched_tokens=1024)
+    seqs = run(batch, [([1, 2, 3], SamplingParams(max_new_tokens=3, seed=s, ignore_eos=True, **kw), "ddtree", 6)
+                       for s in range(1000)])
+    counts: dict[tuple[int, ...], int] = {}
+    for seq in seqs:
+        key = tuple(seq.generation.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert fit_p_value(counts, joint) > 1e-4
+
+
+def test_the_interpreted_kernels_batch_as_the_gpu_replays(engines, kernels_on_cpu):
+    """The static buffers and the paged attention kernel (Triton's interpreter), as a GPU's graphs run them."""
+    engine = engines["qwen3"]
+    requests = [(p, SamplingParams(max_new_tokens=10, ignore_eos=True), m, b)
+                for p, (m, b) in zip(PROMPTS[:3], METHODS[:3], strict=True)]
+    batch = paged(engine, blocks=24)
+    assert batch.backends[0].static
+    seqs = run(batch, requests)
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
