@@ -506,3 +506,69 @@ def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernel
     heads = fast.draft_head.size
     assert {(heads, 64), (2 * 16 * 2, 64), (64, 128)} <= set(launches)  # the head, the context k/v, fc
     assert set(folded) == {"rms_norm_fp8", "silu_mul_fp8"}
+
+
+@pytest.mark.parametrize(("depth", "k", "budget"), [(4, 3, 1), (5, 4, 9), (6, 4, 30), (4, 2, 40)])
+def test_the_selector_tree_program_equals_the_pytorch_loop(depth, k, budget):
+    """DFlash2's tree over its transition model: the one-program build against selector_prefixes' PyTorch loop,
+    and the chain program against the chain's loop."""
+    from ddtree.kernels import selector
+
+    gen = torch.Generator().manual_seed(budget + k)
+    logp = torch.log_softmax(torch.randn(depth, k, k, generator=gen) * 2, dim=-1)
+    ordered, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+    tokens = torch.stack([torch.randperm(90, generator=gen)[:k] for _ in range(depth)])
+    want = selector.selector_prefixes(ordered, order, tokens, budget)  # on the CPU: the per-depth PyTorch loop
+    kk = min(budget, k)
+    got = selector._build_on_gpu(ordered, order, tokens, selector._frontier(budget, kk, logp.device), budget,
+                                 want[0].numel())
+    for g, w in zip(got, want, strict=True):  # tokens, parents, depths, ancestor matrix
+        assert torch.equal(g, w)
+    assert torch.equal(selector._chain_on_gpu(order, tokens), selector.selector_chain(ordered, order, tokens)[0])
+
+
+@pytest.mark.parametrize(("n", "groups", "splits", "two_loops"), [(8, 2, 1, 0), (8, 2, 3, 1), (8, 1, 3, 2),
+                                                                  (1, 4, 2, 0)])
+def test_tree_attention_kernel_with_sinks_matches_the_reference(n, groups, splits, two_loops):
+    """A drafter's per-head sink logits join each softmax: in the split kernel's own output (one split) or in the
+    merge (several), as in the CPU reference's extra column."""
+    import dataclasses
+
+    from ddtree.kernels.attention import TreeMask, _triton_attention, tree_attention, tree_mask
+
+    d, capacity, start = 16, 64, 20
+    gen = torch.Generator().manual_seed(n + splits)
+    q, cache = torch.randn(2, groups * n, d, generator=gen), torch.randn(2, 2, capacity, d, generator=gen)
+    visible = torch.ones(n, n, dtype=torch.bool).tril()
+    sinks = torch.randn(2 * groups, generator=gen) * 3
+    plain = tree_mask(torch.tensor(start), visible, capacity, groups, d, torch.float32)
+    want = tree_attention(q, cache, dataclasses.replace(plain, sinks=sinks))
+    assert not torch.allclose(want, tree_attention(q, cache, plain), atol=1e-3)  # the sinks matter here
+    mask = TreeMask(torch.tensor(start), n, None, visible=visible.view(torch.int8), sinks=sinks)
+    config = dict(block_m=16, block_n=16, splits=splits, num_warps=4, num_stages=1, two_loops=two_loops)
+    got = _triton_attention(q, cache, mask, config)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.slow
+def test_a_dflash2_draft_with_sinks_on_the_interpreted_kernels_gives_the_reference_rounds(kernels_on_cpu, tmp_path):
+    """Every drafter feature on the device kernels at once (a causal windowed layer with sinks, the convolutions,
+    the selector's transitions, the selector tree and chain programs, sink attention): the reference path's
+    tokens and acceptance, round for round."""
+    from tiny import make_dflash2_draft
+
+    draft = make_dflash2_draft(tmp_path / "draft", target_layers=2, layers=1, taps=[0, 1], is_causal=None,
+                               sliding_window=4, sinks="sinks")
+    target = make_target(tmp_path / "qwen3", "qwen3", seed=4, layers=2)
+    fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert fast.draft.config.layer_causal == (True,) and fast.fast.fused_draft.sinks[0] is not None
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for method, budget in (("dflash", None), ("ddtree", 24)):
+        gen = fast.stream(list(range(30, 40)), params, method=method, budget=budget)
+        rounds = list(gen)
+        ref = reference.stream(list(range(30, 40)), params, method=method, budget=budget)
+        ref_rounds = list(ref)
+        assert gen.backend.name == "fast" and gen.token_ids == ref.token_ids, method
+        assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], method
+    assert not [key for key in jit._DECLINED if key[0].startswith("selector")]  # its programs ran, interpreted
