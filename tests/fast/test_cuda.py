@@ -995,3 +995,60 @@ def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, 
     graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(10, 80)) * 5], dtype,
                           (tmp_path / "hybrid", tmp_path / "draft"))
     assert bool(trees) == (arch == "qwen3_5") and max(trees, default=0) <= gdn.TREE_MAX
+
+
+@pytest.mark.parametrize("draft", ["draft_dflash2", "draft_sinks"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dflash2_and_2026_field_drafts_replay_as_graphs_and_give_the_targets_tokens(fast_ckpt, draft, dtype):
+    """DFlash2's convolutions, transitions and selector tree, and a draft with sinks, a causal window, an embedding
+    scale and a capped output, all inside the round's graphs: the reference path's rounds (float32) and the
+    target's own tokens."""
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cuda", dtype=dtype, fast=True,
+                                  fast_capacity=256)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert triton_works(fast.fast.device)
+    for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
+        want = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in (("dflash", None), ("ddtree", 5), ("ddtree", 64)):
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            rounds = list(gen)
+            plan = fast.fast.plan(method, budget or 1)
+            assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+            if dtype == "float32":
+                ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
+                ref_rounds = list(ref)
+                assert gen.token_ids == ref.token_ids == want, (method, budget)
+                assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], (method, budget)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_the_selector_tree_program_equals_the_pytorch_loop_on_the_gpu(budget):
+    """At the published drafters' size (15 depths, 16 candidates), compiled."""
+    from ddtree.kernels import selector
+
+    gen = torch.Generator().manual_seed(budget)
+    logp = torch.log_softmax(torch.randn(15, 16, 16, generator=gen) * 3, dim=-1)
+    ordered, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+    tokens = torch.stack([torch.randperm(151936, generator=gen)[:16] for _ in range(15)])
+    want = selector.selector_prefixes(ordered, order, tokens, budget)  # CPU: the PyTorch loop
+    on = [t.cuda() for t in (ordered, order, tokens)]
+    got = selector._build_on_gpu(*on, selector._frontier(budget, 16, on[0].device), budget, want[0].numel())
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.cpu(), w)
+    assert torch.equal(selector._chain_on_gpu(on[1], on[2]).cpu(), selector.selector_chain(ordered, order, tokens)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "groups"), [(16, 4), (1, 4), (65, 2)])
+def test_tree_attention_with_sinks_matches_the_reference_on_the_gpu(dtype, n, groups):
+    from ddtree.kernels.attention import tree_attention, tree_mask
+
+    capacity, start, d = 512, 150, 64
+    q, cache, visible, _ = attention_case(n, groups, d, capacity, start, None)
+    sinks = torch.randn(2 * groups, generator=torch.Generator().manual_seed(n)) * 3
+    want = tree_attention(q, cache, dataclasses.replace(
+        tree_mask(torch.tensor(start), visible, capacity, groups, d, torch.float32), sinks=sinks))
+    mask = tree_mask(torch.tensor(start).cuda(), visible.cuda(), capacity, groups, d, dtype)
+    got = tree_attention(q.cuda().to(dtype), cache.cuda().to(dtype), dataclasses.replace(mask, sinks=sinks.cuda()))
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float().cpu(), want, atol=tolerance, rtol=tolerance)
