@@ -89,6 +89,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
                                     device=args.device, dtype=args.dtype, fast=args.fast, draft_vocab=args.draft_vocab,
                                     draft_quantization=args.draft_quantization)
+    if engine.draft is not None:  # which rule each layer was drafted under: a wrong one only costs acceptance
+        print(f"ddtree generate: draft: {engine.draft.config.describe()}", file=sys.stderr)
     if engine.fast is None and engine.fast_unsupported != "off":
         print(f"ddtree generate: reference path ({engine.fast_unsupported})", file=sys.stderr)
     elif engine.fast_note:

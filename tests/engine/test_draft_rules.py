@@ -218,3 +218,13 @@ def test_sink_tensors_without_the_config_flag_are_refused(tmp_path):
     rewrite(path, config={"attention_sink_bias": None})
     with pytest.raises(DDTreeError, match="attention sinks, but the config does not set attention_sink_bias"):
         load_draft(path, TARGET)
+
+
+def test_generate_says_how_each_draft_layer_is_drafted(ckpt, drafts, capsys):
+    from ddtree.cli import main
+
+    args = ["generate", "--target", str(ckpt / "qwen3"), "--draft", str(drafts["new, sliding + full"]),
+            "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"]
+    assert main(args) == 0
+    assert ("ddtree generate: draft: DFlashDraftModel, block 8, layers by layer types (no is_causal) "
+            "(0: causal window 5, 1: bidirectional)") in capsys.readouterr().err.splitlines()
