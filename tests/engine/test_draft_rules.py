@@ -228,3 +228,24 @@ def test_generate_says_how_each_draft_layer_is_drafted(ckpt, drafts, capsys):
     assert main(args) == 0
     assert ("ddtree generate: draft: DFlashDraftModel, block 8, layers by layer types (no is_causal) "
             "(0: causal window 5, 1: bidirectional)") in capsys.readouterr().err.splitlines()
+
+
+def test_a_dflash2_drafter_with_a_draft_vocabulary_maps_its_candidates_to_token_ids(engines):
+    """The selector's candidates are draft-logit columns mapped to token ids before the codebooks read them: the
+    same trees on both paths, and only tokens of the vocabulary drafted."""
+    reference, _ = engines["dflash2"]
+    hot = list(range(1, VOCAB, 3))
+    sub_ref = Engine(reference.target, reference.draft, reference.tokenizer, draft_vocab=hot)
+    sub_fast = Engine(reference.target, reference.draft, reference.tokenizer, fast=True, fast_capacity=128,
+                      draft_vocab=hot)
+    ar = reference.generate(PROMPT, GREEDY, method="ar").token_ids
+    with torch.inference_mode():
+        sub_fast.fast.prefill(torch.tensor(PROMPT), with_draft=True)
+        assert set(sub_fast.fast.draft_logits()[2].flatten().tolist()) <= set(hot)
+    for method, budget in (("dflash", None), ("ddtree", 12)):
+        ref = sub_ref.stream(PROMPT, GREEDY, method=method, budget=budget)
+        ref_rounds = list(ref)
+        gen = sub_fast.stream(PROMPT, GREEDY, method=method, budget=budget)
+        rounds = list(gen)
+        assert gen.backend.name == "fast" and gen.token_ids == ref.token_ids == ar, method
+        assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], method
