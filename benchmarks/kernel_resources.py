@@ -70,12 +70,12 @@ def attention_build(block_m: int, block_n: int, splits: int, two_loops: int, dty
                     head_dim: int = 128) -> tuple[Callable, dict[str, str], dict]:
     """The split kernel's argument types and constants at this config."""
     args = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Vis": "*i8", "Start": "*i64", "Acc": "*fp32",
-            "Stats": "*fp32", "Out": f"*{dtype}", **{name: "i32" for name in ("stride_qh", "stride_qr", "stride_kh",
-                                                                              "stride_kt", "stride_vh", "stride_vt",
-                                                                              "rows", "n", "groups")},
+            "Stats": "*fp32", "Out": f"*{dtype}", "Sinks": "*fp32",
+            **{name: "i32" for name in ("stride_qh", "stride_qr", "stride_kh", "stride_kt", "stride_vh", "stride_vt",
+                                        "rows", "n", "groups")},
             "scale": "fp32", "SPLITS": "i32"}
     consts = dict(WINDOW=0, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=dtype == "fp32",
-                  DIRECT=splits == 1, TWO_LOOPS=two_loops)
+                  DIRECT=splits == 1, TWO_LOOPS=two_loops, SINK=False)
     return attention._split_kernel, args, consts
 
 

@@ -45,7 +45,7 @@ def engines(ckpt):
 
 @pytest.fixture(scope="session")
 def fast_ckpt(tmp_path_factory) -> Path:
-    from tiny import make_draft, make_target
+    from tiny import make_dflash2_draft, make_draft, make_target
 
     root = tmp_path_factory.mktemp("fast_ckpt")
     make_target(root / "qwen3", "qwen3")
@@ -53,6 +53,9 @@ def fast_ckpt(tmp_path_factory) -> Path:
     make_target(root / "swa", "qwen3", seed=5, sliding_window=6)
     make_draft(root / "draft")
     make_draft(root / "draft_swa", seed=7, sliding_window=6)  # sliding-window draft layers, as Qwen3.6's drafts have
+    make_dflash2_draft(root / "draft_dflash2", seed=8)  # DFlash2: convolutions and a candidate selector
+    make_draft(root / "draft_sinks", seed=9, sliding_window=3, sinks="sinks", is_causal=True,  # every 2026 field
+               fields={"input_embedding_scale": 2.0, "output_multiplier": 1.5, "final_logit_softcapping": 4.0})
     return root
 
 

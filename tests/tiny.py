@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from ddtree.models.dflash2 import SelectorConfig
 from ddtree.models.draft import (
     DFlashDraft,
     TargetShape,
@@ -20,6 +21,7 @@ VOCAB = 96
 HIDDEN = 64
 MASK_ID = VOCAB - 1  # an unused embedding row, like Qwen3's <|MASK|> (vocab - 1 for other sizes)
 EOS_ID = VOCAB - 2  # (vocab - 2 for other sizes)
+SELECTOR = SelectorConfig(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
 def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, sliding_window: int | None = None):
@@ -57,14 +59,27 @@ def make_target(out: Path, arch: str = "qwen3", seed: int = 0, generation_config
 
 
 def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers: int = 2, block_size: int = 8,
-               seed: int = 1, layout: str = "old", sliding_window: int | None = None, taps=None) -> Path:
-    """A random DFlash draft in the z-lab format; layout "old" (top-level block_size, rope_theta) or "new"."""
+               seed: int = 1, layout: str = "old", sliding_window: int | None = None, taps=None,
+               layer_types: list[str] | None = None, is_causal: bool | None = None, fields: dict | None = None,
+               sinks: str | None = None, selector: SelectorConfig | None = None) -> Path:
+    """A random DFlash draft in the z-lab format; layout "old" (top-level block_size, rope_theta) or "new".
+
+    A sliding window makes the first layer a sliding one (unless `layer_types` says otherwise); `is_causal` is
+    written at the top level when given; `fields` go into dflash_config (input_embedding_scale, output_multiplier,
+    final_logit_softcapping); `sinks` names per-layer sink logits ("sinks", or another exporter's
+    "attention_sink_bias") and sets attention_sink_bias; a `selector` makes it a DFlash2 draft (its codebooks
+    stored without `.weight`, as published)."""
     taps = list(taps) if taps is not None else default_taps(target_layers, 2)
-    layer_types = ["sliding_attention", "full_attention"] if sliding_window else None
+    if layer_types is None and sliding_window:
+        layer_types = ["sliding_attention"] + ["full_attention"] * (layers - 1)
     cfg = draft_config_dict(hidden_size=HIDDEN, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
                             intermediate_size=128, vocab_size=vocab, block_size=block_size, mask_token_id=vocab - 1,
                             target_layer_ids=taps, num_target_layers=target_layers, max_position_embeddings=1024,
-                            layer_types=layer_types, sliding_window=sliding_window)
+                            layer_types=layer_types, sliding_window=sliding_window, is_causal=is_causal,
+                            selector=selector)
+    cfg["dflash_config"].update(fields or {})
+    if sinks:
+        cfg["attention_sink_bias"] = True
     if layout == "new":
         cfg["dflash_config"]["block_size"] = cfg.pop("block_size")
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
@@ -73,10 +88,28 @@ def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers:
     model = DFlashDraft(parse_draft_config(cfg, TargetShape(HIDDEN, vocab, target_layers)))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if "base_kernel" in name:  # near the identity convolution, so that the block stream keeps its scale
+                p.normal_(0.0, 0.15)[:, 0] += 1.0
+            elif "kernel_projection" in name:
+                p.normal_(0.0, 0.05)
+            elif "codebook" in name or name.endswith("sinks"):
+                p.normal_(0.0, 0.5)
+            elif "norm" not in name:
                 p.normal_(0.0, 0.15)
-    write_draft_checkpoint(out, cfg, model.state_dict(), dtype=torch.float32)
+    state = model.state_dict()
+    if sinks and sinks != "sinks":
+        state = {k.replace("self_attn.sinks", f"self_attn.{sinks}"): v for k, v in state.items()}
+    write_draft_checkpoint(out, cfg, state, dtype=torch.float32)
     return out
+
+
+def make_dflash2_draft(out: Path, *, sliding_window: int | None = 6, is_causal: bool | None = False,
+                       selector: SelectorConfig = SELECTOR, **kw) -> Path:
+    """A random DFlash2 draft shaped like the published ones (new layout, sliding layers, is_causal false)."""
+    layers = kw.pop("layers", 2)
+    kw.setdefault("layer_types", ["sliding_attention"] * layers if sliding_window else None)
+    return make_draft(out, layout=kw.pop("layout", "new"), layers=layers, sliding_window=sliding_window,
+                      is_causal=is_causal, selector=selector, **kw)
 
 
 def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int = 4) -> dict:

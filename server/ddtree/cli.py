@@ -89,6 +89,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
                                     device=args.device, dtype=args.dtype, fast=args.fast, draft_vocab=args.draft_vocab,
                                     draft_quantization=args.draft_quantization)
+    if engine.draft is not None:  # which rule each layer was drafted under: a wrong one only costs acceptance
+        print(f"ddtree generate: draft: {engine.draft.config.describe()}", file=sys.stderr)
     if engine.fast is None and engine.fast_unsupported != "off":
         print(f"ddtree generate: reference path ({engine.fast_unsupported})", file=sys.stderr)
     elif engine.fast_note:
@@ -314,7 +316,7 @@ def _train_target(args: argparse.Namespace) -> int:
 
 
 def _add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-draft", help="train a DFlash drafter for a frozen target on local text")
+    p = sub.add_parser("train-draft", help="train a DFlash or DFlash2 drafter for a frozen target on local text")
     p.add_argument("--target", required=True, help="target model directory (transformers format, with tokenizer)")
     _add_corpus_args(p)
     p.add_argument("--layers", type=int, default=5, help="draft depth")
@@ -325,17 +327,30 @@ def _add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--save-every", type=int, default=1000, help="checkpoint interval in steps")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the checkpoint in --out (its config wins over --layers/--taps/--block-size)")
+                   help="continue from the checkpoint in --out (its config wins over --layers/--taps/--block-size, "
+                   "--arch, --causal and the DFlash2 fields)")
+    p.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash2: add DFlash2's convolutions and candidate selector (default: dflash)")
+    p.add_argument("--causal", action="store_true",
+                   help="causal layers inside the block (default: bidirectional); written as is_causal")
+    p.add_argument("--selector-top-k", type=int, default=16, help="dflash2: candidates per position")
+    p.add_argument("--selector-rank", type=int, default=256, help="dflash2: rank of the selector's codebooks")
+    p.add_argument("--conv-kernel-size", type=int, default=2, help="dflash2: taps of each convolution")
+    p.add_argument("--conv-group-size", type=int, default=16, help="dflash2: channels sharing a dynamic tap")
     p.set_defaults(handler=_train_draft)
 
 
 def _train_draft(args: argparse.Namespace) -> int:
+    from ddtree.models.dflash2 import SelectorConfig
     from ddtree.training.drafter import train_draft
 
+    selector = SelectorConfig(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+                              selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
     train_draft(args.target, args.corpus, args.out, layers=args.layers, block_size=args.block_size, taps=args.taps,
                 globs=args.glob.split(","), seq_len=args.seq_len, blocks=args.blocks, batch_size=args.batch_size,
                 lr=args.lr, gamma=args.gamma, steps=args.steps, minutes=args.minutes, device=args.device,
-                seed=args.seed, eval_every=args.eval_every, save_every=args.save_every, resume=args.resume)
+                seed=args.seed, eval_every=args.eval_every, save_every=args.save_every, resume=args.resume,
+                arch=args.arch, causal=args.causal, selector=selector)
     return 0
 
 

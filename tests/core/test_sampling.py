@@ -15,7 +15,7 @@ import torch
 from ddtree.core.sampling import SamplingParams, filter_logits, process_logits
 from ddtree.engine import Engine
 from distributions import event_p_value, exact_joint, fit_p_value
-from tiny import make_draft, make_target
+from tiny import make_dflash2_draft, make_draft, make_target
 
 VOCAB = 12
 STEPS = 3
@@ -54,6 +54,29 @@ def test_ddtree_samples_the_target_distribution(small_vocab_engine, kw, methods)
         # Immediate repeats: the statistic penalties move most (a tree node must count its own path).
         p_value = event_p_value(counts, joint, lambda seq: seq[1] == seq[2])
         assert p_value > 1e-4, f"{method}: repeat-rate p = {p_value:.2e}"
+
+
+@pytest.mark.slow
+def test_a_dflash2_drafter_samples_the_target_distribution(tmp_path):
+    """DFlash2's selector chain (`dflash`) and the tree over its transitions (`ddtree`) draft differently from
+    DFlash, and the target still picks every token: the same exact distribution, and drafts get accepted."""
+    make_target(tmp_path / "t", vocab=VOCAB, seed=11)
+    make_dflash2_draft(tmp_path / "d", vocab=VOCAB, seed=12, block_size=4)
+    engine = Engine.from_pretrained(tmp_path / "t", tmp_path / "d", device="cpu")
+    assert engine.draft.candidate_selector is not None
+    kw = dict(temperature=0.8, top_p=0.9)
+    joint = exact_joint(engine.target.model, [1, 2, 3], VOCAB, STEPS, **kw)
+    for method in ("ddtree", "dflash"):
+        counts: dict[tuple[int, ...], int] = {}
+        accepted = 0
+        for seed in range(DRAWS):
+            params = SamplingParams(max_new_tokens=STEPS, seed=seed, ignore_eos=True, **kw)
+            result = engine.generate([1, 2, 3], params, method=method, budget=6)
+            accepted += sum(result.stats.accepted_per_depth)
+            counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+        assert accepted > 0, method
+        p_value = fit_p_value(counts, joint)
+        assert p_value > 1e-4, f"{method}: chi-square p = {p_value:.2e}"
 
 
 def test_speculation_happens_while_sampling(small_vocab_engine):

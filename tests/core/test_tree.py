@@ -1,10 +1,20 @@
 """Tree construction equals brute-force top-B prefix enumeration, and its structural invariants hold."""
 
 import itertools
+import math
 
 import pytest
 import torch
-from ddtree.core.tree import build_tree, chain_tree, top_candidates, visibility, walk
+from ddtree.core.tree import (
+    Transitions,
+    build_selector_tree,
+    build_tree,
+    chain_tree,
+    selector_chain,
+    top_candidates,
+    visibility,
+    walk,
+)
 
 
 def brute_force(draft_logits: torch.Tensor, budget: int) -> list[tuple[int, ...]]:
@@ -115,3 +125,70 @@ def test_path_to_and_deepest():
     assert tree.path_to(4) == [0, 3, 4]
     assert tree.deepest() == 4
     assert build_tree(torch.randn(2, 3), 0).deepest() == 0
+
+
+def random_transitions(depth: int, k: int, seed: int, scale: float = 2.0) -> Transitions:
+    """A random first-order model: each depth's k distinct candidate tokens, rows of log-probabilities (depth 1's
+    rows all the root's)."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(torch.randn(depth, k, k, generator=gen) * scale, dim=-1)
+    logp[0] = logp[0, 0]
+    tokens = torch.stack([torch.randperm(40, generator=gen)[:k] for _ in range(depth)])
+    return Transitions(logp, tokens)
+
+
+def brute_force_markov(model: Transitions, budget: int) -> list[tuple[int, ...]]:
+    """Every prefix as its tuple of candidate indices, scored by its transitions, best first, ties by the rank
+    tuple (each candidate's rank in its parent's row)."""
+    logp = model.logp.double()
+    ranks = logp.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # rank of candidate j in row i
+    depth, k = model.tokens.shape
+    scored = []
+    for d in range(1, depth + 1):
+        for path in itertools.product(range(k), repeat=d):
+            prev, score, rank_tuple = 0, 0.0, []
+            for level, j in enumerate(path):
+                score += float(logp[level, prev, j])
+                rank_tuple.append(int(ranks[level, prev, j]))
+                prev = j
+            scored.append((-score, tuple(rank_tuple), path))
+    scored.sort()
+    return [path for _, _, path in scored[:budget]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [1, 4, 9, 30])
+def test_selector_tree_is_the_top_budget_prefixes_of_the_transition_model(seed, budget):
+    """A node's children are scored with its own candidate as the predecessor: the tree is the `budget` most
+    probable prefixes of the first-order model (not of its marginals), in best-first order."""
+    model = random_transitions(4, 3, seed)
+    tree = build_selector_tree(model, budget)
+    tokens = model.tokens.tolist()
+    got = []
+    for node in range(1, tree.size + 1):
+        path = tree.path_to(node)[1:]
+        got.append(tuple(tokens[tree.depths[n - 1] - 1].index(tree.tokens[n - 1]) for n in path))
+    assert got == brute_force_markov(model, budget)
+    assert all(0 <= tree.parents[n] < n for n in range(1, tree.size + 1))
+
+
+def test_selector_chain_takes_each_depths_best_successor_of_the_previous_pick():
+    model = random_transitions(5, 4, seed=9)
+    chain = selector_chain(model)
+    prev = 0
+    for d, token in enumerate(chain):
+        j = int(model.logp[d, prev].argmax())
+        assert token == int(model.tokens[d, j]) and len(set(model.tokens[d].tolist())) == 4
+        prev = j
+    assert build_selector_tree(model, 1).tokens == chain[:1]
+
+
+def test_selector_tree_differs_from_the_marginal_tree_when_transitions_matter():
+    """Depth 2's best candidate depends on depth 1's pick: the tree extends each depth-1 node by its own best."""
+    logp = torch.full((2, 2, 2), math.log(0.05))
+    logp[0, :, 0], logp[0, :, 1] = math.log(0.6), math.log(0.4)
+    logp[1, 0, 1], logp[1, 1, 0] = math.log(0.95), math.log(0.95)
+    logp[1, 0, 0], logp[1, 1, 1] = math.log(0.05), math.log(0.05)
+    model = Transitions(logp, torch.tensor([[10, 11], [20, 21]]))
+    tree = build_selector_tree(model, 4)
+    assert tree.tokens == [10, 21, 11, 20] and tree.parents == [-1, 0, 1, 0, 3]  # 0.6, 0.57, 0.4, 0.38

@@ -8,7 +8,7 @@ import pytest
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from distributions import exact_joint, fit_p_value
-from tiny import make_draft, make_target
+from tiny import make_dflash2_draft, make_draft, make_target
 
 VOCAB, STEPS, DRAWS = 12, 3, 1000
 PROMPT = [1, 2, 3]
@@ -57,6 +57,26 @@ def test_sampling_with_a_draft_vocabulary_follows_the_target_distribution(small_
         accepted += sum(r.accepted for r in gen)
         counts[tuple(gen.token_ids)] = counts.get(tuple(gen.token_ids), 0) + 1
     assert accepted > 0  # the drafter's tokens are still accepted
+    assert fit_p_value(counts, joint) > 1e-4
+
+
+@pytest.mark.slow
+def test_sampling_over_a_dflash2_drafters_tree_follows_the_target_distribution(tmp_path):
+    """The tree over DFlash2's selector, built on the device: the target's own distribution."""
+    make_target(tmp_path / "t", vocab=VOCAB, seed=11)
+    make_dflash2_draft(tmp_path / "d", vocab=VOCAB, seed=12, block_size=4)
+    engine = Engine.from_pretrained(tmp_path / "t", tmp_path / "d", device="cpu", fast=True, fast_capacity=256)
+    kw = dict(temperature=0.8)
+    joint = exact_joint(engine.target.model, PROMPT, VOCAB, STEPS, **kw)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(DRAWS):
+        gen = engine.stream(PROMPT, SamplingParams(max_new_tokens=STEPS, seed=seed, ignore_eos=True, **kw),
+                            method="ddtree", budget=6)
+        assert gen.backend.name == "fast"
+        accepted += sum(r.accepted for r in gen)
+        counts[tuple(gen.token_ids)] = counts.get(tuple(gen.token_ids), 0) + 1
+    assert accepted > 0
     assert fit_p_value(counts, joint) > 1e-4
 
 

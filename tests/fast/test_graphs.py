@@ -36,7 +36,7 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
             ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
             ref_rounds = list(ref)
             plan = fast.fast.plan(method, budget or 1)
-            assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+            assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
             assert gen.token_ids == ref.token_ids, (method, budget)
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
 
@@ -54,7 +54,7 @@ def test_a_draft_vocabulary_replays_as_graphs_and_gives_the_reference_tokens(fas
             rounds = list(gen)
             ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
             ref_rounds = list(ref)
-            assert gen.on_fast_path and fast.fast.plan(method, budget or 1).graphs
+            assert gen.backend.name == "fast" and fast.fast.plan(method, budget or 1).graphs
             assert gen.token_ids == ref.token_ids == want, (method, budget)
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
 
@@ -78,7 +78,7 @@ def test_an_fp8_draft_replays_as_graphs_and_gives_the_targets_tokens(fast_ckpt, 
         for method, budget in (("dflash", None), ("ddtree", 16), ("ddtree", 64)):
             gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
             list(gen)
-            assert gen.on_fast_path and fast.fast.plan(method, budget or 1).graphs
+            assert gen.backend.name == "fast" and fast.fast.plan(method, budget or 1).graphs
             if gen.token_ids != want:  # bf16 only, and at a near-tie of the reference (graph_rounds_match_ar)
                 assert dtype != "float32", (method, budget)
                 assert reference_margin(reference, prompt, want, gen.token_ids) < NEAR_TIE, (method, budget)
@@ -93,7 +93,7 @@ def _loaded(fast_ckpt: Path) -> tuple:
 @gpu
 def test_the_fast_path_is_on_by_default_on_cuda(fast_ckpt):
     engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", fast=None)
-    assert engine.fast is not None and engine.stream([1, 2, 3], GREEDY).on_fast_path
+    assert engine.fast is not None and engine.stream([1, 2, 3], GREEDY).backend.name == "fast"
 
 
 @gpu
@@ -110,7 +110,7 @@ def test_without_triton_the_graphs_still_give_the_reference_tokens(fast_ckpt, mo
         list(gen)
         ref = reference.stream(list(range(60, 90)), GREEDY, method=method, budget=budget)
         list(ref)
-        assert gen.on_fast_path and fast.fast.plan(method, budget or 1).graphs
+        assert gen.backend.name == "fast" and fast.fast.plan(method, budget or 1).graphs
         assert gen.token_ids == ref.token_ids, method
 
 
@@ -193,7 +193,7 @@ def test_sampled_rounds_replay_as_graphs_and_a_seed_fixes_the_output(fast_ckpt):
         list(gen)
         runs.append(gen.token_ids)
     plan = fast.fast.plan("ddtree", 16, sampled=True)
-    assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+    assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
     assert runs[0] == runs[1] and len(runs[0]) == 40
 
 
@@ -213,7 +213,7 @@ def test_filtered_sampling_is_captured_in_graphs_and_stays_in_the_filtered_suppo
     gen = fast.stream(prompt, params, method="ddtree", budget=16)
     list(gen)
     plan = fast.fast.plan_for("ddtree", 16, params)
-    assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+    assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
     ids = prompt + gen.token_ids
     with torch.no_grad():
         logits = fast.target.model(torch.tensor([ids], device="cuda")).logits[0, len(prompt) - 1:-1].float()
@@ -235,7 +235,7 @@ def test_penalized_rounds_with_logprobs_replay_as_graphs_and_give_the_reference_
         gen = fast.stream(prompt, params, method=method, budget=budget)
         got = [entry.logprob for r in gen for entry in r.logprobs]
         plan = fast.fast.plan_for(method, budget or 1, params)
-        assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+        assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
         want = reference.generate(prompt, params, method=method, budget=budget)
         assert gen.token_ids == want.token_ids
         assert got == pytest.approx([entry.logprob for entry in want.logprobs], abs=1e-4)
@@ -259,7 +259,7 @@ def test_prompt_logprobs_and_a_warmed_up_engine_on_graphs_give_the_reference_ent
         ref = reference.stream(prompt, params, method=method, budget=budget)
         ref_rounds = list(ref)
         plan = fast.fast.plan_for(method, budget or 1, params)
-        assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+        assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
         assert gen.token_ids == ref.token_ids, method
         prompt_logprobs_agree(rounds[0].prompt_logprobs, ref_rounds[0].prompt_logprobs, tolerance=1e-4)
         got = [e.logprob for r in rounds for e in r.logprobs]
@@ -302,7 +302,7 @@ def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str, ch
             gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
             list(gen)
             plan = fast.fast.plan(method, budget or 1)
-            assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+            assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
             if gen.token_ids != ar:
                 assert dtype != "float32", (method, budget)
                 assert reference_margin(reference, prompt, ar, gen.token_ids) < NEAR_TIE, (method, budget)
@@ -338,7 +338,7 @@ def test_constrained_rounds_replay_as_graphs_and_give_the_reference_tokens():
             gen = fast.stream(ids, params, method=method, budget=budget)
             list(gen)
             plan = fast.fast.plan(method, budget or 1, sampled=sampled, constrained=True)
-            assert gen.on_fast_path and plan.graphs and plan.eager_reason is None
+            assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
             assert set(json.loads(fast.decode(gen.token_ids))) == {"ok", "name"}
             if not sampled:
                 assert gen.token_ids == want, method
@@ -375,3 +375,28 @@ def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, 
     graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(10, 80)) * 5], dtype,
                           (tmp_path / "hybrid", tmp_path / "draft"))
     assert bool(trees) == (arch == "qwen3_5") and max(trees, default=0) <= gdn.TREE_MAX
+
+
+@gpu
+@pytest.mark.parametrize("draft", ["draft_dflash2", "draft_sinks"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dflash2_and_2026_field_drafts_replay_as_graphs_and_give_the_targets_tokens(fast_ckpt, draft, dtype):
+    """DFlash2's convolutions, transitions and selector tree, and a draft with sinks, a causal window, an embedding
+    scale and a capped output, all inside the round's graphs: the reference path's rounds (float32) and the
+    target's own tokens."""
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cuda", dtype=dtype, fast=True,
+                                  fast_capacity=256)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert triton_works(fast.fast.device)
+    for prompt in ([1, 2, 3, 4, 5], list(range(60, 90))):
+        want = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in (("dflash", None), ("ddtree", 5), ("ddtree", 64)):
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            rounds = list(gen)
+            plan = fast.fast.plan(method, budget or 1)
+            assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
+            if dtype == "float32":
+                ref = reference.stream(prompt, GREEDY, method=method, budget=budget)
+                ref_rounds = list(ref)
+                assert gen.token_ids == ref.token_ids == want, (method, budget)
+                assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], (method, budget)

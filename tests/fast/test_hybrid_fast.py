@@ -8,7 +8,7 @@ from ddtree.engine import Engine
 from ddtree.fast import hybrid as fast_hybrid
 from ddtree.kernels.tree import ancestors
 from test_agreement import prompt_logprobs_agree, rounds_agree
-from tiny import make_draft, make_hybrid_target, path_tokens
+from tiny import make_dflash2_draft, make_draft, make_hybrid_target, path_tokens
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [17], list(range(60, 90))]
@@ -75,6 +75,18 @@ def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):
         ar = reference.generate(prompt, GREEDY, method="ar").token_ids
         for method, budget in RUNS:
             assert rounds_agree(fast, reference, prompt, GREEDY, method, budget) == ar, (method, budget)
+
+
+def test_a_dflash2_drafter_over_a_hybrid_gives_the_reference_rounds(hybrid_pair, tmp_path):
+    """Qwen3.6-style: a hybrid target with a DFlash2 drafter (its selector's chain and tree) on the fast path."""
+    reference, _, root = hybrid_pair
+    fast = Engine.from_pretrained(root / "qwen3_5", make_dflash2_draft(tmp_path / "d2", taps=[1, 2]), device="cpu",
+                                  fast=True, fast_capacity=512)
+    ref = Engine(fast.target, fast.draft, fast.tokenizer)
+    for prompt in PROMPTS[:2]:
+        ar = reference.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in (("dflash", None), ("ddtree", 5), ("ddtree", 32)):
+            assert rounds_agree(fast, ref, prompt, GREEDY, method, budget) == ar, (method, budget)
 
 
 def test_prompts_longer_than_a_chunk_run_chunk_by_chunk_with_the_same_tokens(hybrid_pair, monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
+from ddtree.kernels import jit
 from test_agreement import prompt_logprobs_agree
 from tiny import make_draft, make_hybrid_target, make_target
 
@@ -114,3 +115,28 @@ def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernel
     heads = fast.draft_head.size
     assert {(heads, 64), (2 * 16 * 2, 64), (64, 128)} <= set(launches)  # the head, the context k/v, fc
     assert set(folded) == {"rms_norm_fp8", "silu_mul_fp8"}
+
+
+@interpreted
+@pytest.mark.slow
+def test_a_dflash2_draft_with_sinks_on_the_interpreted_kernels_gives_the_reference_rounds(kernels_on_cpu, tmp_path):
+    """Every drafter feature on the device kernels at once (a causal windowed layer with sinks, the convolutions,
+    the selector's transitions, the selector tree and chain programs, sink attention): the reference path's
+    tokens and acceptance, round for round."""
+    from tiny import make_dflash2_draft
+
+    draft = make_dflash2_draft(tmp_path / "draft", target_layers=2, layers=1, taps=[0, 1], is_causal=None,
+                               sliding_window=4, sinks="sinks")
+    target = make_target(tmp_path / "qwen3", "qwen3", seed=4, layers=2)
+    fast = Engine.from_pretrained(target, draft, device="cpu", fast=True, fast_capacity=128)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    assert fast.draft.config.layer_causal == (True,) and fast.fast.fused_draft.sinks[0] is not None
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for method, budget in (("dflash", None), ("ddtree", 24)):
+        gen = fast.stream(list(range(30, 40)), params, method=method, budget=budget)
+        rounds = list(gen)
+        ref = reference.stream(list(range(30, 40)), params, method=method, budget=budget)
+        ref_rounds = list(ref)
+        assert gen.backend.name == "fast" and gen.token_ids == ref.token_ids, method
+        assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], method
+    assert not [key for key in jit._DECLINED if key[0].startswith("selector")]  # its programs ran, interpreted

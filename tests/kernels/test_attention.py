@@ -1,5 +1,6 @@
 """Tree attention (ddtree/kernels/attention.py) against SDPA with the ancestor mask."""
 
+import dataclasses
 import os
 from importlib.util import find_spec
 
@@ -115,4 +116,45 @@ def test_tree_attention_takes_a_mask_that_is_a_view(kernels_on_cpu):
     want = torch.nn.functional.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None],
                                                             attn_mask=allowed[None, None])[0]
     want = want.view(heads, groups, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "groups"), [(16, 4), (1, 4), (65, 2)])
+def test_tree_attention_with_sinks_matches_the_reference_on_the_gpu(dtype, n, groups):
+    from ddtree.kernels.attention import tree_attention, tree_mask
+
+    capacity, start, d = 512, 150, 64
+    q, cache, visible, _ = attention_case(n, groups, d, capacity, start, None)
+    sinks = torch.randn(2 * groups, generator=torch.Generator().manual_seed(n)) * 3
+    want = tree_attention(q, cache, dataclasses.replace(
+        tree_mask(torch.tensor(start), visible, capacity, groups, d, torch.float32), sinks=sinks))
+    mask = tree_mask(torch.tensor(start).cuda(), visible.cuda(), capacity, groups, d, dtype)
+    got = tree_attention(q.cuda().to(dtype), cache.cuda().to(dtype), dataclasses.replace(mask, sinks=sinks.cuda()))
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float().cpu(), want, atol=tolerance, rtol=tolerance)
+
+
+@interpreted
+@pytest.mark.parametrize(("n", "groups", "splits", "two_loops"), [(8, 2, 1, 0), (8, 2, 3, 1), (8, 1, 3, 2),
+                                                                  (1, 4, 2, 0)])
+def test_tree_attention_kernel_with_sinks_matches_the_reference(n, groups, splits, two_loops):
+    """A drafter's per-head sink logits join each softmax: in the split kernel's own output (one split) or in the
+    merge (several), as in the CPU reference's extra column."""
+    import dataclasses
+
+    from ddtree.kernels.attention import TreeMask, _triton_attention, tree_attention, tree_mask
+
+    d, capacity, start = 16, 64, 20
+    gen = torch.Generator().manual_seed(n + splits)
+    q, cache = torch.randn(2, groups * n, d, generator=gen), torch.randn(2, 2, capacity, d, generator=gen)
+    visible = torch.ones(n, n, dtype=torch.bool).tril()
+    sinks = torch.randn(2 * groups, generator=gen) * 3
+    plain = tree_mask(torch.tensor(start), visible, capacity, groups, d, torch.float32)
+    want = tree_attention(q, cache, dataclasses.replace(plain, sinks=sinks))
+    assert not torch.allclose(want, tree_attention(q, cache, plain), atol=1e-3)  # the sinks matter here
+    mask = TreeMask(torch.tensor(start), n, None, visible=visible.view(torch.int8), sinks=sinks)
+    config = dict(block_m=16, block_n=16, splits=splits, num_warps=4, num_stages=1, two_loops=two_loops)
+    got = _triton_attention(q, cache, mask, config)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()

@@ -69,3 +69,23 @@ def test_a_kernel_that_cannot_launch_falls_back_once_and_says_so(capsys, monkeyp
     err = capsys.readouterr().err
     assert err.count("the tree kernel cannot run at (15, 256, 256) on this GPU (RuntimeError)") == 1
     assert jit.attempt(("tree", 15, 64, 64, torch.device("cpu")), lambda: "built") == "built"  # other shapes
+
+
+@pytest.mark.parametrize(("depth", "k", "budget"), [(4, 3, 1), (4, 3, 5), (6, 4, 16), (15, 16, 64), (5, 2, 40)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_selector_prefixes_equal_the_host_selector_tree(depth, k, budget, seed):
+    """DFlash2's tree over its transition model, on the device: the host's nodes, in the host's order."""
+    from ddtree.core.tree import Transitions, build_selector_tree, selector_chain
+    from ddtree.kernels.selector import selector_chain as device_chain
+    from ddtree.kernels.selector import selector_prefixes
+
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(torch.randn(depth, k, k, generator=gen) * 2, dim=-1)
+    logp[0] = logp[0, 0]
+    tokens = torch.stack([torch.randperm(100, generator=gen)[:k] for _ in range(depth)])
+    host = build_selector_tree(Transitions(logp, tokens), budget)
+    ordered, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+    got, parents, depths, visible = selector_prefixes(ordered, order, tokens, budget)
+    assert got.tolist() == host.tokens and parents.tolist()[1:] == host.parents[1:]
+    assert depths.tolist() == [0, *host.depths] and torch.equal(visible, visibility(host))
+    assert device_chain(ordered, order, tokens)[0].tolist() == selector_chain(Transitions(logp, tokens))

@@ -38,6 +38,7 @@ def test_both_layouts_load_with_their_fields(tmp_path):
         assert model.config.target_layer_ids == tuple(default_taps(4, 2))
     assert old.config.layer_windows == (None, None)
     assert new.config.layer_windows == (5, None)
+    assert old.config.layer_causal == (False, False) and new.config.layer_causal == (True, False)  # no is_causal
     keys = set(load_file(str(tmp_path / "old" / "model.safetensors")))
     assert len(keys) == 11 * 2 + 3 and {"fc.weight", "hidden_norm.weight", "norm.weight"} <= keys
 
@@ -54,12 +55,14 @@ def test_model_prefix_and_borrowed_tensors_are_tolerated(tmp_path):
 
 
 def test_sliding_window_hides_keys_at_or_beyond_the_window(tmp_path):
-    model = load_draft(make_draft(tmp_path / "d", sliding_window=3), TARGET)
+    """A causal sliding layer sees keys at 0 <= q - k < window; a bidirectional one |q - k| < window (HF)."""
     q = torch.tensor([[10, 11]])
     k = torch.tensor([[6, 7, 8, 9, 10, 11]])
-    masks = model._layer_masks(q, k, None)
-    assert masks[None] is None
-    assert masks[3][0, 0].int().tolist() == [[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]]
+    causal = load_draft(make_draft(tmp_path / "c", sliding_window=3), TARGET)._layer_masks(q, k, None)
+    assert causal[None, False] is None  # the full-attention layer: no mask at all
+    assert causal[3, True][0, 0].int().tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    both = load_draft(make_draft(tmp_path / "b", sliding_window=3, is_causal=False), TARGET)._layer_masks(q, k, None)
+    assert both[3, False][0, 0].int().tolist() == [[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]]
 
 
 def test_cached_context_equals_full_context(tmp_path):
@@ -87,8 +90,8 @@ def test_cached_context_equals_full_context(tmp_path):
      f"mask_token_id {VOCAB} is outside the target embedding ({VOCAB} rows)"),
     (dict(block_size=None), "no block_size (top level or dflash_config)"),
     (dict(intermediate_size=None), "missing required field(s) intermediate_size"),
-    (dict(conv_kernel_size=4), "DFlash2 checkpoints are a different architecture"),
-    (dict(architectures=["DFlash2DraftModel"]), "DFlash2 checkpoints are a different architecture"),
+    (dict(conv_kernel_size=4), "inconsistent: a DFlashDraftModel config with DFlash2 fields (conv_kernel_size)"),
+    (dict(architectures=["DFlash2DraftModel"]), "DFlash2 config without dflash_config.conv_kernel_size"),
     (dict(architectures=["Qwen3ForCausalLM"], dflash_config=None), "not a DFlash draft"),
 ])
 def test_config_errors_are_one_clear_line(tmp_path, change, message):

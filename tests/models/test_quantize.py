@@ -13,7 +13,7 @@ from ddtree.kernels.fp8 import FP8_MAX, Fp8Weight, quantize_rows, quantize_weigh
 from ddtree.models import quantize
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.quantize import Fp8Linear, quantize_module
-from tiny import make_hybrid_target
+from tiny import make_dflash2_draft, make_hybrid_target
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(60, 90))]
@@ -101,6 +101,24 @@ def test_greedy_output_with_an_fp8_draft_is_the_targets_own_on_both_paths(ckpt, 
             assert fast_gen.backend.name == "fast"
             # both paths draft with the same fp8 function: the same trees, the same acceptance round for round
             assert [r.accepted for r in got] == [r.accepted for r in ref]
+
+
+def test_a_quantized_dflash2_draft_gives_the_targets_tokens_on_both_paths(ckpt, tmp_path):
+    """DFlash2's convolutions' and selector's projections in fp8 too (its codebooks are lookups, kept as they are):
+    the same trees on both paths, and the target's tokens."""
+    draft = make_dflash2_draft(tmp_path / "d2")
+    quantized = Engine.from_pretrained(ckpt / "qwen3", draft, device="cpu", draft_quantization="fp8")
+    fast = Engine.from_pretrained(ckpt / "qwen3", draft, device="cpu", fast=True, draft_quantization="fp8")
+    layers = quantized.draft.config.num_layers
+    assert sum(isinstance(m, Fp8Linear) for m in quantized.draft.modules()) == 1 + 9 * layers + 1
+    assert isinstance(fast.fast.fused_draft.layers[0].attention_taps.weight, Fp8Weight)
+    prompt = PROMPTS[1]
+    want = quantized.generate(prompt, GREEDY, method="ar").token_ids
+    for method, budget in (("dflash", None), ("ddtree", 24)):
+        ref = list(gen := quantized.stream(prompt, GREEDY, method=method, budget=budget))
+        got = list(fast_gen := fast.stream(prompt, GREEDY, method=method, budget=budget))
+        assert gen.token_ids == fast_gen.token_ids == want and fast_gen.backend.name == "fast", method
+        assert [r.accepted for r in got] == [r.accepted for r in ref], method
 
 
 def test_an_fp8_draft_still_drafts_what_the_bf16_draft_drafts_on_the_demo_pair():

@@ -31,4 +31,7 @@ def tiny_pair(tmp_path_factory) -> dict:
     draft = train_draft(root / "target", corpus, root / "draft", layers=2, block_size=6, globs=["*.py"], seq_len=64,
                         blocks=6, batch_size=8, lr=3e-3, steps=30, device="cpu", eval_every=1000, save_every=1000,
                         log=quiet)
-    return {"root": root, "corpus": corpus, "target": target, "draft": draft}
+    dflash2 = train_draft(root / "target", corpus, root / "draft2", layers=2, block_size=6, globs=["*.py"], seq_len=64,
+                          blocks=6, batch_size=8, lr=3e-3, steps=30, device="cpu", eval_every=1000, save_every=1000,
+                          arch="dflash2", causal=True, log=quiet)
+    return {"root": root, "corpus": corpus, "target": target, "draft": draft, "draft2": dflash2}

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from ddtree.models.draft import TargetShape, load_draft
 from ddtree.training.corpus import find_files, is_held_out, split_files
 from ddtree.training.drafter import STATE_FILE, FrozenTarget, block_batch, parse_taps, train_draft
 from ddtree.training.tokenizer import EOS, MASK
-from tiny import HIDDEN, VOCAB, make_draft
+from safetensors.torch import load_file
+from tiny import HIDDEN, VOCAB, make_dflash2_draft, make_draft
 from transformers import AutoTokenizer
 
 
@@ -35,14 +37,35 @@ def test_draft_training_reduces_loss_and_writes_a_loadable_z_lab_checkpoint(tiny
     assert summary["held_out"]["tau"] > summary["held_out_initial"]["tau"]
     cfg = json.loads((root / "draft" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 6
+    assert cfg["is_causal"] is False  # our checkpoints say how they were trained
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 3]  # 'auto' on a 4-layer target
     draft = load_draft(root / "draft", TargetShape(64, 320, 4))
     assert draft.config.mask_token_id == AutoTokenizer.from_pretrained(root / "target").convert_tokens_to_ids(MASK)
 
 
+def test_dflash2_training_learns_a_selector_and_writes_a_loadable_dflash2_checkpoint(tiny_pair):
+    """--arch dflash2 --causal: the backbone, the convolutions and the selector train; the checkpoint is the
+    published format (the markers in dflash_config, is_causal, the codebooks without `.weight`)."""
+    root, summary = tiny_pair["root"], tiny_pair["draft2"]
+    assert summary["architecture"] == "DFlash2DraftModel"
+    assert summary["held_out"]["loss"] < 0.7 * summary["held_out_initial"]["loss"]
+    assert summary["held_out"]["tau"] > summary["held_out_initial"]["tau"]
+    cfg = json.loads((root / "draft2" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["is_causal"] is True
+    assert {k: cfg["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                 "selector_top_k")} == dict(conv_kernel_size=2, conv_group_size=16,
+                                                                            selector_rank=256, selector_top_k=16)
+    assert "candidate_selector.successor_codebook" in load_file(str(root / "draft2" / "model.safetensors"))
+    draft = load_draft(root / "draft2", TargetShape(64, 320, 4))
+    assert draft.config.layer_causal == (True, True)
+    assert draft.candidate_selector.successor_codebook.abs().sum() > 0
+    assert draft.layers[0].attention_conv.kernel_projection.weight.abs().sum() > 0  # trained from zero
+
+
+@pytest.mark.parametrize("draft", ["draft", "draft2"])
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
-def test_trained_pair_decodes_losslessly(tiny_pair, method):
-    engine = Engine.from_pretrained(tiny_pair["root"] / "target", tiny_pair["root"] / "draft", device="cpu")
+def test_trained_pair_decodes_losslessly(tiny_pair, method, draft):
+    engine = Engine.from_pretrained(tiny_pair["root"] / "target", tiny_pair["root"] / draft, device="cpu")
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     for prompt in ("def add_7(x, y):\n", "    total = x"):
         ids = engine.encode(prompt)
@@ -63,9 +86,12 @@ def test_resume_continues_from_the_saved_step(tiny_pair, tmp_path):
     assert json.loads((out / "config.json").read_text())["block_size"] == 6  # the checkpoint's, not the default 16
 
 
-def test_many_blocks_in_one_forward_match_the_engine_single_block_forward(tmp_path):
-    """The training mask gives each block exactly what decoding gives it: context rows < anchor + its block."""
-    draft = load_draft(make_draft(tmp_path / "d", block_size=4), TargetShape(HIDDEN, VOCAB, 4))
+@pytest.mark.parametrize("kind", ["dflash", "dflash2, causal window"])
+def test_many_blocks_in_one_forward_match_the_engine_single_block_forward(tmp_path, kind):
+    """The training mask gives each block exactly what decoding gives it: context rows < anchor + its block (each
+    layer's causality and window on top, and DFlash2's convolutions within each block)."""
+    make = make_draft if kind == "dflash" else partial(make_dflash2_draft, is_causal=None, sliding_window=3)
+    draft = load_draft(make(tmp_path / "d", block_size=4), TargetShape(HIDDEN, VOCAB, 4))
     torch.manual_seed(0)
     t, n, bs = 24, 3, 4
     ids = torch.randint(0, VOCAB - 2, (2, t))
@@ -123,3 +149,17 @@ def test_taps_are_decoder_layer_outputs(tiny_pair):
         ref = target.model.model(input_ids=ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(feats, torch.cat([ref[1], ref[3]], dim=-1))
     torch.testing.assert_close(hidden, ref[-1])
+
+
+def test_cli_trains_a_dflash2_drafter_with_its_fields(tiny_pair, tmp_path):
+    args = ["train-draft", "--target", str(tiny_pair["root"] / "target"), "--corpus", *tiny_pair["corpus"],
+            "--glob", "*.py", "--out", str(tmp_path / "d2"), "--device", "cpu", "--steps", "2", "--layers", "1",
+            "--block-size", "4", "--seq-len", "32", "--blocks", "4", "--batch-size", "2", "--eval-every", "100",
+            "--arch", "dflash2", "--selector-top-k", "4", "--selector-rank", "8", "--conv-group-size", "32"]
+    assert main(args) == 0
+    cfg = json.loads((tmp_path / "d2" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["is_causal"] is False
+    assert (cfg["dflash_config"]["selector_top_k"], cfg["dflash_config"]["selector_rank"],
+            cfg["dflash_config"]["conv_group_size"]) == (4, 8, 32)
+    draft = load_draft(tmp_path / "d2", TargetShape(64, 320, 4))
+    assert draft.layers[0].attention_conv.kernel_projection.weight.shape == (2 * 2 * 2, 64)

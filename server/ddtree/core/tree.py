@@ -1,8 +1,11 @@
 """DDTree construction: the most probable draft prefixes under a node budget, and their visibility mask.
 
-Pure functions over the drafter's per-depth distributions. Node 0 is the root (the last committed
-token); nodes are numbered in the order they are chosen, so every child's index exceeds its parent's,
-which the mask builder and in-place KV compaction rely on.
+Pure functions over what a drafter proposes: DFlash's independent per-depth distributions, or DFlash2's
+first-order transition model over each depth's top-k candidates (`Transitions`), under which a prefix's
+probability is the product of its transitions and a node's children are scored with its own token as the
+predecessor (dflash2.md §6). Node 0 is the root (the last committed token); nodes are numbered in the order
+they are chosen, so every child's index exceeds its parent's, which the mask builder and in-place KV
+compaction rely on.
 """
 
 from __future__ import annotations
@@ -58,6 +61,20 @@ class DraftTree:
         return tree
 
 
+@dataclass(frozen=True)
+class Transitions:
+    """A block's first-order draft model (DFlash2's selector): logp [D, k, k], logp[d, i, j] the log-probability
+    of candidate j at depth d+1 after candidate i at depth d (depth 1: after the root, in every row), and the
+    candidates' token ids tokens [D, k]."""
+
+    logp: torch.Tensor
+    tokens: torch.Tensor
+
+    def first(self, depth: int) -> Transitions:
+        """The model of the first `depth` depths."""
+        return Transitions(self.logp[:depth], self.tokens[:depth])
+
+
 def chain_tree(tokens: list[int], logps: list[float] | None = None) -> DraftTree:
     """Linear DFlash: one path of the draft's argmax tokens (with their log-probs, each node's prefix scored)."""
     tree = DraftTree()
@@ -90,41 +107,77 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, spine: bool = False,
     """
     if budget <= 0 or draft_logits.shape[0] == 0:
         return DraftTree()
-    k = min(budget, draft_logits.shape[1])
-    return tree_from_candidates(*top_candidates(draft_logits, k, token_ids), budget, spine=spine)
+    return tree_from_candidates(*top_candidates(draft_logits, min(budget, draft_logits.shape[1]), token_ids),
+                                budget, spine=spine)
 
 
 def tree_from_candidates(logp: list[list[float]], tok: list[list[int]], budget: int, *,
                          spine: bool = False) -> DraftTree:
     """`build_tree` over per-depth top-k log-probs and tokens already on the host (best first at each depth):
     a batched round takes every request's candidates in one copy and builds each tree from them."""
-    max_depth, k = len(logp), len(logp[0]) if logp else 0
-    tree = DraftTree()
-    if budget <= 0 or max_depth == 0:
-        return tree
-    # Heap entry: (-score, rank tuple, parent score, parent node, depth, rank)
-    heap: list[tuple[float, tuple[int, ...], float, int, int, int]] = []
+    if budget <= 0 or not logp:
+        return DraftTree()
+    # one state per depth: every node's children come from the same row
+    return _best_first([[row] for row in logp], [[row] for row in tok], None, budget, spine)
 
-    def push(parent_score: float, ranks: tuple[int, ...], parent: int, depth: int, rank: int) -> None:
-        score = parent_score + logp[depth - 1][rank]
-        heapq.heappush(heap, (-score, (*ranks, rank), parent_score, parent, depth, rank))
+
+def build_selector_tree(transitions: Transitions, budget: int) -> DraftTree:
+    """Best-first search for the `budget` most probable prefixes under a first-order transition model: a node's
+    children are its depth's successors of its own candidate, scored by the transitions from it. A prefix
+    still outscores its extensions (log-probabilities are <= 0), so the result is prefix-closed, with the same
+    order and tie rules as build_tree."""
+    if budget <= 0 or transitions.logp.shape[0] == 0:
+        return DraftTree()
+    k = min(budget, transitions.logp.shape[-1])
+    logp, order = torch.sort(transitions.logp.double(), dim=-1, descending=True, stable=True)
+    order = order[..., :k]
+    tokens = transitions.tokens[:, None, :].expand_as(transitions.logp).gather(2, order)
+    return _best_first(logp[..., :k].tolist(), tokens.tolist(), order.tolist(), budget, False)
+
+
+def selector_chain(transitions: Transitions) -> list[int]:
+    """DFlash2's chain: at each depth the best candidate after the previous pick (the anchor first)."""
+    tokens, state = [], 0
+    for logp, candidates in zip(transitions.logp, transitions.tokens, strict=True):
+        state = int(logp[state].argmax())
+        tokens.append(int(candidates[state]))
+    return tokens
+
+
+def _best_first(logp: list[list[list[float]]], tok: list[list[list[int]]], succ: list[list[list[int]]] | None,
+                budget: int, spine: bool) -> DraftTree:
+    """The best-first search of build_tree over rows: logp[d][s] the sorted log-probs (best first) of depth d+1's
+    children of a node in state s, tok[d][s] their tokens, succ[d][s] their own states (None: one state, 0).
+    The root is in state 0."""
+    max_depth, k = len(logp), len(logp[0][0])
+    tree = DraftTree()
+    # Heap entry: (-score, rank tuple, parent score, parent node, parent state, depth, rank)
+    heap: list[tuple[float, tuple[int, ...], float, int, int, int, int]] = []
+
+    def push(parent_score: float, ranks: tuple[int, ...], parent: int, state: int, depth: int, rank: int) -> None:
+        score = parent_score + logp[depth - 1][state][rank]
+        heapq.heappush(heap, (-score, (*ranks, rank), parent_score, parent, state, depth, rank))
+
+    def child_state(depth: int, state: int, rank: int) -> int:
+        return 0 if succ is None else succ[depth - 1][state][rank]
 
     if spine:
-        node, score, ranks = 0, 0.0, ()
+        node, score, ranks, state = 0, 0.0, (), 0
         for depth in range(1, min(budget, max_depth) + 1):
             if k > 1:
-                push(score, ranks, node, depth, 1)  # the spine node's first sibling
-            score, ranks = score + logp[depth - 1][0], (*ranks, 0)
-            node = tree.add(node, tok[depth - 1][0], depth, score)
+                push(score, ranks, node, state, depth, 1)  # the spine node's first sibling
+            score, ranks = score + logp[depth - 1][state][0], (*ranks, 0)
+            node = tree.add(node, tok[depth - 1][state][0], depth, score)
+            state = child_state(depth, state, 0)
     else:
-        push(0.0, (), 0, 1, 0)
+        push(0.0, (), 0, 0, 1, 0)
     while heap and tree.size < budget:
-        neg_score, ranks, parent_score, parent, depth, rank = heapq.heappop(heap)
-        node = tree.add(parent, tok[depth - 1][rank], depth, -neg_score)
+        neg_score, ranks, parent_score, parent, state, depth, rank = heapq.heappop(heap)
+        node = tree.add(parent, tok[depth - 1][state][rank], depth, -neg_score)
         if rank + 1 < k:
-            push(parent_score, ranks[:-1], parent, depth, rank + 1)
+            push(parent_score, ranks[:-1], parent, state, depth, rank + 1)
         if depth < max_depth:
-            push(-neg_score, ranks, node, depth + 1, 0)
+            push(-neg_score, ranks, node, child_state(depth, state, rank), depth + 1, 0)
     return tree
 
 

@@ -23,7 +23,7 @@ import torch
 from ddtree.core import grammar
 from ddtree.core.rounds import PHASES, DecodeRequest, Round
 from ddtree.core.sampling import History, SamplingParams, make_generator, pick_tokens, process_logits, token_logprobs
-from ddtree.core.tree import DraftTree, build_tree, chain_tree, walk
+from ddtree.core.tree import DraftTree, Transitions, build_selector_tree, build_tree, chain_tree, selector_chain, walk
 from ddtree.models.draft import DFlashDraft, DraftCache
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.target import Target
@@ -105,19 +105,26 @@ class ReferenceBackend:
             yield Round(emitted, tree.size, len(path) - 1, phases,
                         self._logprob_rows(processed[path], emitted, params))
 
-    def _draft(self, root: int, start: int, draft_cache: DraftCache) -> torch.Tensor:
-        """The drafter's logits for the next block_size - 1 positions after the root (over its draft vocabulary)."""
+    def _draft(self, root: int, start: int, draft_cache: DraftCache) -> torch.Tensor | Transitions:
+        """The drafter's logits for the next block_size - 1 positions after the root (over its draft vocabulary), or
+        a DFlash2 drafter's transition model over them."""
         device = self.target.device
         block = torch.full((self.block_size,), self.draft.config.mask_token_id, device=device)
         block[0] = root
         embeds = self.target.embed_tokens(block)[None]
         hidden = self.draft(embeds, torch.arange(start, start + self.block_size, device=device)[None],
                             cache=draft_cache)
-        return self.draft_head(hidden[0, 1:])
+        return self.draft.propose(hidden[0, 1:], self.draft_head, self.draft_head.token_ids, root)
 
-    def _tree(self, request: DecodeRequest, draft_logits: torch.Tensor | None, max_depth: int) -> DraftTree:
+    def _tree(self, request: DecodeRequest, draft_logits: torch.Tensor | Transitions | None,
+              max_depth: int) -> DraftTree:
         if draft_logits is None:
             return DraftTree()
+        if isinstance(draft_logits, Transitions):  # DFlash2: its selector's chain, or the tree over its transitions
+            model = draft_logits.first(max_depth)
+            if request.method == "dflash":
+                return chain_tree(selector_chain(model))
+            return build_selector_tree(model, request.budget)
         draft_logits = draft_logits[:max_depth]
         head = self.draft_head
         if request.method == "dflash":

@@ -22,17 +22,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ddtree.kernels import rows
+from ddtree.kernels.attention import TreeMask, tree_mask
 from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows
 from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, silu_mul_linear
 from ddtree.kernels.moe import Experts
+from ddtree.kernels.tree import chain, top_prefixes
+from ddtree.models.dflash2 import dynamic_conv
 from ddtree.models.draft import rms_norm
+from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.quantize import Fp8Linear
 from ddtree.switches import SWITCHES
 
@@ -97,7 +101,7 @@ class Ops:
 
     def __init__(self, compile: bool) -> None:
         self.compiled = compile and SWITCHES.compile
-        for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul):
+        for fn in (rms_norm, add_rms_norm, attention_heads, context_heads, silu_mul, dynamic_conv):
             setattr(self, fn.__name__, self.wrap(fn))
         self.quantizing_rows = False  # the row kernels' fp8 forms (see normed), once take_row_kernels has run
         self.folding_silu = False  # SiLU · up in the gate/up GEMM (see swiglu), likewise: the row kernel's bits
@@ -299,15 +303,27 @@ class DraftLayer(Layer):
 
 @dataclass(frozen=True)
 class Draft:
-    """A DFlash drafter as fused projections: fc, every layer's context k+v in one weight, and the layers."""
+    """A DFlash drafter as fused projections: fc, every layer's context k+v in one weight, and the layers; with
+    what its block pass needs besides (each layer's causality, window and sinks, the embedding scale, the
+    logits' multiplier and cap). A DFlash2 drafter is a SelectorDraft (fast/dflash2.py)."""
 
     fc: Proj
     context_kv: Proj
     k_norms: torch.Tensor  # [L, head_dim]
     layers: list[DraftLayer]
+    norm: torch.Tensor  # the final norm's weight
+    eps: float
+    rules: tuple[tuple[int | None, bool], ...]  # per layer: (window, causal)
+    block_visible: dict[tuple[int | None, bool], torch.Tensor]  # per rule: [bs, bs] bool, which block rows each sees
+    sinks: tuple[torch.Tensor | None, ...]  # per layer: float32 sink logits per query head, or None
+    embedding_scale: float
+    finish_logits: Callable[[torch.Tensor], torch.Tensor]  # the checkpoint's output multiplier and softcap
+    # the block pass's layer step: None for the target's decoder layer (fast/runner.py's decoder_layer)
+    layer_step: Callable | None = None
 
     @classmethod
-    def of(cls, draft: nn.Module) -> Draft:
+    def of(cls, draft: nn.Module, **more: object) -> Draft:
+        cfg = draft.config
         kv_linears = [m for layer in draft.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
         context_kv = fuse(draft, "ddtree_context_kv", kv_linears)
         width = 2 * draft.layers[0].self_attn.k_proj.out_features
@@ -320,7 +336,53 @@ class Draft:
                 attn.q_norm.weight, attn.k_norm.weight, attn.num_kv_heads, attn.head_dim,
                 Proj(weight_of(attn.q_proj)), Proj(_rows(context_kv.weight, i * width, (i + 1) * width))))
         k_norms = torch.stack([layer.self_attn.k_norm.weight.detach() for layer in draft.layers])
-        return cls(Proj(weight_of(draft.fc)), context_kv, k_norms, layers)
+        device = draft.norm.weight.device
+        steps = torch.arange(cfg.block_size, device=device)
+        rel = steps[:, None] - steps[None, :]
+        visible = {}
+        for window, causal in set(cfg.layer_rules):  # the block-to-block part of DFlashDraft._layer_masks' rules
+            seen = rel >= 0 if causal else torch.ones_like(rel, dtype=torch.bool)
+            visible[window, causal] = seen if window is None else seen & ((rel if causal else rel.abs()) < window)
+        sinks = tuple(None if layer.self_attn.sinks is None else layer.self_attn.sinks.detach().float()
+                      for layer in draft.layers)
+        return cls(Proj(weight_of(draft.fc)), context_kv, k_norms, layers, draft.norm.weight, cfg.rms_norm_eps,
+                   cfg.layer_rules, visible, sinks, cfg.input_embedding_scale, draft.finish_logits, **more)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's target embeddings as the drafter reads them (input_embedding_scale)."""
+        return x * self.embedding_scale if self.embedding_scale != 1.0 else x
+
+    def masks(self, start: torch.Tensor, capacity: int, dtype: torch.dtype) -> list[TreeMask]:
+        """Each layer's attention mask for the block at `start`: every committed context row (within the layer's
+        window) and the block rows its rule shows, with the layer's sinks."""
+        layer = self.layers[0]
+        groups = self.q_heads // layer.kv_heads
+        by_rule = {rule: tree_mask(start, visible, capacity, groups, layer.head_dim, dtype, rule[0])
+                   for rule, visible in self.block_visible.items()}
+        return [by_rule[rule] if sinks is None else replace(by_rule[rule], sinks=sinks)
+                for rule, sinks in zip(self.rules, self.sinks, strict=True)]
+
+    @property
+    def q_heads(self) -> int:
+        layer = self.layers[0]
+        return layer.q.weight.shape[0] // layer.head_dim
+
+    def branching(self, head: DraftHead) -> int:
+        """Children a tree node can have: every token the head scores."""
+        return head.size
+
+    def propose(self, ops: Ops, x: torch.Tensor, delta: torch.Tensor, head: DraftHead,
+                root: torch.Tensor) -> torch.Tensor:
+        """What the tree step reads from the block's last layer (rows below the anchor, residual still to add):
+        the logits [D, V] over the head's columns."""
+        h, _ = ops.normed(x, delta, self.norm, self.eps, isinstance(head.weight, Fp8Weight))
+        return self.finish_logits(linear(h, head.weight, head.bias))
+
+    def tree_step(self, method: str, budget: int, token_ids: torch.Tensor | None) -> Callable:
+        """The round's tree step over `propose`'s output: the best-first tree, or the argmax chain for `dflash`."""
+        if method == "ddtree":
+            return lambda logits: top_prefixes(logits, budget, token_ids)
+        return lambda logits: chain(logits, token_ids)
 
 
 def _rows(weight: torch.Tensor | Fp8Weight, start: int, end: int) -> torch.Tensor | Fp8Weight:

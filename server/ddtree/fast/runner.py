@@ -33,11 +33,11 @@ from torch import nn
 from ddtree.core import grammar
 from ddtree.core.rounds import DecodeRequest, Round
 from ddtree.core.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
+from ddtree.fast.dflash2 import SelectorDraft
 from ddtree.fast.layers import Draft, Layer, Ops, TargetLayer
 from ddtree.fast.rope import RopeTable
 from ddtree.kernels.attention import TreeMask, tree_attention, tree_mask
 from ddtree.kernels.cache import compact
-from ddtree.kernels.fp8 import Fp8Weight
 from ddtree.kernels.gather import embed, gather_rows
 from ddtree.kernels.gemm import linear
 from ddtree.kernels.gemv import NORM, SILU, gemv, norm_gemv
@@ -142,8 +142,7 @@ class FastPath:
             # The draft block's tokens, [root, mask x D]: the root is its first entry, so committing one writes it
             self.draft_block = torch.full((self.block,), dc.mask_token_id, device=self.device)
             self.root = self.draft_block[0]
-            self.block_visible = torch.ones(self.block, self.block, dtype=torch.bool, device=self.device)  # not causal
-            self.fused_draft = Draft.of(draft)
+            self.fused_draft = (SelectorDraft if dc.selector is not None else Draft).of(draft)  # DFlash2, DFlash
             self.draft_rope = RopeTable(draft.rotary, self.capacity, self.dtype, self.device)
             # Context rows 0..start-1; the current block's rows at start.. (later overwritten by context).
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, self.capacity, dc.head_dim),
@@ -185,7 +184,7 @@ class FastPath:
         depth = self.block - 1
         if method == "dflash":
             return depth + 1
-        return tree_size(depth, self.draft_head.size, budget) + 1
+        return tree_size(depth, self.fused_draft.branching(self.draft_head), budget) + 1
 
     def accepts(self, request: DecodeRequest) -> bool:
         """Greedy or sampled (temperature, top-k, top-p, min-p: up to MAX_FILTER_SETTINGS distinct filter
@@ -307,9 +306,8 @@ class FastPath:
                 steps.append(("tree", lambda _: self.lone_root()))
             else:
                 steps.append(("draft", lambda _: self.draft_logits()))
-                ids = self.draft_head.token_ids  # draft-logit columns -> token ids (None: the same)
-                steps.append(("tree", (lambda x: top_prefixes(x, budget, ids)) if method == "ddtree"
-                              else (lambda x: chain(x, ids))))
+                # draft-logit columns -> token ids (None: the same); a DFlash2 drafter's tree is over its selector's
+                steps.append(("tree", self.fused_draft.tree_step(method, budget, self.draft_head.token_ids)))
             depth = 0 if method == "ar" else self.block - 1
             steps.append(("verify", lambda tree: self.verify(*tree, max_depth=depth, noise=noise, filters=filters,
                                                              allowed=allowed, adjusted=adjusted, logprobs=logprobs)))
@@ -410,22 +408,20 @@ class FastPath:
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         return zero[:0], zero, zero, torch.ones(1, 1, dtype=torch.bool, device=self.device)
 
-    def draft_logits(self) -> torch.Tensor:
-        """The DFlash block pass: [root, mask x D] at start.. over the static context cache -> logits [D, V] over
-        the draft head's tokens."""
-        draft, dc, fused, ops = self.draft, self.draft.config, self.fused_draft, self.ops
-        eps = dc.rms_norm_eps
-        x = embed(self.target.embed_tokens, self.draft_block)
+    def draft_logits(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The drafter's block pass: [root, mask x D] at start.. over the static context cache -> logits [D, V] over
+        the draft head's tokens (a DFlash2 drafter: its selector's transition model, fast/dflash2.py). Each layer
+        sees the block rows its causality rule shows (fast/layers.py `Draft.masks`)."""
+        dc, fused, ops = self.draft.config, self.fused_draft, self.ops
+        x = fused.embed(embed(self.target.embed_tokens, self.draft_block))
         slots = self.start + self.steps[:self.block]
         cos, sin = self.draft_rope(slots)
-        masks = {window: tree_mask(self.start, self.block_visible, self.capacity, dc.num_heads // dc.num_kv_heads,
-                                   dc.head_dim, self.dtype, window) for window in set(dc.layer_windows)}
+        masks = fused.masks(self.start, self.capacity, self.dtype)
+        step = fused.layer_step or decoder_layer
         delta = None
         for i, layer in enumerate(fused.layers):
-            _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[dc.layer_windows[i]], slots,
-                                        cos, sin, eps)
-        h, _ = ops.normed(x[1:], delta[1:], draft.norm.weight, eps, isinstance(self.draft_head.weight, Fp8Weight))
-        return linear(h, self.draft_head.weight, self.draft_head.bias)
+            _, x, delta = step(ops, layer, x, delta, self.draft_kv[i], masks[i], slots, cos, sin, dc.rms_norm_eps)
+        return fused.propose(ops, x[1:], delta[1:], self.draft_head, self.root)
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor,
                max_depth: int, noise: torch.Tensor | None = None, filters: Filters | None = None,

@@ -13,6 +13,10 @@ no float32 partials through global memory). Past a single query row the kernel r
 a loop of their own, which needs no visibility and so pipelines, then the new rows' keys. `start` stays on
 the device, so a CUDA graph replays the same launch as the cache grows. Elsewhere the same function is
 PyTorch's SDPA with an additive mask over the whole capacity (the CPU reference).
+
+A mask may carry per-head sink logits (a drafter's `attention_sink_bias`): a key every query sees, with no
+value, so each softmax also spans exp(sink). The kernels fold it into the softmax's normaliser when they
+finish a row; the CPU reference appends it as a column.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class TreeMask:
     window: int | None
     visible: torch.Tensor | None = None
     additive: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # float32 [H]: per query head (K/V head * groups + group), or None
 
 
 def tree_mask(start: torch.Tensor, visible: torch.Tensor, capacity: int, groups: int, head_dim: int,
@@ -75,8 +80,18 @@ def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask | PagedM
     n = mask.n
     if mask.visible is not None:
         return _triton_attention(q, cache, mask)
-    out = F.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None], attn_mask=mask.additive)[0]
+    if mask.sinks is None:
+        out = F.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None], attn_mask=mask.additive)[0]
+    else:
+        out = _sink_attention(q, cache, mask.additive[0, 0], mask.sinks.view(kv_heads, -1).repeat_interleave(n, 1))
     return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)
+
+
+def _sink_attention(q: torch.Tensor, cache: torch.Tensor, additive: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """SDPA's result with a sink column: q [kv, rows, d], additive [rows, T], sinks [kv, rows] -> [kv, rows, d]."""
+    scores = (q @ cache[0].transpose(-1, -2)).float() / math.sqrt(q.shape[-1]) + additive.float()
+    weights = torch.softmax(torch.cat([scores, sinks[..., None]], dim=-1), dim=-1)[..., :-1]
+    return (weights.to(q.dtype) @ cache[1]).to(q.dtype)
 
 
 def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:
@@ -131,16 +146,17 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
         acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
         stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
     k, v = cache[0], cache[1]
+    sinks = mask.sinks if mask.sinks is not None else out  # (not read without sinks)
     order = early_pdl(q.device, n, "attention")
 
     def launch(tiles: dict[str, int]) -> None:
         _split_kernel[(kv_heads, triton.cdiv(rows, cfg["block_m"]), splits)](
-            q, k, v, mask.visible, mask.start, acc, stats, out,
+            q, k, v, mask.visible, mask.start, acc, stats, out, sinks,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, n, rows // n, 1.0 / math.sqrt(d), splits,
             WINDOW=mask.window or 0, HEAD_DIM=d, BLOCK_M=cfg["block_m"], BLOCK_N=tiles["block_n"],
-            IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=two_loops, PDL=order,
-            num_warps=cfg["num_warps"], num_stages=tiles["num_stages"], launch_pdl=order > 0)
+            IEEE=q.dtype == torch.float32, DIRECT=direct, TWO_LOOPS=two_loops, SINK=mask.sinks is not None,
+            PDL=order, num_warps=cfg["num_warps"], num_stages=tiles["num_stages"], launch_pdl=order > 0)
 
     # the tuned tiles fit an H200 at head dim 128 in either dtype; head dim 256 in float32 (a Qwen3.5/3.6
     # target's prompt chunk) needs narrower key tiles. The fit is kept per kernel build: the loop form and
@@ -153,8 +169,8 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
     row_blocks = triton.cdiv(rows, block_r)
     block_d = d if kv_heads * row_blocks >= 64 else min(d, 32)  # few rows: spread the head dim over programs
     _merge_kernel[(kv_heads, row_blocks, d // block_d)](
-        acc, stats, out, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
-        PDL=order, num_warps=4 if block_d == d else 1, launch_pdl=order > 0)
+        acc, stats, out, sinks, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
+        SINK=mask.sinks is not None, PDL=order, num_warps=4 if block_d == d else 1, launch_pdl=order > 0)
     return out
 
 
@@ -186,14 +202,15 @@ if triton is not None:
         return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
     @triton.jit
-    def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, Out, stride_qh, stride_qr, stride_kh, stride_kt, stride_vh,
-                      stride_vt, rows, n, groups, scale, SPLITS, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
-                      TWO_LOOPS: tl.constexpr, PDL: tl.constexpr):
+    def _split_kernel(Q, K, V, Vis, Start, Acc, Stats, Out, Sinks, stride_qh, stride_qr, stride_kh, stride_kt,
+                      stride_vh, stride_vt, rows, n, groups, scale, SPLITS, WINDOW: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                      DIRECT: tl.constexpr, TWO_LOOPS: tl.constexpr, SINK: tl.constexpr, PDL: tl.constexpr):
         """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats
         for _merge_kernel, or, when DIRECT (one split, the whole key range), the finished output in its layout.
         TWO_LOOPS: the committed keys in a loop without visibility reads, then the new rows' keys; 2: the new
-        rows' keys in the last split alone, the committed keys evenly over the others."""
+        rows' keys in the last split alone, the committed keys evenly over the others. SINK: each query head's
+        sink logit joins the softmax when the output is finished (here when DIRECT, else in the merge)."""
         after_previous(PDL)
         head, m_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(Start).to(tl.int32)
@@ -235,6 +252,12 @@ if triton is not None:
                                     acc, m_i, l_i, scale, WINDOW, HEAD_DIM, IEEE)
         heads = tl.num_programs(0)
         if DIRECT:  # every real row sees itself, so l_i > 0; padded rows (r >= rows) are not stored
+            if SINK:
+                sink = tl.load(Sinks + head * groups + r // n, mask=r < rows, other=0.0)
+                m_new = tl.maximum(m_i, sink)
+                alpha = tl.exp(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha + tl.exp(sink - m_new)
             dst = t * (heads * groups * HEAD_DIM) + (head * groups + r // n) * HEAD_DIM
             tl.store(Out + dst[:, None] + dims[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty),
                      mask=(r < rows)[:, None])
@@ -245,10 +268,10 @@ if triton is not None:
             tl.store(Stats + SPLITS * heads * rows + out, l_i, mask=r < rows)
 
     @triton.jit
-    def _merge_kernel(Acc, Stats, Out, rows, n, groups, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    def _merge_kernel(Acc, Stats, Out, Sinks, rows, n, groups, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SINK: tl.constexpr, PDL: tl.constexpr):
         """Softmax-weighted sum of the splits for a block of rows and of head dims, written as
-        out[t, (head * groups + group) * d + e]."""
+        out[t, (head * groups + group) * d + e]; SINK: the query head's sink logit joins the normaliser."""
         after_previous(PDL)
         head, r_block = tl.program_id(0), tl.program_id(1)
         heads = tl.num_programs(0)
@@ -258,8 +281,13 @@ if triton is not None:
         m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
         for s in tl.static_range(SPLITS):
             m = tl.maximum(m, tl.load(Stats + (s * heads + head) * rows + r, mask=valid, other=float("-inf")))
+        if SINK:
+            sink = tl.load(Sinks + head * groups + r // n, mask=valid, other=0.0)
+            m = tl.maximum(m, sink)
         m = tl.where(m == float("-inf"), 0.0, m)
         total = tl.zeros((BLOCK_R,), tl.float32)
+        if SINK:
+            total += tl.exp(sink - m)
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         for s in tl.static_range(SPLITS):
             idx = (s * heads + head) * rows + r

@@ -1,15 +1,23 @@
-"""The DFlash drafter: a small non-causal transformer that predicts a whole block in one pass.
+"""The DFlash drafter: a small transformer that predicts a whole block in one pass (and DFlash2, which adds to it).
 
 Our own module for the z-lab checkpoint format (config.json + model.safetensors, no remote code). It
 owns no embedding and no LM head: block tokens are embedded by the target and its hidden states go
 through the target's LM head. Context comes from target hidden states tapped at `target_layer_ids`,
 projected by `fc` + `hidden_norm`, and injected as extra K/V rows in every layer.
+
+Inside the block each layer is causal or bidirectional by the rule the serving engines and the current
+reference share (dflash-checkpoint.md §4): a checkpoint's `is_causal` holds for every layer; without it,
+`sliding_attention` layers are causal and `full_attention` layers bidirectional. The loader logs the rule it
+applied to each layer: a drafter drafted under another rule than it was trained with stays lossless but
+accepts less, which nothing else would show. A DFlash2 checkpoint (ddtree.models.dflash2) loads into the same
+module, with its convolutions and its candidate selector.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +28,17 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
+from ddtree.core.tree import Transitions
 from ddtree.errors import DDTreeError
+from ddtree.models.dflash2 import CandidateSelector, DynamicConv, SelectorConfig, parse_selector_config
+
+log = logging.getLogger("ddtree.draft")
 
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-DFLASH2_MARKERS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Tensor names other exporters give what we load under another name
+ALIASES = {"candidate_selector.predecessor_codebook.weight": "candidate_selector.predecessor_codebook",
+           "candidate_selector.successor_codebook.weight": "candidate_selector.successor_codebook",
+           "self_attn.attention_sink_bias": "self_attn.sinks"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,30 @@ class DraftConfig:
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
     layer_windows: tuple[int | None, ...]  # sliding window per layer (HF semantics), None = full attention
+    layer_causal: tuple[bool, ...]  # per layer: block queries see only block keys at or before their own
+    causality: str  # what decided layer_causal: "is_causal=true", "is_causal=false" or "layer types"
     rope_config: Qwen3Config  # carries rope_parameters for transformers' RoPE utilities
+    input_embedding_scale: float = 1.0  # multiplies the target embeddings fed to the draft
+    output_multiplier: float = 1.0  # multiplies the draft logits
+    final_logit_softcapping: float = 0.0  # > 0: logits -> cap * tanh(logits / cap), after the multiplier
+    attention_sinks: bool = False  # a learnable per-head sink logit in every layer (`self_attn.sinks`)
+    selector: SelectorConfig | None = None  # DFlash2: the convolutions' and the candidate selector's fields
+
+    @property
+    def architecture(self) -> str:
+        return "DFlash2DraftModel" if self.selector is not None else "DFlashDraftModel"
+
+    @property
+    def layer_rules(self) -> tuple[tuple[int | None, bool], ...]:
+        """(window, causal) of each layer: what its block queries may see."""
+        return tuple(zip(self.layer_windows, self.layer_causal, strict=True))
+
+    def describe(self) -> str:
+        """One line: the family and the causality rule applied to each layer, and why."""
+        layers = ", ".join(f"{i}: {'causal' if causal else 'bidirectional'}"
+                           + (f" window {window}" if window is not None else "")
+                           for i, (window, causal) in enumerate(self.layer_rules))
+        return f"{self.architecture}, block {self.block_size}, layers by {self.causality} ({layers})"
 
 
 def default_taps(num_target_layers: int, num_taps: int) -> list[int]:
@@ -72,11 +110,10 @@ def is_draft_dir(path: str | Path) -> bool:
 def parse_draft_config(
     raw: dict, target: TargetShape, where: str = "draft config", mask_token_from_tokenizer: int | None = None
 ) -> DraftConfig:
-    """Resolve both z-lab config layouts and check the draft against its target; one-line errors."""
+    """Resolve the z-lab config layouts (DFlash and DFlash2) and check the draft against its target; one-line
+    errors."""
     archs = raw.get("architectures") or []
-    if any("DFlash2" in a for a in archs) or any(k in raw for k in DFLASH2_MARKERS):
-        raise DDTreeError(f"{where}: DFlash2 checkpoints are a different architecture and are not supported")
-    if "dflash_config" not in raw and "DFlashDraftModel" not in archs:
+    if "dflash_config" not in raw and not any("DFlash" in a for a in archs):
         raise DDTreeError(f"{where}: not a DFlash draft (no dflash_config, architectures={archs})")
     missing = [f for f in REQUIRED_FIELDS if f not in raw]
     if missing:
@@ -103,6 +140,7 @@ def parse_draft_config(
     if int(raw["vocab_size"]) != target.vocab_size:
         raise DDTreeError(f"{where}: vocab_size {raw['vocab_size']} does not match the target's "
                           f"{target.vocab_size} (this draft belongs to another target)")
+    selector = parse_selector_config(raw, hidden, target.vocab_size, where)
     n_target = int(raw.get("num_target_layers") or dc.get("num_target_layers") or target.num_layers)
     if n_target != target.num_layers:
         raise DDTreeError(f"{where}: trained for a {n_target}-layer target, but the target has "
@@ -120,8 +158,16 @@ def parse_draft_config(
     layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
     if len(layer_types) != num_layers:
         raise DDTreeError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise DDTreeError(f"{where}: unknown layer type(s) {', '.join(unknown)}")
     window = raw.get("sliding_window")
     windows = tuple(int(window) if t == "sliding_attention" and window else None for t in layer_types)
+    is_causal = _flag(raw, dc, "is_causal", where)
+    if is_causal is None:  # the 2026 rule: sliding layers causal inside the block, full-attention ones not
+        causal, causality = tuple(t == "sliding_attention" for t in layer_types), "layer types (no is_causal)"
+    else:
+        causal, causality = (is_causal,) * num_layers, f"is_causal={str(is_causal).lower()}"
     rope_keys = ("rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings", "partial_rotary_factor")
     rope_config = Qwen3Config(
         hidden_size=hidden, num_attention_heads=num_heads, head_dim=head_dim,
@@ -134,8 +180,34 @@ def parse_draft_config(
         intermediate_size=int(raw["intermediate_size"]), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         vocab_size=int(raw["vocab_size"]), block_size=int(block_size), mask_token_id=int(mask_id),
         target_layer_ids=tuple(int(t) for t in taps), num_target_layers=n_target, layer_windows=windows,
-        rope_config=rope_config,
+        layer_causal=causal, causality=causality, rope_config=rope_config,
+        input_embedding_scale=_number(raw, dc, "input_embedding_scale", 1.0, where),
+        output_multiplier=_number(raw, dc, "output_multiplier", 1.0, where),
+        final_logit_softcapping=_number(raw, dc, "final_logit_softcapping", 0.0, where),
+        attention_sinks=bool(_flag(raw, dc, "attention_sink_bias", where)), selector=selector,
     )
+
+
+def _flag(raw: dict, dc: dict, key: str, where: str) -> bool | None:
+    """A boolean field given at the top level or in dflash_config (None when neither has it); both must agree."""
+    values = {v for v in (raw.get(key), dc.get(key)) if v is not None}
+    if len(values) > 1:
+        raise DDTreeError(f"{where}: inconsistent {key}: {raw[key]} at the top level, {dc[key]} in dflash_config")
+    if values and not isinstance(next(iter(values)), bool):
+        raise DDTreeError(f"{where}: {key} must be true or false, got {next(iter(values))!r}")
+    return next(iter(values), None)
+
+
+def _number(raw: dict, dc: dict, key: str, default: float, where: str) -> float:
+    """A numeric field of dflash_config (or the top level), `default` when absent or null."""
+    value = dc.get(key, raw.get(key))
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise DDTreeError(f"{where}: {key} must be a finite number, got {value!r}")
+    if key == "final_logit_softcapping" and value < 0:
+        raise DDTreeError(f"{where}: final_logit_softcapping must be >= 0, got {value}")
+    return float(value)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,6 +239,7 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attention_sinks else None  # per-head sink logits
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (normed, rotated) and V for rows x [B, T, H] -> [B, nkv, T, hd] each."""
@@ -186,8 +259,27 @@ class DraftAttention(nn.Module):
         kb, vb = self.project_kv(h, cos, sin)
         k = torch.cat([ctx_k, kb], dim=2)
         v = torch.cat([ctx_v, vb], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        if self.sinks is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            out = sink_attention(q, k, v, mask, self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax also spans a learnable per-head sink logit (a key every query sees, with no value),
+    which SDPA cannot take: q [B, nh, Q, d], k, v [B, nkv, K, d], mask [B, 1, Q, K] (True = visible) -> [B, nh, Q, d].
+    The softmax runs in float32."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights.to(v.dtype) @ v
 
 
 class DraftMLP(nn.Module):
@@ -202,12 +294,17 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """A Qwen3 layer; in a DFlash2 drafter with a dynamic convolution around its attention and its MLP."""
+
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
+        dflash2 = cfg.selector is not None
+        self.attention_conv = DynamicConv(cfg.hidden_size, cfg.selector) if dflash2 else None
+        self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.selector) if dflash2 else None
 
 
 class DraftCache:
@@ -228,7 +325,8 @@ class DraftCache:
 
 
 class DFlashDraft(nn.Module):
-    """Tensor names match the public z-lab drafts exactly (state_dict keys = safetensors keys)."""
+    """A DFlashDraftModel or DFlash2DraftModel drafter. Tensor names match the public z-lab drafts exactly
+    (state_dict keys = safetensors keys)."""
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
@@ -238,6 +336,8 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(cfg.rope_config)
+        self.candidate_selector = (CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector)
+                                   if cfg.selector is not None else None)
 
     def place(self, device: torch.device | str, dtype: torch.dtype) -> DFlashDraft:
         """Move weights to device/dtype but keep RoPE frequencies in float32 (bf16 ones drift)."""
@@ -270,11 +370,12 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:
         """Run the block queries over context + block keys; returns final-normed hidden states [B, Q, H].
 
-        block_embeds [B, Q, H] are target embeddings of the block tokens at positions block_pos [B, Q].
-        Context keys come from `cache` (decoding) or from ctx_feats [B, C, k*H] at ctx_pos [B, C]
-        (training). `mask` [B, 1, Q, keys] (bool, True = visible) restricts visibility further, e.g. to
-        train on many blocks at once; the layers' sliding windows apply on top. Without a mask every
-        block query sees every key (non-causal block).
+        block_embeds [B, Q, H] are target embeddings of the block tokens (scaled here by the checkpoint's
+        input_embedding_scale) at positions block_pos [B, Q], Q a whole number of blocks. Context keys come from
+        `cache` (decoding) or from ctx_feats [B, C, k*H] at ctx_pos [B, C] (training). `mask` [B, 1, Q, keys]
+        (bool, True = visible) restricts visibility further, e.g. to train on many blocks at once; each layer's
+        causality and window apply on top (`_layer_masks`). A DFlash2 layer convolves each block's rows around
+        its attention and its MLP, with the dynamic taps of the sub-block's normed input (dflash2.md §3).
         """
         if cache is not None:
             layer_ctx = list(zip(cache.keys, cache.values, strict=True))
@@ -286,25 +387,67 @@ class DFlashDraft(nn.Module):
             raise ValueError("the draft needs context: a cache or ctx_feats")
         cos, sin = self.rotary(block_embeds, block_pos)
         masks = self._layer_masks(block_pos, torch.cat([key_pos_ctx, block_pos], dim=1), mask)
-        x = block_embeds
+        bs = self.config.block_size
+        x = block_embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 \
+            else block_embeds
         for i, layer in enumerate(self.layers):
             ck, cv = layer_ctx[i]
+            rule = self.config.layer_rules[i]
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, cos, sin, ck, cv, masks[self.config.layer_windows[i]])
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if layer.attention_conv is None:
+                x = x + layer.self_attn(h, cos, sin, ck, cv, masks[rule])
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                continue
+            taps = layer.attention_conv.taps(h)
+            a = layer.self_attn(layer.attention_conv(h, taps, 0, bs), cos, sin, ck, cv, masks[rule])
+            x = x + layer.attention_conv(a, taps, 1, bs)
+            h = layer.post_attention_layernorm(x)
+            taps = layer.mlp_conv.taps(h)
+            x = x + layer.mlp_conv(layer.mlp(layer.mlp_conv(h, taps, 0, bs)), taps, 1, bs)
         return self.norm(x)
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of the draft's hidden states, times output_multiplier, then soft-capped
+        (cap * tanh(logits / cap)) when final_logit_softcapping > 0; float32 when either applies."""
+        multiplier, cap = self.config.output_multiplier, self.config.final_logit_softcapping
+        if multiplier != 1.0:
+            logits = logits.float() * multiplier
+        if cap > 0:
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits
+
+    def propose(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                token_ids: torch.Tensor | None, anchor: int) -> torch.Tensor | Transitions:
+        """What a block drafts from, given its hidden states [D, H] below the anchor: DFlash's per-depth logits
+        [D, V] (over the head's columns: token c, or token_ids[c] with a draft vocabulary), or DFlash2's
+        transition model over each depth's top-k candidates (dflash2.md §5-6)."""
+        logits = self.finish_logits(head(hidden))
+        if self.candidate_selector is None:
+            return logits
+        k = min(self.candidate_selector.top_k, logits.shape[-1])
+        unary, columns = logits.float().topk(k, dim=-1)
+        tokens = columns if token_ids is None else token_ids[columns]
+        anchor_id = torch.tensor(anchor, device=tokens.device)
+        return Transitions(self.candidate_selector.transition_logp(unary, tokens, hidden, anchor_id), tokens)
 
     def _layer_masks(
         self, q_pos: torch.Tensor, k_pos: torch.Tensor, mask: torch.Tensor | None
-    ) -> dict[int | None, torch.Tensor | None]:
-        """One mask per distinct window: key visible iff q_pos - k_pos < window (and `mask` allows it)."""
-        out: dict[int | None, torch.Tensor | None] = {}
-        for window in set(self.config.layer_windows):
+    ) -> dict[tuple[int | None, bool], torch.Tensor | None]:
+        """One mask per distinct (window, causal) rule, `mask` and'ed in: a causal layer's query sees keys at
+        positions <= its own, within `window` when it has one (0 <= q - k < window); a bidirectional one every
+        key, within a symmetric window (|q - k| < window), HF's semantics for non-causal sliding layers."""
+        out: dict[tuple[int | None, bool], torch.Tensor | None] = {}
+        rel = q_pos[:, :, None] - k_pos[:, None, :]
+        for window, causal in set(self.config.layer_rules):
             m = mask
+            rule = []
+            if causal:
+                rule.append(rel >= 0)
             if window is not None:
-                in_window = (q_pos[:, :, None] - k_pos[:, None, :] < window)[:, None]
-                m = in_window if m is None else m & in_window
-            out[window] = m
+                rule.append((rel if causal else rel.abs()) < window)
+            for visible in rule:
+                m = visible[:, None] if m is None else m & visible[:, None]
+            out[window, causal] = m
         return out
 
 
@@ -316,7 +459,8 @@ def load_draft(
     dtype: torch.dtype = torch.float32,
     mask_token_from_tokenizer: int | None = None,
 ) -> DFlashDraft:
-    """Load a z-lab DFlash draft directory, checking it against its target; one-line errors."""
+    """Load a z-lab DFlash or DFlash2 draft directory, checking it against its target; one-line errors. Logs the
+    family and the causality rule applied to each layer (logger `ddtree.draft`)."""
     d = Path(draft_dir)
     if not d.is_dir():
         raise DDTreeError(f"draft directory {d} does not exist")
@@ -330,7 +474,7 @@ def load_draft(
     cfg = parse_draft_config(raw, target, where=str(cfg_path), mask_token_from_tokenizer=mask_token_from_tokenizer)
     if not weights_path.is_file():
         raise DDTreeError(f"draft directory {d} has no model.safetensors")
-    tensors = {k.removeprefix("model."): v for k, v in load_file(str(weights_path)).items()}
+    tensors = {_canonical(k.removeprefix("model.")): v for k, v in load_file(str(weights_path)).items()}
     for borrowed in ("embed_tokens.weight", "lm_head.weight"):
         tensors.pop(borrowed, None)  # the target's embedding and head stay authoritative
     model = DFlashDraft(cfg)
@@ -341,13 +485,31 @@ def load_draft(
         raise DDTreeError(f"{weights_path}: missing tensor(s) {', '.join(missing[:3])}{more}")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise DDTreeError(f"{weights_path}: unexpected tensor(s) {', '.join(unexpected[:3])}")
+        raise DDTreeError(f"{weights_path}: unexpected tensor(s) {', '.join(unexpected[:3])}{_hint(unexpected)}")
     for k, shape in expected.items():
         if tuple(tensors[k].shape) != tuple(shape):
             raise DDTreeError(f"{weights_path}: tensor {k} has shape {list(tensors[k].shape)}, "
                               f"config says {list(shape)}")
     model.load_state_dict(tensors, strict=False)
+    log.info("draft %s: %s", d, cfg.describe())
     return model.place(device, dtype).eval()
+
+
+def _canonical(key: str) -> str:
+    """A tensor's name as our module names it (ALIASES: other exporters' names of the same tensor)."""
+    for alias, name in ALIASES.items():
+        if key.endswith(alias):
+            return key[:-len(alias)] + name
+    return key
+
+
+def _hint(unexpected: list[str]) -> str:
+    """Why a checkpoint holds tensors its config does not call for, when the names say it."""
+    if any(k.startswith("candidate_selector.") or "_conv." in k for k in unexpected):
+        return " (DFlash2 tensors, but the config is not a DFlash2 one: inconsistent checkpoint)"
+    if any(k.endswith("self_attn.sinks") for k in unexpected):
+        return " (attention sinks, but the config does not set attention_sink_bias: inconsistent checkpoint)"
+    return ""
 
 
 def write_draft_checkpoint(out_dir: str | Path, config: dict, state_dict: dict[str, torch.Tensor],
@@ -366,14 +528,19 @@ def draft_config_dict(
     intermediate_size: int, vocab_size: int, block_size: int, mask_token_id: int,
     target_layer_ids: Sequence[int], num_target_layers: int, rope_theta: float = 1e6,
     max_position_embeddings: int = 40960, layer_types: Sequence[str] | None = None,
-    sliding_window: int | None = None, rms_norm_eps: float = 1e-6,
+    sliding_window: int | None = None, rms_norm_eps: float = 1e-6, is_causal: bool | None = None,
+    selector: SelectorConfig | None = None,
 ) -> dict:
-    """A config.json for a new draft, in z-lab's layout (top-level block_size, as the Qwen3 drafts)."""
+    """A config.json for a new draft, in z-lab's layout (top-level block_size, as the Qwen3 drafts); `is_causal`
+    when given (our trainer always says how it trained), and DFlash2's fields with a `selector`."""
+    dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+    if selector is not None:
+        dflash_config.update({f: getattr(selector, f) for f in SelectorConfig.__dataclass_fields__})
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if selector is not None else "DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": block_size,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "dflash_config": dflash_config,
         "num_target_layers": num_target_layers,
         "hidden_size": hidden_size,
         "num_hidden_layers": num_layers,
@@ -391,6 +558,7 @@ def draft_config_dict(
         "layer_types": list(layer_types or ["full_attention"] * num_layers),
         "sliding_window": sliding_window,
         "use_sliding_window": sliding_window is not None,
+        **({"is_causal": is_causal} if is_causal is not None else {}),
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }

@@ -1,14 +1,20 @@
-"""`ddtree train-draft`: train a DFlash drafter against a frozen transformers target on local text.
+"""`ddtree train-draft`: train a DFlash or DFlash2 drafter against a frozen transformers target on local text.
 
 The published DFlash recipe, on the module the engine decodes with (`ddtree.models.draft.DFlashDraft`):
   * context features = outputs of the tapped target layers (forward hooks), for every corpus position;
   * per sequence, `blocks` random anchor positions a; block = [token at a] + [<|MASK|>] * (bs - 1) at
     positions a .. a+bs-1, embedded by the frozen target embedding;
   * all blocks of a sequence in one forward: a block's queries see context rows at positions < a (what
-    the engine has committed when that token is the anchor) and the rows of their own block (bidirectional);
+    the engine has committed when that token is the anchor) and the rows of their own block (bidirectional,
+    or causal with --causal; the config says which: `is_causal` is always written);
   * logits through the frozen target LM head; labels are the target's own greedy next-token predictions
     at a+k-1 for slot k (hard distillation: acceptance is decided by the target's argmax, not the corpus),
     with cross-entropy weighted exp(-(k-1)/gamma), since a slot only counts when every earlier one matched.
+
+`--arch dflash2` adds DFlash2's modules (ddtree.models.dflash2): the layers' convolutions train with the
+backbone, and the candidate selector learns to pick, among each slot's top-k candidates of the drafter, the
+target's own next token given the target's own previous one (teacher forcing: exactly the chain's situation
+while it is still being accepted), with the same slot weights; its scores leave the backbone's logits alone.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.errors import DDTreeError
+from ddtree.models.dflash2 import SelectorConfig
 from ddtree.models.draft import (
     DFlashDraft,
     TargetShape,
@@ -35,6 +42,7 @@ from ddtree.training.corpus import corpus_files, load_streams
 from ddtree.training.tokenizer import MASK
 
 STATE_FILE = "trainer_state.pt"  # fp32 weights + optimizer for --resume; not needed to serve the draft
+ARCHS = ("dflash", "dflash2")
 
 
 class FrozenTarget:
@@ -101,8 +109,10 @@ def parse_taps(spec: str, num_target_layers: int, num_draft_layers: int) -> list
     return taps
 
 
-def new_draft_config(target: FrozenTarget, *, layers: int, block_size: int, taps: list[int], mask_id: int) -> dict:
-    """A z-lab config whose layer shapes mirror the target's (as the public drafts do)."""
+def new_draft_config(target: FrozenTarget, *, layers: int, block_size: int, taps: list[int], mask_id: int,
+                     causal: bool = False, selector: SelectorConfig | None = None) -> dict:
+    """A z-lab config whose layer shapes mirror the target's (as the public drafts do), saying how its block is
+    trained (`is_causal`); a DFlash2 one with a `selector`."""
     c = target.config
     rope = getattr(c, "rope_parameters", None) or {}
     return draft_config_dict(
@@ -112,7 +122,8 @@ def new_draft_config(target: FrozenTarget, *, layers: int, block_size: int, taps
         intermediate_size=c.intermediate_size, vocab_size=target.shape.vocab_size, block_size=block_size,
         mask_token_id=mask_id, target_layer_ids=taps, num_target_layers=target.shape.num_layers,
         rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 1e6))),
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps, is_causal=causal,
+        selector=selector,
     )
 
 
@@ -151,7 +162,8 @@ def draft_step(
     draft: DFlashDraft, target: FrozenTarget, ids: torch.Tensor, *, blocks: int, gamma: float,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted distillation loss, draft argmax and labels (both [B, n, bs-1]) for windows ids [B, T]."""
+    """Weighted distillation loss, the drafted chain and the labels (both [B, n, bs-1]) for windows ids [B, T]:
+    the chain is each slot's argmax, or a DFlash2 drafter's selector picks given the labels before them."""
     cfg = draft.config
     b, t = ids.shape
     feats, hidden = target.features(ids)
@@ -162,14 +174,36 @@ def draft_step(
     ctx_pos = torch.arange(t, device=ids.device).expand(b, t)
     out = draft(target.embed(block_ids), block_pos, feats, ctx_pos, mask=mask)
     out = out.view(b, blocks, cfg.block_size, -1)[:, :, 1:]
-    logits = target.head(out).float()
+    logits = draft.finish_logits(target.head(out)).float()
+    weights = slot_weights(cfg.block_size, gamma, ids.device)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-    loss = (ce * slot_weights(cfg.block_size, gamma, ids.device)).sum(-1).mean()
-    return loss, logits.argmax(-1), labels
+    loss = (ce * weights).sum(-1).mean()
+    if draft.candidate_selector is None:
+        return loss, logits.argmax(-1), labels
+    selector_loss, picks = selector_step(draft, logits, out, block_ids.view(b, blocks, -1)[:, :, 0], labels,
+                                         weights)
+    return loss + selector_loss, picks, labels
+
+
+def selector_step(draft: DFlashDraft, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor,
+                  labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate selector's loss and picks [B, n, D]: among each slot's top-k candidates (logits [B, n, D, V],
+    detached) scored after the target's previous token (the anchor, then the labels), cross-entropy towards the
+    label where it is a candidate; slots weighted like the backbone's."""
+    selector = draft.candidate_selector
+    unary, candidates = logits.detach().topk(min(selector.top_k, logits.shape[-1]), dim=-1)
+    previous = torch.cat([anchors[..., None], labels[..., :-1]], dim=-1)
+    scores = selector.scores(unary, candidates, previous[..., None], hidden)[..., 0, :]
+    hit = candidates == labels[..., None]
+    ce = F.cross_entropy(scores.flatten(0, 2), hit.float().argmax(-1).flatten(), reduction="none")
+    ce = ce.view_as(labels) * hit.any(-1)
+    picks = candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+    return (ce * weights).sum(-1).mean(), picks
 
 
 def acceptance_length(pred: torch.Tensor, labels: torch.Tensor) -> float:
-    """Teacher-forced linear-DFlash τ estimate: 1 + leading slots where the draft matches the target."""
+    """Teacher-forced τ estimate of the chain the drafter drafts: 1 + leading slots where its picks match the
+    target (a DFlash2 selector's picks follow the labels, which the chain equals for as long as it is accepted)."""
     run = (pred == labels).int().cumprod(dim=-1).sum(-1)
     return 1.0 + run.float().mean().item()
 
@@ -192,9 +226,15 @@ def evaluate_draft(draft: DFlashDraft, target: FrozenTarget, windows: list[torch
 
 
 def init_weights(draft: DFlashDraft, std: float = 0.02) -> None:
+    """Small random projections; a DFlash2 drafter's convolutions start as the identity (static tap 1 on the
+    current row, no dynamic taps), so that it starts as the DFlash drafter it extends."""
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            if "norm" not in name:
+            if name.endswith("base_kernel"):
+                p.zero_()[:, 0] = 1.0
+            elif name.endswith("kernel_projection.weight"):
+                p.zero_()
+            elif "norm" not in name:
                 p.normal_(0.0, std)
 
 
@@ -209,12 +249,17 @@ def train_draft(
     taps: str = "auto", globs: Sequence[str], seq_len: int = 512, blocks: int = 16, batch_size: int = 16,
     lr: float = 6e-4, gamma: float = 7.0, steps: int | None = None, minutes: float | None = None,
     device: str | None = None, seed: int = 0, eval_every: int = 200, save_every: int = 1000,
-    resume: bool = False, log=print,
+    resume: bool = False, arch: str = "dflash", causal: bool = False,
+    selector: SelectorConfig | None = None, log=print,
 ) -> dict:
-    """Train (or with `resume`, continue) a drafter for the target into `out`; returns the run's summary."""
+    """Train (or with `resume`, continue) a drafter for the target into `out`; returns the run's summary. `arch`
+    "dflash2" trains a DFlash2 drafter with `selector`'s fields (default: the published drafters'); `causal`
+    makes every layer causal inside the block (default: bidirectional, as the demo drafter)."""
     dev = pick_device(device)
     torch.manual_seed(seed)
     out = Path(out)
+    if arch not in ARCHS:
+        raise DDTreeError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     if block_size < 2:
         raise DDTreeError("--block-size must be at least 2")
     if seq_len - block_size < blocks:
@@ -233,8 +278,12 @@ def train_draft(
         state = torch.load(out / STATE_FILE, map_location="cpu")
     else:
         tap_ids = parse_taps(taps, target.shape.num_layers, layers)
+        if arch == "dflash2":
+            selector = selector or SelectorConfig(conv_kernel_size=2, conv_group_size=16, selector_rank=256,
+                                                  selector_top_k=16)
         config = new_draft_config(target, layers=layers, block_size=block_size, taps=tap_ids,
-                                  mask_id=mask_token_id(tok, target))
+                                  mask_id=mask_token_id(tok, target), causal=causal,
+                                  selector=selector if arch == "dflash2" else None)
     cfg = parse_draft_config(config, target.shape)
     target.taps = cfg.target_layer_ids
     draft = DFlashDraft(cfg)
@@ -250,8 +299,8 @@ def train_draft(
     gen = torch.Generator().manual_seed(seed + start)  # a resumed run does not replay the same windows
     n_params = sum(p.numel() for p in draft.parameters())
     resuming = f", resuming at step {start}" if start else ""
-    log(f"draft: {n_params / 1e6:.2f} M parameters, {cfg.num_layers} layers, block {cfg.block_size}, "
-        f"taps {list(cfg.target_layer_ids)}, mask id {cfg.mask_token_id}{resuming}")
+    log(f"draft: {n_params / 1e6:.2f} M parameters, {cfg.describe()}, taps {list(cfg.target_layer_ids)}, "
+        f"mask id {cfg.mask_token_id}{resuming}")
 
     log("tokenizing the corpus")
     train, held = load_streams(tok, files, tok.eos_token_id, dev)
@@ -291,8 +340,9 @@ def train_draft(
     save(out, config, draft, opt, step, budget.elapsed)
     log(f"done: {step} steps in {budget.elapsed / 60:.1f} min, held-out tau {metrics['tau']:.2f} "
         f"(teacher-forced estimate), slot-1 acc {metrics['slot1_acc']:.3f}; wrote {out}")
-    summary = {"parameters": n_params, "steps": step, "minutes": round(budget.elapsed / 60, 2),
-               "first_loss": first_loss, "held_out_initial": initial, "held_out": metrics, "seq_len": seq_len,
+    summary = {"architecture": cfg.architecture, "parameters": n_params, "steps": step,
+               "minutes": round(budget.elapsed / 60, 2), "first_loss": first_loss, "held_out_initial": initial,
+               "held_out": metrics, "seq_len": seq_len,
                "blocks": blocks, "batch_size": batch_size, "lr": lr, "gamma": gamma, "device": str(dev)}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
