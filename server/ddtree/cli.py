@@ -406,11 +406,22 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="draft only these tokens: a draft vocabulary file, or N for the N lowest ids (a --shape's "
                    "costs; its random weights make every choice of tokens alike)")
     _add_draft_quantization_arg(p)
+    p.add_argument("--concurrency", nargs="+", type=int, default=None, metavar="C",
+                   help="continuous batching instead: output tok/s with C requests in flight, for ar, dflash, "
+                        "ddtree at the first --budgets value and ddtree under the batch budget")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="with --concurrency: rows a step")
+    p.add_argument("--tau-curve", metavar="JSON", default=None,
+                   help="with --concurrency on a --shape: a --json report of a real pair, whose tau by budget "
+                        "projects the shape's tok/s (labelled a projection)")
     p.add_argument("--json", help="also write the full results here")
     p.set_defaults(handler=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.concurrency:
+        from ddtree.bench.concurrency import bench_concurrency
+
+        return bench_concurrency(args)
     from ddtree.bench.command import bench
 
     return bench(args)

@@ -224,3 +224,19 @@ def test_the_interpreted_kernels_batch_as_the_gpu_replays(engines, kernels_on_cp
     seqs = run(batch, requests)
     for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
         assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+
+
+@pytest.mark.parametrize("draft", ["draft_swa", "draft_dflash2"])
+def test_drafts_with_layer_rules_batch_and_others_fall_back_to_the_reference(fast_ckpt, draft):
+    """A sliding-window drafter (causal inside the block by the checkpoint rule) batches on the paged path with
+    each layer's own block mask; a DFlash2 drafter's requests take the reference path, one after another, in the
+    same batch engine. Both decode the target's tokens."""
+    from ddtree.engine import Engine
+
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cpu")
+    requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS[:4], METHODS[:4], strict=True)]
+    seqs = run(paged(engine), requests)
+    drafting = [seq for seq, (_, _, method, _) in zip(seqs, requests, strict=True) if method != "ar"]
+    assert {seq.backend.name for seq in drafting} == {"fast" if draft == "draft_swa" else "reference"}
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids

@@ -400,3 +400,34 @@ def test_dflash2_and_2026_field_drafts_replay_as_graphs_and_give_the_targets_tok
                 ref_rounds = list(ref)
                 assert gen.token_ids == ref.token_ids == want, (method, budget)
                 assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds], (method, budget)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_rounds_replay_as_graphs_and_give_each_requests_tokens(fast_ckpt, dtype):
+    """The batch engine on the GPU: prompt chunks, every drafter block and every tree of a mixed batch, replayed
+    from its bucketed CUDA graphs over the paged caches, give each request the tokens it gets alone (float32:
+    exactly; bf16: parting only at a near-tie of the reference's own logits), and every block comes back."""
+    from ddtree.engine.batch import BatchOptions
+
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype=dtype, fast=True,
+                                  fast_capacity=512)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    batch = fast.batch(BatchOptions(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_tokens=4096))
+    paged = batch.backends[0]
+    assert paged.name == "fast" and paged.static and paged.captured
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 80)) * 4, list(range(30, 60)), [7] * 40]
+    runs = [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)]
+    requests = [(p, r) for p in prompts for r in runs]
+    seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests]
+    while batch.has_work():
+        batch.step()
+    assert all(seq.backend is paged for seq in seqs)
+    assert all(c.graph is not None for c in paged.captured.values())
+    for (prompt, (method, budget)), seq in zip(requests, seqs, strict=True):
+        want = reference.generate(prompt, GREEDY, method="ar").token_ids
+        got = seq.generation.token_ids
+        if got != want:
+            assert dtype != "float32", (method, budget)
+            assert reference_margin(reference, prompt, want, got) < NEAR_TIE, (method, budget)
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks

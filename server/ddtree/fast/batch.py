@@ -77,6 +77,7 @@ class StaticRows:
         self.visible = torch.zeros(vis_capacity, dtype=torch.int8, device=device)
         self.vis_offsets = torch.zeros(seqs, **i32)
         self.tiles = torch.full((rows // BLOCK_M + seqs, 2), -1, **i32)
+        self.rule_visible: dict[tuple[int | None, bool], torch.Tensor] = {}  # a draft forward's, per layer rule
 
     def fits(self, rows: int, layout: PagedLayout) -> bool:
         tables = max((len(t) for t in layout.tables), default=0)
@@ -112,9 +113,10 @@ class StaticRows:
             self.visible[:visible.numel()].copy_(visible, non_blocking=True)
         self.tiles.copy_(tiles, non_blocking=True)
 
-    def mask(self, page: int, window: int | None = None) -> PagedMask:
-        return PagedMask(self.rows, self.starts, self.row_offsets, self.tables, self.visible, self.vis_offsets,
-                         self.tiles, page, window)
+    def mask(self, page: int, window: int | None = None, visible: torch.Tensor | None = None) -> PagedMask:
+        """The layout as the kernel reads it (`visible`: another visibility buffer at the same offsets)."""
+        return PagedMask(self.rows, self.starts, self.row_offsets, self.tables,
+                         self.visible if visible is None else visible, self.vis_offsets, self.tiles, page, window)
 
 
 class Captured:
@@ -188,10 +190,14 @@ class PagedBackend:
                               device=self.device)
         self.taps: tuple[int, ...] = ()
         self.block = 1
+        self.drafts = False  # this backend drafts (a DFlash drafter it batches)
         if draft is not None:
             dc = draft.config
             self.taps, self.block = dc.target_layer_ids, dc.block_size
-            self.fused_draft = Draft.of(draft)
+            # DFlash2's selector and attention sinks draft on the single-sequence paths only (for now)
+            self.drafts = dc.selector is None
+            self.fused_draft = Draft.of(draft) if self.drafts else None
+            self.drafts = self.drafts and all(sinks is None for sinks in self.fused_draft.sinks)
             # a draft block near the context's end reaches past it (those rows draft nothing that is kept)
             self.draft_rope = RopeTable(draft.rotary, self.max_context + self.block, self.dtype, self.device)
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, slots, dc.head_dim), dtype=self.dtype,
@@ -210,7 +216,7 @@ class PagedBackend:
     # -- the batch backend's interface ---------------------------------------------------------------------
 
     def accepts(self, request: DecodeRequest) -> bool:
-        if request.method != "ar" and self.draft is None:
+        if request.method != "ar" and (self.draft is None or not self.drafts):
             return False
         return request.method != "ddtree" or 1 <= request.budget <= MAX_BUDGET
 
@@ -259,7 +265,7 @@ class PagedBackend:
         logit_index = {row: k for k, row in enumerate(logit_rows)}
         logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
                                          self._tensor(logit_rows))
-        if self.draft is not None:
+        if self.drafts:
             self._extend_draft(taps, positions_t, slots_t)
         out: dict[int, Round] = {}
         for index, chunk in enumerate(chunks):
@@ -332,7 +338,7 @@ class PagedBackend:
         if moves[0]:
             src, dst = self._tensor(moves[0]), self._tensor(moves[1])
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
-        if self.draft is not None and drafting:
+        if self.drafts and drafting:
             keep = self._tensor(accepted_rows)
             self._extend_draft(taps.index_select(0, keep), self._tensor(accepted_positions),
                                self._tensor(accepted_slots))
@@ -349,7 +355,7 @@ class PagedBackend:
         logits [S, D, V] over the draft head's tokens."""
         mask_id = self.draft.config.mask_token_id
         ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
-        block_visible = torch.ones(self.block, self.block, dtype=torch.bool)
+        block_visible = torch.ones(self.block, self.block, dtype=torch.bool)  # each layer's rule: _draft_rows
         for i in drafting:
             state = states[i]
             ids += [state.root] + [mask_id] * (self.block - 1)
@@ -389,7 +395,7 @@ class PagedBackend:
         for bucket in self.buckets:
             self._capture("verify", bucket).rows.fill([0], [0], [self.scratch], dummy)
             self.captured[("verify", bucket)]()
-        if self.draft is not None:
+        if self.drafts:
             for bucket in self.buckets:
                 if bucket >= self.block and bucket < self.max_seqs * self.block + self.block:
                     self._capture("draft", bucket).rows.fill([0], [0], [self.scratch], dummy)
@@ -429,7 +435,7 @@ class PagedBackend:
             slowest = max(slowest, timed("verify", rows, max(1, min(self.max_seqs, rows // 16))))
             points.append((rows, slowest))
         per_request = 0.0
-        if self.draft is not None and self.max_seqs >= 8 and 8 * self.block <= self.buckets[-1]:
+        if self.drafts and self.max_seqs >= 8 and 8 * self.block <= self.buckets[-1]:
             one, eight = timed("draft", self.block, 1), timed("draft", 8 * self.block, 8)
             per_request = max((eight - one) / 7, 0.0)
         return CostModel(tuple(points), per_request)
@@ -489,9 +495,9 @@ class PagedBackend:
             ids_t, positions_t, slots_t = self._tensor(ids), self._tensor(positions), self._tensor(slots)
             if kind == "verify":
                 return self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device))
-            windows = set(self.draft.config.layer_windows)
-            return self._draft_rows(ids_t, positions_t, slots_t,
-                                    {w: paged_mask(layout, self.page, self.device, w) for w in windows})
+            return self._draft_rows(ids_t, positions_t, slots_t, {
+                rule: paged_mask(self._block_rule(layout, visible), self.page, self.device, rule[0])
+                for rule, visible in self.fused_draft.block_visible.items()})
         n = len(ids)
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
@@ -500,6 +506,10 @@ class PagedBackend:
         if not forward.rows.fits(n, layout):
             raise ValueError(f"a batch of {len(layout.starts)} sequences and {n} rows does not fit its buffers")
         forward.rows.fill(ids, positions, slots, layout)
+        for rule, buffer in forward.rows.rule_visible.items():  # a draft: every block sees itself by its layer's rule
+            blocks = torch.cat([self.fused_draft.block_visible[rule].reshape(-1).to(torch.int8).cpu()] * len(ids)
+                               )[:len(layout.starts) * self.block * self.block]
+            buffer[:blocks.numel()].copy_(blocks, non_blocking=True)
         out = forward()
         if kind == "verify":
             return out[0][:n], (out[1][:n] if out[1] is not None else None)
@@ -513,10 +523,12 @@ class PagedBackend:
             def run(r: StaticRows) -> object:
                 return self._target_rows(r.ids, r.positions, r.slots, r.mask(self.page))
         else:
-            windows = set(self.draft.config.layer_windows)
+            rules = list(self.fused_draft.block_visible)
+            rows.rule_visible = {rule: torch.zeros_like(rows.visible) for rule in rules}
 
             def run(r: StaticRows) -> object:
-                return self._draft_rows(r.ids, r.positions, r.slots, {w: r.mask(self.page, w) for w in windows})
+                return self._draft_rows(r.ids, r.positions, r.slots, {
+                    rule: r.mask(self.page, rule[0], r.rule_visible[rule]) for rule in rules})
         self.captured[(kind, bucket)] = Captured(run, rows, self.cuda, self.pool)
         return self.captured[(kind, bucket)]
 
@@ -540,20 +552,25 @@ class PagedBackend:
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
 
+    def _block_rule(self, layout: PagedLayout, visible: torch.Tensor) -> PagedLayout:
+        """A draft forward's layout with every block's rows seeing one another as a layer's rule shows."""
+        return PagedLayout(layout.starts, layout.row_offsets, layout.tables, [visible.cpu()] * len(layout.starts))
+
     def _draft_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                    masks: dict[int | None, PagedMask]) -> torch.Tensor:
-        """The drafter over block rows (each block's rows see its sequence's context and the whole block) ->
-        logits [N, V] over the draft head's tokens (a block's first row's are never read)."""
+                    masks: dict[tuple[int | None, bool], PagedMask]) -> torch.Tensor:
+        """The drafter over block rows (each block's rows see its sequence's context and the block rows its
+        layer's causality rule shows) -> logits [N, V] over the draft head's tokens (a block's first row's are
+        never read)."""
         dc, fused, ops = self.draft.config, self.fused_draft, self.ops
-        x = embed(self.target.embed_tokens, ids)
+        x = fused.embed(embed(self.target.embed_tokens, ids))
         cos, sin = self.draft_rope(positions)
         delta = None
         for i, layer in enumerate(fused.layers):
-            _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[dc.layer_windows[i]], slots,
+            _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[fused.rules[i]], slots,
                                         cos, sin, dc.rms_norm_eps)
         fp8 = isinstance(self.draft_head.weight, Fp8Weight)
-        h, _ = ops.normed(x, delta, self.draft.norm.weight, dc.rms_norm_eps, fp8)
-        return linear(h, self.draft_head.weight, self.draft_head.bias)
+        h, _ = ops.normed(x, delta, fused.norm, fused.eps, fp8)
+        return fused.finish_logits(linear(h, self.draft_head.weight, self.draft_head.bias))
 
     def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of committed rows (their tap features at their positions) into the drafter's pool."""

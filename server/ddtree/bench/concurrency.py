@@ -1,0 +1,167 @@
+"""`ddtree bench --concurrency`: output tokens per second with many requests in flight, per method, one process.
+
+At each concurrency c the batch engine (engine/batch.py) decodes 2c requests with at most c at once (the same
+prompts for every method), after one warm-up wave. Methods: `ar`; `dflash` (chains); `ddtree` at a fixed budget
+(every request verifies its whole tree: --no-batch-budget); and `ddtree` under the batch budget (the round's
+nodes chosen across requests by the cost model measured at start-up). Each row reports output tok/s, τ, the
+mean step time, rows verified per step and requests per step; greedy rows also say whether every request's
+tokens equal `ar`'s.
+
+At the lowest concurrency `ddtree` also runs at every --budgets value: τ by budget, saved as `tau_curve` in the
+JSON. Random-weight shapes accept almost nothing, so for them the cost model itself is reported (the verify
+forward's time against verified tokens, and the drafter's time per request), with a projection from a τ curve
+saved by a run on a real pair (`--tau-curve FILE`): the tok/s each method would reach at each concurrency. It is
+labelled a projection everywhere it appears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from ddtree.bench.shapes import SHAPES, build_pair, build_shape
+from ddtree.core.budget import CostModel
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine import Engine
+from ddtree.engine.batch import BatchEngine, BatchOptions
+from ddtree.errors import DDTreeError
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_concurrency(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    levels = sorted(set(args.concurrency))
+    if any(c < 1 for c in levels):
+        raise DDTreeError("--concurrency levels must be at least 1")
+    if args.shape and args.shape not in SHAPES:
+        raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
+    budget = args.budgets[0] if args.budgets else 32
+    log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
+    if args.shape:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        engine, _ = build_shape(args.shape, device, dtype, 256, args.draft_vocab, args.draft_quantization)
+    else:
+        engine, _ = build_pair(args.target, args.draft, str(device), args.dtype, 256, args.draft_vocab,
+                               args.draft_quantization)
+    prompts = _prompts(engine, args, 2 * max(levels))
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                            ignore_eos=True)
+    top = max(levels)
+    tokens = max(args.max_num_batched_tokens, top * (budget + 1))
+    pool = top * (args.prompt_tokens + args.max_new_tokens + 2 * budget + 64)
+    fixed = engine.batch(BatchOptions(max_num_seqs=top, max_num_batched_tokens=tokens, kv_cache_tokens=pool,
+                                      batch_budget=False))
+    budgeted = engine.batch(BatchOptions(max_num_seqs=top, max_num_batched_tokens=tokens, kv_cache_tokens=pool))
+    cost = getattr(budgeted.backends[0], "cost", None)
+    runs = [("ar", None, fixed), ("dflash", None, fixed), ("ddtree", budget, fixed), ("ddtree batch", budget, budgeted)]
+    curve_runs = [("ddtree", b, fixed) for b in args.budgets[1:]]
+    rows, tau_curve = [], {}
+    for c in levels:
+        ar_outputs = None
+        for label, b, batch in runs + (curve_runs if c == levels[0] else []):
+            method = label.split()[0]
+            row = _run(batch, prompts[:2 * c], params, method, b, c)
+            row.update(concurrency=c, method=label, budget=b)
+            if label == "ar":
+                ar_outputs = row["outputs"]
+            row["same_as_ar"] = row.pop("outputs") == ar_outputs if params.greedy else None
+            rows.append(row)
+            if c == levels[0] and label != "ddtree batch":
+                tau_curve["0" if label == "ar" else "chain" if label == "dflash" else str(b)] = row["tau"]
+            log(f"c={c} {label}{' B=' + str(b) if b else ''}: {row['tokens_per_second']:.0f} tok/s, "
+                f"tau {row['tau']:.2f}, step {row['step_ms']:.2f} ms, {row['rows_per_step']:.0f} rows")
+    report = dict(model=args.shape or engine.model_name, device=torch.cuda.get_device_name(device)
+                  if device.type == "cuda" else "cpu", prompt_tokens=args.prompt_tokens,
+                  max_new_tokens=args.max_new_tokens, budget=budget, results=rows, tau_curve=tau_curve,
+                  cost_model=None if cost is None else dict(points=cost.points, per_request=cost.per_request))
+    if cost is not None and len(cost.points) > 1 and args.tau_curve:
+        with open(args.tau_curve) as f:
+            curve = json.load(f)["tau_curve"]
+        report["projection"] = projection(cost, levels, curve, engine.block_size - 1)
+        report["projection_tau_curve"] = args.tau_curve
+    print(table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _prompts(engine: Engine, args: argparse.Namespace, count: int) -> list[list[int]]:
+    from ddtree.bench.command import prompts_for
+
+    asked = argparse.Namespace(**{**vars(args), "prompts": count})
+    prompts = prompts_for(engine, asked)
+    if not prompts:
+        raise DDTreeError("no prompts (no held-out files long enough in --corpus)")
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, method: str, budget: int | None,
+         concurrency: int) -> dict:
+    """Decode `prompts` with at most `concurrency` in flight (a warm-up wave first); tok/s over the whole wave."""
+    def wave(ps: list[list[int]]) -> tuple[list, float, list]:
+        pending, seqs, steps = list(ps), [], []
+        started = time.perf_counter()
+        while pending or batch.has_work():
+            while pending and batch.running + batch.waiting < concurrency:
+                seq = batch.add(pending.pop(0), params, method=method, budget=budget)
+                seqs.append(seq)
+            batch.step()
+            steps.append((batch.last.seconds, batch.last.verified_tokens, batch.last.sequences))
+        return seqs, time.perf_counter() - started, steps
+
+    wave(prompts[:min(len(prompts), concurrency)])
+    seqs, seconds, steps = wave(prompts)
+    generated = sum(len(s.generation.token_ids) for s in seqs)
+    rounds = sum(s.generation.stats.rounds for s in seqs)
+    committed = sum(s.generation.stats.committed_tokens for s in seqs)
+    decode = [s for s in steps if s[2]]
+    return dict(tokens_per_second=generated / seconds, tau=committed / max(rounds, 1),
+                step_ms=1e3 * sum(s[0] for s in decode) / max(len(decode), 1),
+                rows_per_step=sum(s[1] for s in decode) / max(len(decode), 1),
+                requests_per_step=sum(s[2] for s in decode) / max(len(decode), 1),
+                outputs=[s.generation.token_ids for s in seqs])
+
+
+def projection(cost: CostModel, levels: list[int], tau: dict, depth: int) -> list[dict]:
+    """A PROJECTION, not a measurement: tok/s = c * τ(b) / round time(c * (1 + nodes(b)), c) for `ar` (b = 0),
+    `dflash` (a chain of the block's depth) and each budget b of the τ curve, and the best of them (what the
+    batch budget aims at). Round times come from the measured cost model; τ from the named curve."""
+    out = []
+    for c in levels:
+        entry = {"concurrency": c}
+        for key, t in tau.items():
+            nodes = depth if key == "chain" else int(key)
+            entry[f"tau {key}"] = c * t / cost.seconds(c * (1 + nodes), c)
+        entry["best"] = max(v for k, v in entry.items() if k.startswith("tau "))
+        out.append(entry)
+    return out
+
+
+def table(report: dict) -> str:
+    lines = [f"{report['model']} on {report['device']}: {report['prompt_tokens']} prompt tokens, "
+             f"{report['max_new_tokens']} new, ddtree budget {report['budget']}", "",
+             "| concurrency | method | output tok/s | tau | step ms | rows/step | requests/step | == ar |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        same = "" if r["same_as_ar"] is None else "yes" if r["same_as_ar"] else "NO"
+        lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.0f} | {r['tau']:.2f} | "
+                     f"{r['step_ms']:.2f} | {r['rows_per_step']:.0f} | {r['requests_per_step']:.1f} | {same} |")
+    if report.get("cost_model") and len(report["cost_model"]["points"]) > 1:
+        model = report["cost_model"]
+        lines += ["", "cost model (measured): verify ms by rows: " + ", ".join(
+            f"{t}: {1e3 * s:.2f}" for t, s in model["points"]) + f"; per request {1e3 * model['per_request']:.3f} ms"]
+    if report.get("projection"):
+        keys = [k for k in report["projection"][0] if k.startswith("tau ")]
+        lines += ["", "PROJECTION (tok/s from the measured cost model and the named tau curve, not measured):", "",
+                  "| concurrency | " + " | ".join(keys) + " | best |", "|---" * (len(keys) + 2) + "|"]
+        for p in report["projection"]:
+            lines.append(f"| {p['concurrency']} | " + " | ".join(f"{p[k]:.0f}" for k in keys) + f" | {p['best']:.0f} |")
+    return "\n".join(lines)
