@@ -43,7 +43,7 @@ from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.jit import triton_works
-from ddtree.kernels.paged_attention import BLOCK_M, PagedLayout, PagedMask, paged_mask, tiles_for
+from ddtree.kernels.paged_attention import BLOCK_M, PagedLayout, PagedMask, kernel_works, paged_mask, tiles_for
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.target import HybridTarget, Target
@@ -208,7 +208,8 @@ class PagedBackend:
         # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
         # forward builds its own layout and attention goes through SDPA.
         self.cuda = self.device.type == "cuda"
-        self.static = triton_works(self.device)
+        head_dims = {self.layers[0].head_dim} | ({draft.config.head_dim} if draft is not None else set())
+        self.static = all(kernel_works(self.device, d) for d in head_dims)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.captured: dict[tuple[str, int], Captured] = {}
         self.buckets = buckets(max_rows)
@@ -390,7 +391,9 @@ class PagedBackend:
     def capture_all(self) -> None:
         """Capture every bucket's verify forward, and the draft forward for every batch of blocks, before any
         sequence runs (the pools are empty, so dummy rows may write any slots): the server does this before it
-        says it is ready, so no request waits for a capture."""
+        says it is ready, so no request waits for a capture. Nothing to capture without the kernels."""
+        if not self.static:
+            return
         dummy = PagedLayout([0], [0, 1], [[0]], [torch.ones(1, 1, dtype=torch.bool)])
         for bucket in self.buckets:
             self._capture("verify", bucket).rows.fill([0], [0], [self.scratch], dummy)

@@ -17,12 +17,13 @@ gathered and go through SDPA with the mask.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels.jit import probe, triton_works
+from ddtree.kernels.jit import triton_works
 
 try:
     import triton
@@ -89,10 +90,29 @@ def paged_mask(layout: PagedLayout, page: int, device: torch.device, window: int
                      page, window, layout)
 
 
+def kernel_works(device: torch.device, head_dim: int) -> bool:
+    """Whether the paged kernel runs on `device` at this head dim (its own smoke test, once per device: a build
+    that fails leaves this path to SDPA, the rest of the fast path's kernels to themselves)."""
+    if head_dim < 16 or head_dim & (head_dim - 1) or not triton_works(device):
+        return False
+    key = (device.type, device.index if device.type != "cuda" else torch.cuda.current_device())
+    if key not in _WORKS:
+        try:
+            _smoke_test(device)
+            _WORKS[key] = True
+        except Exception as exc:  # a Triton that cannot build it: SDPA serves
+            print(f"ddtree fast path: the paged attention kernel cannot run ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); batches attend through SDPA", file=sys.stderr)
+            _WORKS[key] = False
+    return _WORKS[key]
+
+
+_WORKS: dict[tuple, bool] = {}
+
+
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:
     """Grouped queries q [kv, groups*N, d] over a paged cache [2, kv, slots, d] -> [N, H*d]."""
-    d = q.shape[2]
-    if d >= 16 and d & (d - 1) == 0 and triton_works(q.device):
+    if mask.host is None or kernel_works(q.device, q.shape[2]):
         return _triton_paged(q, cache, mask)
     return paged_attention_sdpa(q, cache, mask)
 
@@ -139,7 +159,7 @@ def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torc
         q, k, v, out, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets, mask.tiles,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), mask.tables.stride(0), mask.n, 1.0 / math.sqrt(d),
         PAGE=mask.page, WINDOW=mask.window or 0, GROUPS=groups, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        ROWS=triton.next_power_of_2(BLOCK_M * groups), IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out
 
 
@@ -156,7 +176,7 @@ if triton is not None:
     def _paged_kernel(Q, K, V, Out, Starts, Offsets, Tables, Vis, VisOffsets, Tiles, stride_qh, stride_qr,
                       stride_kh, stride_kt, stride_table, n_total, scale, PAGE: tl.constexpr, WINDOW: tl.constexpr,
                       GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      ROWS: tl.constexpr, IEEE: tl.constexpr):
         """One tile of one sequence's query rows (every head that shares K/V head `head`), over the sequence's
         committed slots and its visible new rows, in pages through its block table."""
         tile, head = tl.program_id(0), tl.program_id(1)
@@ -167,17 +187,17 @@ if triton is not None:
             n = tl.load(Offsets + seq + 1) - row0
             start = tl.load(Starts + seq)
             vis_base = tl.load(VisOffsets + seq)
-            r = tl.arange(0, BLOCK_M * GROUPS)
+            r = tl.arange(0, ROWS)  # (row, group) pairs, padded to a power of two
             t = first + r // GROUPS  # the row within the sequence's new rows
             group = r % GROUPS
-            row_ok = t < n
+            row_ok = (r < BLOCK_M * GROUPS) & (t < n)
             dims = tl.arange(0, HEAD_DIM)
             q_rows = group * n_total + row0 + t
             q = tl.load(Q + head * stride_qh + q_rows[:, None] * stride_qr + dims[None, :], mask=row_ok[:, None],
                         other=0.0)
-            m_i = tl.full((BLOCK_M * GROUPS,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M * GROUPS,), tl.float32)
-            acc = tl.zeros((BLOCK_M * GROUPS, HEAD_DIM), tl.float32)
+            m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+            l_i = tl.zeros((ROWS,), tl.float32)
+            acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
             total = start + n
             for j0 in range(0, total, BLOCK_N):
                 cols = j0 + tl.arange(0, BLOCK_N)
@@ -211,10 +231,11 @@ if triton is not None:
                      mask=row_ok[:, None])
 
 
-@probe
 def _smoke_test(device: torch.device) -> None:
     """Two sequences of one and two rows over a 2-slot page."""
     layout = PagedLayout([1, 0], [0, 1, 3], [[0], [1]], [torch.ones(1, 1, dtype=torch.bool),
                                                          torch.ones(2, 2, dtype=torch.bool).tril()])
     mask = paged_mask(layout, 2, device)
-    _triton_paged(torch.zeros(1, 3, 16, device=device), torch.zeros(2, 1, 4, 16, device=device), mask)
+    _triton_paged(torch.zeros(1, 9, 16, device=device), torch.zeros(2, 1, 4, 16, device=device), mask)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.kernels.jit import attempt, probe, triton_works
+from ddtree.kernels.jit import attempt, triton_works
 from ddtree.kernels.tree import _key, _key_score, _pow2, _tree_warps, ancestors, tree_size
 
 try:
@@ -200,13 +200,3 @@ if triton is not None:
         for d in range(MAX_DEPTH):
             state = tl.load(Order + (d * width + state) * width)
             tl.store(Chosen + d, tl.load(Tok + d * width + state))
-
-
-@probe
-def _smoke_test(device: torch.device) -> None:
-    """A budget-3 tree and a chain over a 2-depth, 2-candidate model."""
-    logp = torch.log(torch.full((2, 2, 2), 0.5, device=device))
-    order = torch.arange(2, device=device).expand(2, 2, 2).contiguous()
-    tokens = torch.arange(4, device=device).view(2, 2)
-    _build_on_gpu(logp, order, tokens, _frontier(3, 2, device), budget=3, n=3)
-    _chain_on_gpu(order, tokens)
