@@ -107,8 +107,9 @@ def server(logs) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def guarded_server(logs) -> Iterator[Server]:
-    """A one-slot queue behind an API key (from the environment), for overload and auth tests."""
-    srv = start_server(logs, "--max-queue", "1", env={"DDTREE_API_KEY": API_KEY}, api_key=API_KEY,
+    """One running request and a one-slot queue behind an API key (from the environment), for overload and
+    auth tests: the second request waits in the queue, the third is refused."""
+    srv = start_server(logs, "--max-queue", "1", "--max-num-seqs", "1", env={"DDTREE_API_KEY": API_KEY}, api_key=API_KEY,
                        name="guarded")
     yield srv
     srv.stop()

@@ -79,7 +79,7 @@ def test_a_queued_request_whose_client_leaves_is_dropped(guarded_server):
             wait_for(lambda: metric(srv, "vllm:num_requests_waiting") == 1)
         # The waiting client left: its queue slot frees up while A still runs.
         wait_for(lambda: metric(srv, "vllm:num_requests_waiting") == 0)
-        assert metric(srv, "vllm:request_success_total", finished_reason="abort") == aborted + 1
+        wait_for(lambda: metric(srv, "vllm:request_success_total", finished_reason="abort") == aborted + 1)
         assert metric(srv, "vllm:num_requests_running") == 1
     wait_for(lambda: metric(srv, "vllm:num_requests_running") == 0)
 
