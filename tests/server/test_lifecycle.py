@@ -1,23 +1,28 @@
-"""Process lifecycle: SIGTERM drains in-flight requests before exit; a bad model path fails fast."""
+"""Process lifecycle: SIGTERM drains in-flight requests and ends what the drain timeout cuts with a proper error;
+a bad model path or a damaged checkpoint fails fast, in one line, with exit status 2."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
 from conftest import start_server
+from ddtree.engine.engine import ASSETS
 
 
 @pytest.mark.slow
 def test_sigterm_lets_the_running_stream_finish(logs):
     srv = start_server(logs, "--drain-timeout", "300", name="drain")
     try:
-        body = {"prompt": "import os", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {"model": "ddtree-demo", "prompt": "import os", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
         with srv.http.stream("POST", f"{srv.url}/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
@@ -26,11 +31,87 @@ def test_sigterm_lets_the_running_stream_finish(logs):
         assert rest[-1] == "data: [DONE]"
         usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
         assert usage["completion_tokens"] == 48
-        srv.proc.wait(timeout=60)
+        assert srv.proc.wait(timeout=60) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{srv.url}/health")
     finally:
         srv.stop()
+
+
+def outcome(kind: str, response: httpx.Response, lines: list[str]) -> str:
+    """How a request ended: "done" (the whole reply), "503" (a proper drain error) or "lost" (anything else:
+    a cut stream, an empty body, a 500)."""
+    if kind == "stream":
+        events = [line.removeprefix("data: ") for line in lines if line]
+        if response.status_code != 200 or len(events) < 2 or events[-1] != "[DONE]":
+            return "lost"
+        last = json.loads(events[-2])
+        if "error" in last:
+            return "503" if last["error"]["type"] == "service_unavailable" else "lost"
+        return "done" if last["choices"] and last["choices"][0]["finish_reason"] else "lost"
+    if response.status_code == 200 and response.json()["choices"]:
+        return "done"
+    if response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable":
+        return "503"
+    return "lost"
+
+
+@pytest.mark.slow
+def test_the_drain_timeout_ends_every_request_with_a_proper_error(logs):
+    """16 clients, streaming and not, 4 of them hanging up; SIGTERM with --drain-timeout 3. While draining the
+    server keeps answering (/health 200, /ready 503, new work 503); at the timeout every unfinished request
+    ends with a 503 (a stream: an error event, then [DONE]); none is cut, and the log has no traceback."""
+    srv = start_server(logs, "--drain-timeout", "3", name="drain-timeout")
+    url = f"{srv.url}/v1/completions"
+    long = {"model": "ddtree-demo", "prompt": "import os", "max_tokens": 1000, "temperature": 1, "ignore_eos": True}
+    outcomes: list[str] = []
+    first_chunk = threading.Event()
+
+    def client(i: int) -> None:
+        kind = "stream" if i % 2 == 0 else "json"
+        body = {**long, "seed": i, "n": 2 if i == 0 else 1, "stream": kind == "stream",
+                "max_tokens": 1000 if i < 8 else 16}
+        with httpx.Client(timeout=120) as http, http.stream("POST", url, json=body) as r:
+            if i % 4 == 3:  # hangs up once the request is in (queued or running)
+                time.sleep(0.5)
+                return
+            lines = list(r.iter_lines()) if kind == "stream" else []
+            if kind == "json":
+                r.read()
+        outcomes.append(outcome(kind, r, lines))
+
+    def first() -> None:  # client 0 streams two long choices: it cannot finish within 3 s
+        body = {**long, "n": 2, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", url, json=body) as r:
+            lines = r.iter_lines()
+            seen = [next(lines)]
+            first_chunk.set()
+            seen += list(lines)
+        outcomes.append(outcome("stream", r, seen))
+
+    threads = [threading.Thread(target=first)] + [threading.Thread(target=client, args=(i,)) for i in range(1, 16)]
+    try:
+        threads[0].start()
+        assert first_chunk.wait(120)
+        for thread in threads[1:]:
+            thread.start()
+        time.sleep(1)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # the listener is still open
+        assert httpx.get(f"{srv.url}/ready").status_code == 503
+        refused = httpx.post(url, json={**long, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        for thread in threads:
+            thread.join(timeout=120)
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.stop()
+    assert len(outcomes) == 12 and outcomes.count("lost") == 0, outcomes
+    assert outcomes[0] == "503"  # client 0 was cut by the timeout, with the error
+    log = srv.log.read_text()
+    assert "drain timeout: ending" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log
 
 
 def test_bad_model_path_exits_with_a_one_line_error(tmp_path):
@@ -38,3 +119,39 @@ def test_bad_model_path_exits_with_a_one_line_error(tmp_path):
                           "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("ddtree serve: error:")
+
+
+def damaged_copy(tmp_path, which: str, cut: int | None = None, header: bool = False):
+    """A copy of the demo pair's target or draft with a damaged model.safetensors (truncated, as an interrupted
+    pull leaves it, or with a corrupt header)."""
+    copy = tmp_path / which
+    shutil.copytree(ASSETS / which, copy)
+    weights = copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:8] + b"#" * 16 + data[24:] if header else data[:cut])
+    return copy
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_damaged_checkpoint_fails_in_one_line(tmp_path, command):
+    """Before: a 21-line safetensors traceback and exit 1."""
+    args = {"serve": ["serve", "--port", "0"], "generate": ["generate", "--prompt", "x", "--max-new-tokens", "2"]}
+    cases = [(["--target", str(damaged_copy(tmp_path, "target", cut=10**7)), "--draft", str(ASSETS / "draft")],
+              "is truncated"),
+             (["--draft", str(damaged_copy(tmp_path, "draft", header=True))], "corrupt header")]
+    for models, words in cases:
+        out = subprocess.run([sys.executable, "-m", "ddtree.cli", *args[command], *models], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"ddtree {command}: error:") and words in last and "pull it again" in last, last
+        assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_serve_flags_are_checked_in_one_line():
+    for flags, words in ((["--max-request-bytes", "10"], "--max-request-bytes must be at least 1024"),
+                         (["--drain-timeout", "-1"], "--drain-timeout must be 0 or more")):
+        out = subprocess.run([sys.executable, "-m", "ddtree.cli", "serve", *flags], capture_output=True, text=True,
+                             timeout=60)
+        error = out.stderr.strip()
+        assert out.returncode == 2 and "\n" not in error and error.startswith(f"ddtree serve: error: {words}"), error

@@ -21,6 +21,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from ddtree.errors import DDTreeError
+from ddtree.models.checkpoint import check_checkpoint
 
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 DFLASH2_MARKERS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -330,6 +331,7 @@ def load_draft(
     cfg = parse_draft_config(raw, target, where=str(cfg_path), mask_token_from_tokenizer=mask_token_from_tokenizer)
     if not weights_path.is_file():
         raise DDTreeError(f"draft directory {d} has no model.safetensors")
+    check_checkpoint(d)  # a damaged file fails here in one line, not deep in safetensors
     tensors = {k.removeprefix("model."): v for k, v in load_file(str(weights_path)).items()}
     for borrowed in ("embed_tokens.weight", "lm_head.weight"):
         tensors.pop(borrowed, None)  # the target's embedding and head stay authoritative
