@@ -89,3 +89,13 @@ def test_default_temperature_applies_only_to_requests_that_send_none():
         body = {"model": "scripted", "prompt": [0], "max_tokens": 5}
         assert client.post("/v1/completions", json=body).status_code == 200
     assert [p.temperature for p in engine.params] == [0.0, 0.7, 1.0]
+
+
+def test_docs_describe_the_request_bodies_and_can_be_turned_off():
+    with TestClient(create_app(lambda: ScriptedEngine())) as client:
+        assert client.get("/docs").status_code == 200
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+        assert {"ChatCompletionRequest", "CompletionRequest", "TokenizeRequest"} <= set(schemas)
+    with TestClient(create_app(lambda: ScriptedEngine(), ServerConfig(docs=False))) as client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert client.get(path).status_code == 404, path

@@ -97,6 +97,10 @@ def watch(server, during: Callable[[], None]) -> tuple[float, float]:
         done.set()
         for thread in threads:
             thread.join(timeout=120)
+    idle = time.monotonic() + 120  # the stream's last round ends after the hang-up: leave the server idle
+    while any(v for (name, _), v in server.metrics().items() if name == "vllm:num_requests_running"):
+        assert time.monotonic() < idle
+        time.sleep(0.02)
     assert probes and gaps
     return max(probes), max(gaps)
 

@@ -120,7 +120,7 @@ def _bound_messages(state: ServerState, data: Any) -> None:
 
 def _context_error(limit: int, prompt_tokens: int, param: str, max_tokens: int | None = None,
                    at_least: bool = False) -> APIError:
-    """vLLM's wording, so clients that parse it (to trim a chat and retry) keep working."""
+    """In OpenAI's words, which clients parse to trim a chat and retry."""
     if max_tokens is None:
         count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
         return bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "

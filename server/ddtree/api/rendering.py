@@ -11,7 +11,10 @@ other text. Chats without special-token text get exactly the ids `Engine.chat_id
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
+
+from tokenizers import Tokenizer
 
 PRIVATE_USE = 0xF0000  # Supplementary Private Use Area-A: placeholders for special-token text in messages
 
@@ -31,6 +34,8 @@ class PromptRenderer:
         # The most characters one token stands for (0: unknown, no bound).
         vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
         self.max_token_chars = max(map(len, vocab), default=0)
+        self._plain_ids = _plain_encoder(self.tokenizer) if self.specials else None
+        self._newline = self._plain_ids("\n") if self._plain_ids else []
 
     def min_tokens(self, chars: int) -> int:
         """A lower bound on the token count of any text of `chars` characters, without tokenizing it; the 2
@@ -58,12 +63,21 @@ class PromptRenderer:
         for match in [*self._special_re.finditer(rendered), None]:  # only the template's own specials are left
             plain = rendered[end:match.start() if match else len(rendered)]
             if plain:
-                text = restore_re.sub(lambda x: restore[x.group()], plain)
-                ids += self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+                ids += self._piece_ids(restore_re.sub(lambda x: restore[x.group()], plain), first=end == 0)
             if match:
                 ids.append(self.special_ids[match.group()])
                 end = match.end()
         return ids
+
+    def _piece_ids(self, text: str, first: bool) -> list[int]:
+        """A piece of the rendered chat between two of the template's special tokens, as plain text. Encoded
+        after a newline (then dropped) where it does not start the chat, as transformers encodes such pieces:
+        SentencePiece tokenizers would otherwise give it the prefix space of a text's start."""
+        if not first:
+            ids = self._plain_ids("\n" + text)
+            if ids[:len(self._newline)] == self._newline:
+                return ids[len(self._newline):]
+        return self._plain_ids(text)
 
     def _render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, **template: Any) -> str:
@@ -76,6 +90,18 @@ class PromptRenderer:
         text = repr(messages)
         free = (chr(c) for c in range(PRIVATE_USE, PRIVATE_USE + 65534) if chr(c) not in text)
         return {special: next(free) for special in self.specials}
+
+
+def _plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """Text -> ids with special-token text read as text. A copy of a fast tokenizer's backend with that set once
+    and for all: transformers' `split_special_tokens=True` flips it on the shared tokenizer for each call, which
+    races with the other threads tokenizing requests (one could read a user's `<|im_end|>` as the token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a Python tokenizer takes the option per call, without shared state
+        return lambda text: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.encode_special_tokens = True
+    return lambda text: plain.encode(text, add_special_tokens=False).ids
 
 
 def _replace_strings(value: Any, replace: Any) -> Any:
