@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from servers import metric, wait_for
 
 LIMIT = 4 * 2**20  # the default --max-request-bytes
 
@@ -97,10 +98,8 @@ def watch(server, during: Callable[[], None]) -> tuple[float, float]:
         done.set()
         for thread in threads:
             thread.join(timeout=120)
-    idle = time.monotonic() + 120  # the stream's last round ends after the hang-up: leave the server idle
-    while any(v for (name, _), v in server.metrics().items() if name == "vllm:num_requests_running"):
-        assert time.monotonic() < idle
-        time.sleep(0.02)
+    # The stream's last round ends after the hang-up: leave the server idle for the next test's counters.
+    wait_for(lambda: metric(server, "vllm:num_requests_running") == 0)
     assert probes and gaps
     return max(probes), max(gaps)
 

@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-from conftest import start_server
-
-
-def metric(server, name: str, **labels: str) -> float:
-    return sum(v for (n, lab), v in server.metrics().items()
-               if n == name and all(dict(lab).get(k) == val for k, val in labels.items()))
-
-
-def wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+from servers import metric, start_server, wait_for
 
 
 def long_body(server, stream: bool) -> dict:

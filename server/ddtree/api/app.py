@@ -8,6 +8,7 @@ served model. A request passes middleware.py (API key, body limit, in-flight cou
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -81,7 +82,7 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
         threading.Thread(target=load, name="ddtree-load", daemon=True).start()
         yield
         await state.drain()  # at once when `ddtree serve` already drained on SIGTERM
-        state.close()
+        await asyncio.to_thread(state.close)
 
     docs = state.config.docs
     app = FastAPI(title="ddtree", version=__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
