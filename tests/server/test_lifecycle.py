@@ -138,6 +138,7 @@ def damaged_copy(tmp_path, which: str, cut: int | None = None, header: bool = Fa
     return copy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_a_damaged_checkpoint_fails_in_one_line(tmp_path, command):
     """Before: a 21-line safetensors traceback and exit 1."""
