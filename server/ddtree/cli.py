@@ -184,9 +184,17 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 429")
     _add_batch_args(p)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize "
-                   "(default: $DDTREE_API_KEY; none: open)")
+                   "and the API docs (default: $DDTREE_API_KEY; none: open)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json (as vLLM's flag; with --api-key they need the key)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+                   help="seconds in-flight requests get to finish after SIGTERM; what is left then gets a 503")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, metavar="BYTES",
+                   help="larger request bodies get a 413 before they are read (default: 4194304, 4 MiB)")
+    p.add_argument("--escape-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="read special-token text in chat messages (a user's `<|im_end|>`) as plain text, so no "
+                   "message can forge a turn (default: on; --no-escape-special-tokens tokenizes it as the "
+                   "special token, as vLLM does)")
     p.add_argument("--default-temperature", type=float, default=None,
                    help="temperature for requests that send none, over the model's (default: the model's "
                    "generation config, else 1.0 as OpenAI; 0 = greedy)")
@@ -216,6 +224,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise DDTreeError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
         raise DDTreeError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_request_bytes < 1024:
+        raise DDTreeError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
+    if not args.drain_timeout >= 0:
+        raise DDTreeError(f"--drain-timeout must be 0 or more seconds, got {args.drain_timeout}")
     if args.default_temperature is not None and not 0 <= args.default_temperature <= 2:
         raise DDTreeError(f"--default-temperature must be in [0, 2], got {args.default_temperature}")
     template_kwargs = {}
@@ -235,6 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
         generation_config=args.generation_config, fast=args.fast,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=template_kwargs, batch=_batch_options(args),
+        max_request_bytes=args.max_request_bytes,
+        escape_special_tokens=args.escape_special_tokens, docs=not args.disable_fastapi_docs,
         log_level=args.log_level))
 
 

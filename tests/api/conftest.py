@@ -2,94 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    """A running server: its URL, its process and its log file."""
-
-    url: str
-    proc: subprocess.Popen
-    log: Path
-    api_key: str = "unused"
-    _client: openai.OpenAI | None = None
-    _model: str | None = None
-    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=300))  # generous: CI may be slow
-
-    def client(self) -> openai.OpenAI:
-        """One SDK client per server: building one (TLS context and all) costs more than a tiny request."""
-        if self._client is None:
-            self._client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0)
-        return self._client
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key, max_retries=0)
-
-    def model(self) -> str:
-        if self._model is None:
-            self._model = self.client().models.list().data[0].id
-        return self._model
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        """Every sample of /metrics, keyed by (name, sorted labels), parsed by prometheus-client."""
-        text = self.http.get(f"{self.url}/metrics").text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, api_key: str = "unused",
-                 name: str = "server") -> Server:
-    """`python -m ddtree.cli serve ARGS` on a free port, once /ready answers 200."""
-    port = free_port()
-    log = log_dir / f"{name}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ddtree.cli", "serve", "--port", str(port), *args],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = Server(f"http://127.0.0.1:{port}", proc, log, api_key)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{server.url}/ready", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(f"server not ready after 120 s:\n{log.read_text()}")
+from servers import API_KEY, Server, start_server
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +26,7 @@ def server(logs) -> Iterator[Server]:
 def guarded_server(logs) -> Iterator[Server]:
     """One running request and a one-slot queue behind an API key (from the environment), for overload and
     auth tests: the second request waits in the queue, the third is refused."""
-    srv = start_server(logs, "--max-queue", "1", "--max-num-seqs", "1", env={"DDTREE_API_KEY": API_KEY}, api_key=API_KEY,
-                       name="guarded")
+    srv = start_server(logs, "--max-queue", "1", "--max-num-seqs", "1", env={"DDTREE_API_KEY": API_KEY},
+                       api_key=API_KEY, name="guarded")
     yield srv
     srv.stop()

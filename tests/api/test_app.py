@@ -32,7 +32,7 @@ def test_health_answers_while_loading_and_ready_follows_the_model():
         for path in ("/ready", "/v1/models", "/metrics"):
             r = client.get(path)
             assert r.status_code == 503 and r.json()["error"]["message"], path
-        r = client.post("/v1/completions", json={"prompt": [0, 1], "max_tokens": 2})
+        r = client.post("/v1/completions", json={"model": "scripted", "prompt": [0, 1], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["Retry-After"]
         loaded.set()
         wait_ready(client)
@@ -62,7 +62,7 @@ def test_engine_failure_mid_stream_sends_an_error_event_then_done():
     engine.scripts = [[prefill(0), round_([1, 2]), RuntimeError("device lost")], [prefill(0), round_([1], "length")]]
     with TestClient(create_app(lambda: engine)) as client:
         wait_ready(client)
-        body = {"prompt": [0], "max_tokens": 10, "stream": True}
+        body = {"model": "scripted", "prompt": [0], "max_tokens": 10, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as r:
             events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
         texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
@@ -71,7 +71,7 @@ def test_engine_failure_mid_stream_sends_an_error_event_then_done():
         assert error["type"] == "internal_error" and "device lost" in error["message"]
         assert events[-1] == "[DONE]"
         # The worker survived: the next request is served.
-        r = client.post("/v1/completions", json={"prompt": [0], "max_tokens": 10})
+        r = client.post("/v1/completions", json={"model": "scripted", "prompt": [0], "max_tokens": 10})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "a b"
 
 
@@ -82,8 +82,20 @@ def test_default_temperature_applies_only_to_requests_that_send_none():
     with TestClient(app) as client:
         wait_ready(client)
         for extra in ({}, {"temperature": 0.7}):
-            assert client.post("/v1/completions", json={"prompt": [0], "max_tokens": 5, **extra}).status_code == 200
+            body = {"model": "scripted", "prompt": [0], "max_tokens": 5, **extra}
+            assert client.post("/v1/completions", json=body).status_code == 200
     with TestClient(create_app(lambda: engine)) as client:
         wait_ready(client)
-        assert client.post("/v1/completions", json={"prompt": [0], "max_tokens": 5}).status_code == 200
+        body = {"model": "scripted", "prompt": [0], "max_tokens": 5}
+        assert client.post("/v1/completions", json=body).status_code == 200
     assert [p.temperature for p in engine.params] == [0.0, 0.7, 1.0]
+
+
+def test_docs_describe_the_request_bodies_and_can_be_turned_off():
+    with TestClient(create_app(lambda: ScriptedEngine())) as client:
+        assert client.get("/docs").status_code == 200
+        schemas = client.get("/openapi.json").json()["components"]["schemas"]
+        assert {"ChatCompletionRequest", "CompletionRequest", "TokenizeRequest"} <= set(schemas)
+    with TestClient(create_app(lambda: ScriptedEngine(), ServerConfig(docs=False))) as client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert client.get(path).status_code == 404, path

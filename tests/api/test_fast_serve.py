@@ -4,7 +4,7 @@ seeded sampled requests are reproducible."""
 from __future__ import annotations
 
 import pytest
-from conftest import start_server
+from servers import start_server
 
 PROMPTS = ["def merge(", "class Parser:", "import os\n\ndef main("]
 

@@ -49,7 +49,8 @@ def received(engine: Engine, bodies: list[dict], **config) -> list[tuple]:
         with TestClient(create_app(lambda: engine, ServerConfig(**config))) as client:
             wait_ready(client)
             for body in bodies:
-                r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, **body})
+                r = client.post("/v1/completions",
+                                json={"model": engine.model_name, "prompt": [1, 2, 3], "max_tokens": 2, **body})
                 assert r.status_code == 200, r.text
     finally:
         del engine.request
@@ -121,7 +122,7 @@ def test_chat_and_completions_share_the_defaults():
         wait_ready(client)
         for path, body in (("/v1/chat/completions", {"messages": messages}), ("/v1/completions", {"prompt": [0]})):
             for extra in ({}, {"top_p": 0.8, "top_k": 0}):
-                r = client.post(path, json={**body, "max_tokens": 2, **extra})
+                r = client.post(path, json={**body, "model": "scripted", "max_tokens": 2, **extra})
                 assert r.status_code == 200, r.text
     assert [sampling(p) for p in engine.params] == [(0.6, 0.95, 20, 0.0, 1.0), (0.6, 0.8, 0, 0.0, 1.0)] * 2
 

@@ -47,7 +47,7 @@ def stream_usage_and_spec(server, body: dict) -> tuple[dict, dict, str]:
 @pytest.mark.slow
 def test_counters_move_by_exactly_what_the_requests_did(server):
     before = server.metrics()
-    extra = {"return_spec_stats": True, "ignore_eos": True, "temperature": 0}
+    extra = {"model": server.model(), "return_spec_stats": True, "ignore_eos": True, "temperature": 0}
     done = []  # (usage, spec, finish_reason)
     messages = [{"role": "user", "content": "Write a function."}]
     url = server.url

@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
 import pytest
-
-
-def metric(server, name: str, **labels: str) -> float:
-    return sum(v for (n, lab), v in server.metrics().items()
-               if n == name and all(dict(lab).get(k) == val for k, val in labels.items()))
-
-
-def wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+from servers import metric, start_server, wait_for
 
 
 def long_body(server, stream: bool) -> dict:
     limit = server.http.get(f"{server.url}/v1/models", headers=auth(server)).json()["data"][0]["max_model_len"]
-    return {"prompt": "import os", "max_tokens": min(1000, limit - 10), "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    return {"model": "ddtree-demo", "prompt": "import os", "max_tokens": min(1000, limit - 10), "temperature": 0,
+            "ignore_eos": True, "stream": stream}
 
 
 def auth(server) -> dict[str, str]:
@@ -85,15 +73,18 @@ def test_a_queued_request_whose_client_leaves_is_dropped(guarded_server):
 
 
 @pytest.mark.slow
-def test_n_choices_are_queued_all_or_none(guarded_server):
+def test_n_choices_are_queued_all_or_none(logs):
     """With one queue slot left, an n = 2 request is refused whole: no choice stays queued behind the 429."""
-    srv = guarded_server
+    srv = start_server(logs, "--max-queue", "2", "--max-num-seqs", "1", name="two-slots")
     url = f"{srv.url}/v1/completions"
-    with httpx.Client(timeout=300) as running, running.stream("POST", url, json=long_body(srv, True),
-                                                             headers=auth(srv)) as a:
-        lines = a.iter_lines()  # keep a reference: a collected iterator closes the connection
-        next(lines)
-        r = srv.http.post(url, json={**long_body(srv, False), "n": 2}, headers=auth(srv))
-        assert r.status_code == 429
-        assert metric(srv, "vllm:num_requests_waiting") == 0 and metric(srv, "vllm:num_requests_running") == 1
-    wait_for(lambda: metric(srv, "vllm:num_requests_running") == 0)
+    try:
+        with httpx.Client(timeout=300) as running, running.stream("POST", url, json=long_body(srv, True)) as a, \
+                httpx.Client(timeout=300) as waiting, waiting.stream("POST", url, json=long_body(srv, True)):
+            lines = a.iter_lines()  # keep a reference: a collected iterator closes the connection
+            next(lines)
+            wait_for(lambda: metric(srv, "vllm:num_requests_waiting") == 1)
+            r = srv.http.post(url, json={**long_body(srv, False), "n": 2})
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+            assert metric(srv, "vllm:num_requests_waiting") == 1 and metric(srv, "vllm:num_requests_running") == 1
+    finally:
+        srv.stop()

@@ -1,12 +1,14 @@
-"""The scheduler against a scripted engine: failures stay contained, stops cut rounds, cancels free work."""
+"""The scheduler against a scripted engine: failures stay contained, stops cut rounds, cancels free work, the
+drain timeout ends everything with a retryable error."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
+import pytest
 from ddtree.api.metrics import ServerMetrics
-from ddtree.api.scheduler import Output, Request, Scheduler, SpecStats
+from ddtree.api.scheduler import Draining, Output, Request, Scheduler, SpecStats
 from ddtree.core.sampling import SamplingParams
 from scripted_engine import ScriptedBatch, ScriptedEngine, prefill, round_
 
@@ -113,4 +115,33 @@ def test_spec_counters_follow_the_rounds():
     assert counter(metrics, "vllm:prompt_tokens_total") == 2
     assert request.spec.to_dict()["acceptance_length"] == 2.0
     assert request.spec.accepted_length_counts == [1, 0, 1]
+    scheduler.shutdown(1)
+
+
+def test_abort_all_ends_waiting_and_running_requests_with_a_retryable_error():
+    """The drain timeout: the waiting request ends at once, the running one before its next round, both with
+    the reason and as retryable (a 503); new work is refused."""
+    engine = ScriptedEngine()
+    engine.gate = threading.Semaphore(0)
+    engine.scripts = [[prefill(0), *[round_([1]) for _ in range(50)]], [prefill(0), round_([1], "length")]]
+    scheduler, metrics = make(engine)
+
+    async def main():
+        running, waiting = Request([5], SamplingParams()), Request([5], SamplingParams())
+        scheduler.submit(running)
+        scheduler.submit(waiting)
+        engine.gate.release()  # the prefill only
+        await asyncio.wait_for(running.outputs.get(), 10)
+        scheduler.abort_all("shutting down")
+        ended = await collect(waiting)  # before the running request's round is let through
+        engine.gate.release()
+        with pytest.raises(Draining):
+            scheduler.submit(Request([5], SamplingParams()))
+        return await collect(running), ended
+
+    running, waiting = asyncio.run(main())
+    for outs in (running, waiting):
+        assert outs[-1].finish_reason == "abort" and outs[-1].error == "shutting down" and outs[-1].retryable
+    assert len(engine.generations) == 1 and engine.generations[0].closed  # the waiting one never started
+    assert counter(metrics, "vllm:request_success_total", finished_reason="abort") == 2
     scheduler.shutdown(1)

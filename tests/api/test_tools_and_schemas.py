@@ -213,7 +213,13 @@ def client_for(engine: ScriptedEngine, **config) -> TestClient:
 
 
 def chat(client: TestClient, **body):
-    return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Paris?"}], **body})
+    return client.post("/v1/chat/completions", json={"model": served(client), "messages": [
+        {"role": "user", "content": "Paris?"}], **body})
+
+
+def served(client: TestClient) -> str:
+    """The model id requests name."""
+    return client.get("/v1/models").json()["data"][0]["id"]
 
 
 def test_a_reply_with_a_call_comes_back_as_tool_calls():
@@ -316,7 +322,7 @@ def test_earlier_calls_and_tool_results_reach_the_template():
                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "tool_call_id": "call_9", "content": "sunny, 21 C"}]
     with client_for(engine) as client:
-        r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER]})
+        r = client.post("/v1/chat/completions", json={"model": "scripted", "messages": messages, "tools": [WEATHER]})
     assert r.status_code == 200, r.text
     rendered = engine.renders[0][0]
     assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
@@ -333,13 +339,16 @@ def test_the_real_chat_template_renders_tools_into_the_prompt_the_model_decodes(
     with client_for(engine) as client:
         ids = client.post("/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()["tokens"]
         assert "get_weather" in engine.decode(ids) and "Weather in a city" in engine.decode(ids)
-        r = client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER], "max_tokens": 8,
-                                                      "temperature": 0, "return_token_ids": True})
+        r = client.post("/v1/chat/completions", json={"model": "ddtree-demo", "messages": messages, "tools": [WEATHER],
+                                                      "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text
     assert r.json()["prompt_token_ids"] == ids  # the chat endpoint decoded from the same rendering
 
 
 # -- response_format ------------------------------------------------------------------------------------------
+
+
+DEMO = {"model": "ddtree-demo"}
 
 
 @pytest.fixture(scope="module")
@@ -372,25 +381,25 @@ def test_vllm_structured_outputs_and_guided_fields_on_both_endpoints(demo_client
     for extra in (dict(guided_choice=choices), dict(structured_outputs={"choice": choices})):
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Pick."}]}),
                            ("/v1/completions", {"prompt": "def pick():"})):
-            r = demo_client.post(path, json={**body, **extra, "temperature": 1, "seed": 2, "max_tokens": 20})
+            r = demo_client.post(path, json={**body, **extra, **DEMO, "temperature": 1, "seed": 2, "max_tokens": 20})
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             assert (choice.get("text") or choice.get("message", {}).get("content")) in choices
             assert choice["finish_reason"] == "stop"
     flag = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
             "additionalProperties": False}
-    r = demo_client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 40, "temperature": 1, "seed": 5,
-                                                  "response_format": {"type": "json_schema",
-                                                                      "json_schema": {"name": "f", "schema": flag}}})
+    r = demo_client.post("/v1/completions", json={**DEMO, "prompt": "x = ", "max_tokens": 40, "temperature": 1,
+                                                  "seed": 5, "response_format": {"type": "json_schema", "json_schema": {
+                                                      "name": "f", "schema": flag}}})
     assert set(json.loads(r.json()["choices"][0]["text"])) == {"on"}, r.text
-    r = demo_client.post("/v1/completions", json={"prompt": "x = ", "guided_regex": "[0-9]{3}-[a-z]{2}",
+    r = demo_client.post("/v1/completions", json={**DEMO, "prompt": "x = ", "guided_regex": "[0-9]{3}-[a-z]{2}",
                                                   "max_tokens": 20, "temperature": 0})
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.json()["choices"][0]["text"]), r.text
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
     for extra in (dict(guided_json=schema), dict(guided_json=json.dumps(schema)), dict(structured_outputs={
             "json": schema})):
-        r = demo_client.post("/v1/completions", json={"prompt": "data = ", "max_tokens": 30, **extra})
+        r = demo_client.post("/v1/completions", json={**DEMO, "prompt": "data = ", "max_tokens": 30, **extra})
         assert set(json.loads(r.json()["choices"][0]["text"])) == {"n"}, r.text
 
 
@@ -409,7 +418,8 @@ def test_bad_response_formats_are_refused_with_the_reason(demo_client):
                (dict(guided_regex="a", guided_choice=["a"]), "guided_choice", "one output structure at a time"),
                (dict(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "one output")]
     for body, param, words in refused:
-        r = demo_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
+        r = demo_client.post("/v1/chat/completions",
+                             json={**DEMO, "messages": [{"role": "user", "content": "x"}], **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert words in r.json()["error"]["message"], r.text
 
@@ -473,7 +483,8 @@ def test_tokenize_renders_what_the_chat_decodes_from_for_each_tool_choice(hermes
     for choice in (None, "auto", "none", "required", named):
         body = {"messages": messages, "tools": [CITY, CLOCK], "tool_choice": choice}
         ids = hermes_client.post("/tokenize", json=body).json()["tokens"]
-        r = hermes_client.post("/v1/chat/completions", json={**body, "max_tokens": 1, "return_token_ids": True})
+        r = hermes_client.post("/v1/chat/completions",
+                               json={**body, "model": served(hermes_client), "max_tokens": 1, "return_token_ids": True})
         assert r.json()["prompt_token_ids"] == ids, choice
         assert ("get_time" in decode(ids)) == (choice != "none"), choice
     bad = {"messages": messages, "tools": [CITY], "tool_choice": named}

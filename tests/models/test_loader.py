@@ -1,14 +1,19 @@
-"""The draft loader accepts both z-lab layouts and refuses mismatched or foreign checkpoints clearly."""
+"""The draft loader accepts both z-lab layouts and refuses mismatched or foreign checkpoints clearly; damaged
+checkpoints (truncated, corrupt, missing shards, wrong dtypes) fail in one line before anything loads."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
+from ddtree.models.checkpoint import CheckpointError
 from ddtree.models.draft import DraftCache, TargetShape, default_taps, load_draft
+from ddtree.models.target import load_target
 from safetensors.torch import load_file, save_file
-from tiny import HIDDEN, VOCAB, make_draft
+from tiny import HIDDEN, VOCAB, make_draft, make_target, target_config
+from transformers import AutoModelForCausalLM
 
 TARGET = TargetShape(hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=4)
 
@@ -124,3 +129,59 @@ def test_engine_refuses_a_draft_as_target_and_a_mismatched_pair(ckpt, tmp_path):
         Engine.from_pretrained(ckpt / "qwen3", tmp_path / "deep", device="cpu")
     with pytest.raises(DDTreeError, match="needs a DFlash draft"):
         Engine.from_pretrained(ckpt / "qwen3", None, method="ddtree", device="cpu")
+
+
+def damage(weights: Path, how: str) -> None:
+    """What interrupted pulls, full disks and bad conversions leave behind."""
+    data = weights.read_bytes()
+    if how == "truncated":
+        weights.write_bytes(data[:len(data) // 2])
+    elif how == "corrupt header":
+        weights.write_bytes(data[:8] + b"\x00garbage" + data[16:])
+    elif how == "dtype":  # the header says F16 where the bytes are F32
+        weights.write_bytes(data.replace(b'"F32"', b'"F16"', 1))
+    elif how == "integer weights":
+        tensors = load_file(str(weights))
+        tensors["fc.weight"] = tensors["fc.weight"].to(torch.int32)
+        save_file(tensors, str(weights))
+    elif how == "empty":
+        weights.write_bytes(b"")
+
+
+DAMAGE = [("truncated", "is truncated"), ("corrupt header", "corrupt header"),
+          ("dtype", "the header gives it"), ("integer weights", "is I32, not a float dtype"),
+          ("empty", "not a safetensors file or is truncated (0 bytes)")]
+
+
+@pytest.mark.parametrize("how,message", DAMAGE)
+def test_a_damaged_draft_fails_in_one_line(tmp_path, how, message):
+    d = make_draft(tmp_path / "d")
+    damage(d / "model.safetensors", how)
+    with pytest.raises(CheckpointError) as err:
+        load_draft(d, TARGET)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("how,message", [item for item in DAMAGE if item[0] != "integer weights"])
+def test_a_damaged_target_fails_in_one_line(tmp_path, how, message):
+    t = make_target(tmp_path / "t")
+    damage(t / "model.safetensors", how)
+    with pytest.raises(CheckpointError) as err:
+        load_target(t, device=torch.device("cpu"), dtype=torch.float32)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_sharded_target_needs_every_shard(tmp_path):
+    t = tmp_path / "t"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(target_config(), dtype=torch.float32).save_pretrained(t, max_shard_size="100KB")
+    shards = sorted(t.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (t / "model.safetensors.index.json").is_file()
+    assert load_target(t, device=torch.device("cpu"), dtype=torch.float32).shape.vocab_size == VOCAB
+    damage(shards[1], "truncated")
+    with pytest.raises(CheckpointError, match=f"{shards[1].name} is truncated"):
+        load_target(t, device=torch.device("cpu"), dtype=torch.float32)
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=f"shard {shards[1].name} listed in model.safetensors.index.json is "
+                       "missing"):
+        load_target(t, device=torch.device("cpu"), dtype=torch.float32)

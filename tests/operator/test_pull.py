@@ -3,6 +3,7 @@ downloaded in tests), idempotence, concurrency, progress lines and one-line erro
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import threading
@@ -11,10 +12,14 @@ from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
+import torch
 from ddtree import cli
 from ddtree.errors import DDTreeError
 from ddtree.models.pull import Progress, parse_uri, pull
 from huggingface_hub.errors import RepositoryNotFoundError
+from safetensors.torch import save
+
+WEIGHTS = save({"w": torch.arange(1024, dtype=torch.float32)})  # a real (tiny) safetensors file
 
 
 def model_dir(path: Path) -> Path:
@@ -25,11 +30,13 @@ def model_dir(path: Path) -> Path:
 
 
 class FakeHub:
-    """Stands in for huggingface_hub: records calls, writes files, can wait for a concurrent peer."""
+    """Stands in for huggingface_hub: records calls, writes files, can wait for a concurrent peer, and can
+    leave a damaged weights file behind (`damaged`: how many downloads do, as an interrupted pull would)."""
 
-    def __init__(self, barrier: threading.Barrier | None = None, error: Exception | None = None) -> None:
+    def __init__(self, barrier: threading.Barrier | None = None, error: Exception | None = None,
+                 damaged: int = 0) -> None:
         self.calls: list[dict] = []
-        self.barrier, self.error = barrier, error
+        self.barrier, self.error, self.damaged = barrier, error, damaged
 
     def snapshot_download(self, repo_id, revision=None, local_dir=None, token=None, ignore_patterns=None):
         self.calls.append({"repo_id": repo_id, "revision": revision, "token": token, "ignore": ignore_patterns})
@@ -38,14 +45,18 @@ class FakeHub:
         if self.barrier:
             self.barrier.wait(timeout=5)  # both pulls must be in flight at once
         (Path(local_dir) / "config.json").write_text("{}")
-        (Path(local_dir) / "model.safetensors").write_bytes(b"\1" * 4096)
+        weights = Path(local_dir) / "model.safetensors"
+        if not weights.exists():  # huggingface_hub keeps a file it believes complete
+            weights.write_bytes(WEIGHTS[:-100] if self.damaged else WEIGHTS)
+            self.damaged = max(0, self.damaged - 1)
         return str(local_dir)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
         monkeypatch.setattr(huggingface_hub, "snapshot_download", self.snapshot_download)
-        info = SimpleNamespace(siblings=[SimpleNamespace(rfilename="config.json", size=2),
-                                         SimpleNamespace(rfilename="model.safetensors", size=4094),
-                                         SimpleNamespace(rfilename="model.gguf", size=10**9)])
+        lfs = {"sha256": hashlib.sha256(WEIGHTS).hexdigest(), "size": len(WEIGHTS)}
+        info = SimpleNamespace(siblings=[SimpleNamespace(rfilename="config.json", size=2, lfs=None),
+                                         SimpleNamespace(rfilename="model.safetensors", size=len(WEIGHTS), lfs=lfs),
+                                         SimpleNamespace(rfilename="model.gguf", size=10**9, lfs=None)])
         monkeypatch.setattr(huggingface_hub, "HfApi", lambda: SimpleNamespace(model_info=lambda *a, **k: info))
         return self
 
@@ -101,7 +112,8 @@ def test_hub_download_is_concurrent_idempotent_and_reports_progress(tmp_path, mo
     assert all("*.gguf" in c["ignore"] for c in hub.calls)  # formats the server never reads are skipped
     final = [json.loads(line) for line in out.getvalue().splitlines() if json.loads(line)["done"]]
     assert {r["dest"] for r in final} == {str(tmp_path / "t"), str(tmp_path / "d")}
-    assert all(r["bytesDone"] >= 4098 and r["bytesTotal"] == 4096 and r["remainingSeconds"] == 0 for r in final)
+    total = 2 + len(WEIGHTS)
+    assert all(r["bytesDone"] >= total and r["bytesTotal"] == total and r["remainingSeconds"] == 0 for r in final)
     marker = json.loads((tmp_path / "t" / ".ddtree-pull.json").read_text())
     assert marker["uri"] == "hf://Qwen/Qwen3-8B@abc" and marker["complete"] is True
 
@@ -109,6 +121,32 @@ def test_hub_download_is_concurrent_idempotent_and_reports_progress(tmp_path, mo
     hub.barrier = None
     assert pull(pairs, [None, None], Progress("none")) == ["present", "present"]
     assert hub.calls == []  # a completed pull is not repeated
+
+
+def test_an_interrupted_pull_is_fetched_again_not_served(tmp_path, monkeypatch, capsys):
+    """A weights file the first download left short is caught (size, sha256, header) and fetched again."""
+    hub = FakeHub(damaged=1).install(monkeypatch)
+    dest = tmp_path / "t"
+    assert pull([("hf://org/m", str(dest))], [None], Progress("none")) == ["downloaded"]
+    assert len(hub.calls) == 2 and (dest / "model.safetensors").read_bytes() == WEIGHTS
+    assert "model.safetensors" in capsys.readouterr().err  # it says what it fetches again
+    marker = json.loads((dest / ".ddtree-pull.json").read_text())
+    assert marker["complete"] and marker["files"]["model.safetensors"] == len(WEIGHTS)
+
+    # Damaged after a completed pull (a full disk, a bad copy): the next pull notices and fetches it again.
+    with open(dest / "model.safetensors", "r+b") as f:
+        f.truncate(len(WEIGHTS) - 1)
+    hub.calls.clear()
+    assert pull([("hf://org/m", str(dest))], [None], Progress("none")) == ["downloaded"]
+    assert len(hub.calls) == 1 and (dest / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_a_file_that_stays_damaged_fails_the_pull_in_one_line(tmp_path, monkeypatch):
+    FakeHub(damaged=2).install(monkeypatch)
+    with pytest.raises(DDTreeError, match="still damaged after a second download") as err:
+        pull([("hf://org/m", str(tmp_path / "t"))], [None], Progress("none"))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "t" / ".ddtree-pull.json").exists()
 
 
 def test_hub_errors_are_one_line(tmp_path, monkeypatch):

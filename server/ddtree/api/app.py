@@ -1,14 +1,14 @@
-"""The OpenAI-compatible HTTP API: the FastAPI app, its routes, the API key and the error handlers.
+"""The OpenAI-compatible HTTP API: the FastAPI app, its routes and the error handlers.
 
 Shaped like vLLM's and SGLang's OpenAI servers so their clients and benchmarks work unchanged: one engine, one
-served model. A request flows protocol.py (parse) -> prepare.py (validate, build engine work) -> serving.py (run
-through the scheduler, format the reply); state.py holds what they share.
+served model. A request passes middleware.py (API key, body limit, in-flight count), then flows protocol.py
+(parse) -> prepare.py (validate, build engine work; both in a worker pool, off the event loop) -> serving.py
+(run through the scheduler, format the reply); state.py holds what they share.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -16,19 +16,19 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree import __version__
+from ddtree.api.middleware import ApiKey, BodyLimit, InFlight
 from ddtree.api.prepare import (
     Prepared,
-    chat_prompt_ids,
-    check_model,
-    check_token_ids,
+    chat_request,
     choice_params,
-    prepare_chat,
-    prepare_completion,
+    completion_request,
+    detokenize_reply,
+    tokenize_reply,
 )
 from ddtree.api.protocol import (
     APIError,
@@ -37,40 +37,30 @@ from ddtree.api.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     bad_request,
-    validation_error,
 )
-from ddtree.api.scheduler import Draining, QueueFull
+from ddtree.api.scheduler import Draining, QueueFull, Scheduler
 from ddtree.api.scheduler import Request as EngineRequest
 from ddtree.api.serving import Call, LogprobFormatter, choice_outputs, complete_reply, stream_reply
 from ddtree.api.state import ServerConfig, ServerState
 
 log = logging.getLogger("ddtree.server")
 
+BODIES = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
+def _json_body(model: type) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its own JSON (off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-# --------------------------------------------------------------------------------------------------------
-# The app
-
-
-class _ApiKeyMiddleware:
-    """Bearer-token check on /v1 and the tokenizer utilities (plain ASGI, so streaming and disconnects pass
-    through untouched); probes, /metrics and /version stay open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/tokenize", "/detokenize")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                                 code="invalid_api_key")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+async def _raw_json(http: Request) -> bytes:
+    """The body of a JSON request, unparsed (it is parsed in the worker pool); the content type is checked as
+    FastAPI checks it: none, application/json or application/*+json."""
+    kind = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind and kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise bad_request("The request body must be a JSON object (sent with Content-Type: application/json).")
+    return await http.body()
 
 
 def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = None,
@@ -91,22 +81,32 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
     async def lifespan(app: FastAPI):
         threading.Thread(target=load, name="ddtree-load", daemon=True).start()
         yield
-        state.draining = True
-        if state.scheduler is not None:
-            await asyncio.to_thread(state.scheduler.shutdown, state.config.drain_timeout)
+        await state.drain()  # at once when `ddtree serve` already drained on SIGTERM
+        await asyncio.to_thread(state.close)
 
-    app = FastAPI(title="ddtree", version=__version__, lifespan=lifespan)
+    docs = state.config.docs
+    app = FastAPI(title="ddtree", version=__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.ddtree = state
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_request_bytes)
     if state.config.api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=state.config.api_key)
+        app.add_middleware(ApiKey, api_key=state.config.api_key)
+    app.add_middleware(InFlight, state=state)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request bodies the routes parse themselves."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            _, defs = models_json_schema([(m, "validation") for m in BODIES],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -120,7 +120,7 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
 
     @app.get("/health")
     async def health() -> Response:
-        """Liveness: the process is up (the model may still be loading)."""
+        """Liveness: the process is up (the model may still be loading, or the server draining)."""
         return Response(status_code=200)
 
     @app.get("/ready")
@@ -145,8 +145,10 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "ddtree", "max_model_len": state.engine.max_context}]}
 
-    async def serve(http: Request, kind: Literal["chat", "completion"], body, prepared: Prepared) -> Response:
-        scheduler = state.require_ready()
+    async def serve(http: Request, scheduler: Scheduler, kind: Literal["chat", "completion"], body,
+                    prepared: Prepared) -> Response:
+        """Queue a prepared request's choices (all or none) and reply, whole or streamed. Requests that were
+        already in flight when a drain began are still served: only new ones were refused (require_ready)."""
         requests = [EngineRequest(prepared.prompt_ids, choice_params(prepared.params, i), stop=prepared.stop,
                                   include_stop_str=body.include_stop_str_in_output,
                                   client=body.user or (http.client.host if http.client else ""))
@@ -168,36 +170,27 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await complete_reply(call, outputs)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-        state.require_ready()
-        return await serve(http, "chat", body, prepare_chat(state, body))
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+    async def chat_completions(http: Request) -> Response:
+        scheduler = state.require_ready()
+        body, prepared = await state.off_loop(chat_request, state, await _raw_json(http))
+        return await serve(http, scheduler, "chat", body, prepared)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request) -> Response:
-        state.require_ready()
-        return await serve(http, "completion", body, prepare_completion(state, body))
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+    async def completions(http: Request) -> Response:
+        scheduler = state.require_ready()
+        body, prepared = await state.off_loop(completion_request, state, await _raw_json(http))
+        return await serve(http, scheduler, "completion", body, prepared)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
+    async def tokenize(http: Request) -> Response:
         """The prompt ids /v1/completions (prompt) or /v1/chat/completions (messages) would decode from."""
         state.require_ready()
-        check_model(state, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("Send exactly one of prompt and messages.", "prompt")
-        if body.messages is not None:
-            ids = chat_prompt_ids(state, body)[0]
-        elif state.engine.tokenizer is None:
-            raise bad_request("This model has no tokenizer.", "prompt")
-        else:
-            ids = state.engine.encode(body.prompt)
-        return {"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids}
+        return await state.off_loop(tokenize_reply, state, await _raw_json(http))
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize(http: Request) -> Response:
         state.require_ready()
-        check_model(state, body.model)
-        check_token_ids(body.tokens, state.engine.vocab_size, "tokens", "tokens")
-        return {"prompt": state.engine.decode(body.tokens)}
+        return await state.off_loop(detokenize_reply, state, await _raw_json(http))
 
     return app

@@ -1,6 +1,8 @@
-"""Request -> engine work, on the event loop and cheaply: prompt ids (chat template or completions prompt),
-sampling parameters merged with the defaults, stop strings, and the grammar a structured reply or a forced tool
-call decodes under. Every way a request can be wrong is a 400 here, before it reaches the engine's worker.
+"""Request body -> engine work, in the worker pool (ServerState.off_loop), never on the event loop: the body
+parsed, cheap bounds first (a prompt that cannot fit the context is refused before it is validated element by
+element or tokenized), prompt ids (chat template or completions prompt), sampling parameters merged with the
+defaults, stop strings, and the grammar a structured reply or a forced tool call decodes under. Every way a
+request can be wrong is a 400 here, before it reaches the engine's worker.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 from ddtree.api.parsers.reasoning import CLOSE as REASONING_CLOSE
 from ddtree.api.parsers.reasoning import OPEN as REASONING_OPEN
 from ddtree.api.parsers.tools import START as TOOL_CALL_START
@@ -20,9 +24,12 @@ from ddtree.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
     bad_request,
+    load_json,
+    validate_body,
 )
 from ddtree.api.replies import ReplyFormat, template_mentions
 from ddtree.api.state import NEUTRAL_SAMPLING, ServerState, merged_sampling
@@ -34,6 +41,94 @@ log = logging.getLogger("ddtree.server")
 
 
 
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bodies: parse, bound, validate, prepare (each runs whole in the worker pool)
+
+
+def chat_request(state: ServerState, raw: bytes) -> tuple[ChatCompletionRequest, Prepared]:
+    data = load_json(raw)
+    _bound_messages(state, data)
+    body = validate_body(ChatCompletionRequest, data)
+    return body, prepare_chat(state, body)
+
+
+def completion_request(state: ServerState, raw: bytes) -> tuple[CompletionRequest, Prepared]:
+    data = load_json(raw)
+    if isinstance(data, dict):
+        _bound_prompt(state, data.get("prompt"))
+    body = validate_body(CompletionRequest, data)
+    return body, prepare_completion(state, body)
+
+
+def tokenize_reply(state: ServerState, raw: bytes) -> JSONResponse:
+    """vLLM's /tokenize: the prompt ids /v1/completions (prompt) or /v1/chat/completions (messages) would
+    decode from. Not bounded by the context (it is how a client counts); the reply is rendered here too."""
+    body = validate_body(TokenizeRequest, load_json(raw))
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("Send exactly one of prompt and messages.", "prompt")
+    if body.messages is not None:
+        ids = chat_prompt_ids(state, body)[0]
+    elif state.prompts is None:
+        raise bad_request("This model has no tokenizer.", "prompt")
+    else:
+        ids = state.prompts.text_ids(body.prompt)
+    return JSONResponse({"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids})
+
+
+def detokenize_reply(state: ServerState, raw: bytes) -> JSONResponse:
+    data = load_json(raw)
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if isinstance(tokens, list) and len(tokens) > state.engine.max_context:  # before validating each one
+        raise bad_request(f"Send at most {state.engine.max_context} tokens (the context length), got "
+                          f"{len(tokens)}.", "tokens")
+    body = validate_body(DetokenizeRequest, data)
+    check_model(state, body.model)
+    check_token_ids(body.tokens, state.engine.vocab_size, "tokens", "tokens")
+    return JSONResponse({"prompt": state.engine.decode(body.tokens)})
+
+
+def _bound_prompt(state: ServerState, prompt: Any) -> None:
+    """Refuse a completions prompt that cannot fit the context from its size alone: token ids by their
+    count, text by the fewest tokens that many characters can make."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    limit = state.engine.max_context
+    if isinstance(prompt, list) and len(prompt) >= limit and all(isinstance(t, int) for t in prompt[:8]):
+        raise _context_error(limit, len(prompt), "prompt")
+    if isinstance(prompt, str) and state.prompts is not None and state.prompts.min_tokens(len(prompt)) >= limit:
+        raise _context_error(limit, state.prompts.min_tokens(len(prompt)), "prompt", at_least=True)
+
+
+def _bound_messages(state: ServerState, data: Any) -> None:
+    """Refuse a chat whose message text alone cannot fit the context, before rendering or tokenizing it."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if state.prompts is None or not isinstance(messages, list):
+        return
+    chars = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        chars += sum(len(p) for p in parts if isinstance(p, str))
+        chars += sum(len(p["text"]) for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+    fewest = state.prompts.min_tokens(chars)
+    if fewest >= state.engine.max_context:
+        raise _context_error(state.engine.max_context, fewest, "messages", at_least=True)
+
+
+def _context_error(limit: int, prompt_tokens: int, param: str, max_tokens: int | None = None,
+                   at_least: bool = False) -> APIError:
+    """In OpenAI's words, which clients parse to trim a chat and retry."""
+    if max_tokens is None:
+        count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+        return bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                           f"{count} tokens. Please reduce the length of the prompt.", param)
+    return bad_request(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+        "completion). Please reduce the length of the prompt or the completion.", param)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -83,15 +178,16 @@ def _sampling(state: ServerState, req: SamplingFields, prompt_ids: list[int], ma
     engine = state.engine
     if not prompt_ids:
         raise bad_request("The prompt is empty.", prompt_param)
+    if req.n > state.config.max_queue:  # a 429 would invite retries that can never succeed
+        raise bad_request(f"n is {req.n}, but this server queues at most {state.config.max_queue} sequences "
+                          "(--max-queue).", "n")
     limit = engine.max_context
+    if len(prompt_ids) >= limit:
+        raise _context_error(limit, len(prompt_ids), prompt_param)
     if max_tokens is None:
         max_tokens = limit - len(prompt_ids)
-    if len(prompt_ids) >= limit or len(prompt_ids) + max_tokens > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-            "completion). Please reduce the length of the prompt or the completion.",
-            max_param if len(prompt_ids) < limit else prompt_param)
+    if len(prompt_ids) + max_tokens > limit:
+        raise _context_error(limit, len(prompt_ids), max_param, max_tokens)
     vocab = engine.vocab_size
     stop_ids = tuple(req.stop_token_ids or ())
     check_token_ids(stop_ids, vocab, "stop_token_ids", "stop_token_ids")
@@ -121,8 +217,16 @@ def _sampling(state: ServerState, req: SamplingFields, prompt_ids: list[int], ma
 
 
 def _message_text(message: ChatMessage, index: int) -> str:
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
+    if message.content is None:
+        if message.role != "assistant":
+            raise bad_request(f"messages.{index}.content is required: a {message.role} message needs content.",
+                              f"messages.{index}.content")
+        if not message.tool_calls:
+            raise bad_request(f"messages.{index}.content is required: an assistant message needs content or "
+                              "tool_calls.", f"messages.{index}.content")
+        return ""
+    if isinstance(message.content, str):
+        return message.content
     texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
@@ -142,12 +246,12 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
         message = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
         extra = {"tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id, "name": m.name}
         messages.append(template_message(message | {k: v for k, v in extra.items() if v is not None}))
-    if state.engine.tokenizer is None:
+    if state.prompts is None:
         raise bad_request("This model has no tokenizer: use /v1/completions with token ids.", "messages")
     kwargs = _template_kwargs(state, req) | ({"tools": req.tools} if tools else {})
     try:
-        ids = state.engine.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
-                                    continue_final_message=req.continue_final_message, **kwargs)
+        ids = state.prompts.chat_ids(messages, add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message, **kwargs)
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the client's
         raise bad_request(f"Could not apply the chat template: {exc}", "messages") from None
     return ids, tools
@@ -328,15 +432,16 @@ def prepare_completion(state: ServerState, req: CompletionRequest) -> Prepared:
         prompt = prompt[0]
     engine = state.engine
     if isinstance(prompt, str):
-        if engine.tokenizer is None:
+        if state.prompts is None:
             raise bad_request("This model has no tokenizer: send the prompt as token ids.", "prompt")
-        prompt_ids, prompt_text = engine.encode(prompt), prompt
+        prompt_ids = state.prompts.text_ids(prompt)
     else:
         check_token_ids(prompt, engine.vocab_size, "Prompt token ids", "prompt")
-        prompt_ids, prompt_text = list(prompt), engine.decode(list(prompt))
+        prompt_ids = list(prompt)
     structure = _requested_grammar(req)
     prepared = _sampling(state, req, prompt_ids, req.max_tokens, req.logprobs, "prompt")
-    prepared.prompt_text = prompt_text
+    if req.echo:  # the only use of the prompt's text
+        prepared.prompt_text = prompt if isinstance(prompt, str) else engine.decode(prompt_ids)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its own log-probabilities
         k = max(req.logprobs, req.prompt_logprobs or 0)
         prepared.params = dataclasses.replace(prepared.params, prompt_logprobs=k)

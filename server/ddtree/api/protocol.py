@@ -1,22 +1,24 @@
-"""The OpenAI wire format: request models (lenient where OpenAI's SDKs send extras, strict where a wrong value
-would silently change the reply) and the error envelope every failure a client causes comes back in:
+"""The OpenAI wire format: request models (lenient where OpenAI's SDKs send extras, strict where OpenAI is:
+types without coercion, required fields) and the error envelope every failure a client causes comes back in:
 `{"error": {"message", "type", "param", "code"}}` with the right status code.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+import math
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, TypeVar
 
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ddtree.core.sampling import MAX_TOP_LOGPROBS
 
+M = TypeVar("M", bound=BaseModel)
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
 MAX_CHOICES = 128  # OpenAI's limit on n
-
-
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -44,30 +46,114 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "ContentPart", "ChatMessage"}
+# What a field takes, by pydantic's error type and by the union member a value failed to be.
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "int_parsing": "an integer",
+             "int_from_float": "an integer", "float_type": "a number", "float_parsing": "a number",
+             "bool_type": "a boolean (true or false)", "bool_parsing": "a boolean (true or false)",
+             "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+             "model_attributes_type": "an object", "finite_number": "a finite number"}
+_MEMBERS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+            "list[str]": "an array of strings", "list[int]": "an array of token ids",
+            "list[list[int]]": "an array of arrays of token ids", "list[ContentPart]": "an array of content parts",
+            "dict[str,any]": "an object"}
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 as an OpenAI 400 naming the first offending field."""
-    first = exc.errors()[0] if exc.errors() else {}
-    if first.get("type") == "json_invalid":
-        return bad_request(f"Invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # Union members show up as extra path parts (`stop.str`, `prompt.list[int]`): keep the field path.
-    loc = [part for part in loc if part not in _UNION_TAGS and "[" not in part]
+def _described(value: Any) -> str:
+    """A value as the message names it: its JSON type, short scalars themselves (never a long text back)."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        return json.dumps(value) if math.isfinite(value) else str(value).replace("inf", "Infinity").replace(
+            "nan", "NaN")
+    if isinstance(value, str):
+        return json.dumps(value) if len(value) <= 32 else "a string"
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """pydantic's errors as one OpenAI 400 naming the first offending field (`param`) and what it takes."""
+    first = errors[0]
+    loc = [str(part) for part in first["loc"] if part != "body"]
+    member = next((i for i, part in enumerate(loc) if part in _MEMBERS), None)
+    if member is not None:  # a union field: say every shape it takes
+        base = loc[:member]
+        shapes = dict.fromkeys(_MEMBERS[str(e["loc"][member])] for e in errors
+                               if [str(p) for p in e["loc"][:member]] == base and len(e["loc"]) > member
+                               and str(e["loc"][member]) in _MEMBERS)
+        param = ".".join(base)
+        got = f", got {_described(first['input'])}" if len(loc) == member + 1 else ""
+        return bad_request(f"{param} must be {' or '.join(shapes)}{got}.", param)
     param = ".".join(loc) or None
-    if param is None and first.get("type") == "model_attributes_type":
+    kind = first["type"]
+    if param is None:
         return bad_request("The request body must be a JSON object (sent with Content-Type: application/json).")
-    message = first.get("msg", "invalid request")
-    return bad_request(f"{param}: {message}" if param else message, param)
+    if kind == "missing":
+        return bad_request(f"{param} is required.", param)
+    if kind in _EXPECTED:
+        return bad_request(f"{param} must be {_EXPECTED[kind]}, got {_described(first['input'])}.", param)
+    return bad_request(f"{param}: {first['msg']}.", param)
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    """A request body (JSON bytes) as `model`, or the 400 that says what is wrong with it."""
+    return validate_body(model, load_json(raw))
+
+
+def load_json(raw: bytes) -> Any:
+    """The parsed body; a 400 for one that is empty, not JSON, or holds text that is not Unicode."""
+    if not raw.strip():
+        raise bad_request("The request body is empty: send a JSON object (with Content-Type: application/json).")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"Invalid JSON body: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
+    except UnicodeDecodeError:
+        raise bad_request("Invalid JSON body: it is not UTF-8 text.") from None
+    if _SURROGATE_ESCAPE.search(raw):  # JSON's \uXXXX escapes are the only way to send a lone one
+        _refuse_lone_surrogates(data, [])
+    return data
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value: Any, path: list[str]) -> None:
+    """A 400 naming the first string (or key) holding half a UTF-16 surrogate pair: no text the tokenizer or
+    a reply could carry."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path)
+            _refuse_lone_surrogates(item, [*path, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_lone_surrogates(item, [*path, str(index)])
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            param = ".".join(path) or None
+            raise bad_request(f"{param or 'The body'} holds a lone UTF-16 surrogate ({ascii(value[exc.start])[1:-1]}), "
+                              "which is not Unicode text.", param) from None
+
+
+def validate_body(model: type[M], data: Any) -> M:
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False, include_context=False)) from None
 
 
 # --------------------------------------------------------------------------------------------------------
-# Request schemas (unknown fields are tolerated and logged, as OpenAI clients send vendor extras)
+# Request schemas
 
 
 class _Tolerant(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Unknown fields are tolerated (and logged): OpenAI clients send vendor extras. Known ones are typed as
+    strictly as OpenAI types them: `true` is no 1, `"yes"` no boolean, 1.5 no integer, NaN no number."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Tolerant):
@@ -90,7 +176,7 @@ class ChatMessage(_Tolerant):
 class SamplingFields(_Tolerant):
     """Fields shared by chat and completions, OpenAI's plus vLLM's extensions (sent via `extra_body`)."""
 
-    model: str | None = None
+    model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

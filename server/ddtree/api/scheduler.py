@@ -160,7 +160,8 @@ class Output:
     logprobs: list | None  # engine TokenLogprob per token in token_ids, when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" (abort is never shown to clients)
     stop_reason: str | int | None = None  # the matched stop string or stop token id
-    error: str | None = None  # the engine failed; the request is over
+    error: str | None = None  # the engine failed, or the server shut down; the request is over
+    retryable: bool = False  # the server shut down before it finished (a 503: another replica can serve it)
 
 
 @dataclass
@@ -296,6 +297,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.spec = spec
         self.draining = False
+        self._aborting: str | None = None  # set by abort_all: every request ends with this error
         self._running: dict[object, _Running] = {}  # touched by the worker thread only
         self._mean_seconds = 1.0  # moving average of request service time, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
@@ -330,6 +332,15 @@ class Scheduler:
         """Seconds until a queue slot is likely to free up."""
         return max(1, math.ceil(self._mean_seconds * (len(self.queue) + 1) / self.max_running))
 
+    def abort_all(self, reason: str) -> None:
+        """The drain ran out of time: refuse new work and end every request with `reason` (a 503), those
+        waiting now and the running ones before their next round."""
+        self.draining = True
+        self._aborting = reason
+        while (request := self.queue.get(block=False)) is not None:
+            self.metrics.waiting.set(len(self.queue))
+            self._abort(request, reason, retryable=True)
+
     def idle(self) -> bool:
         return not self._running and not len(self.queue)
 
@@ -359,8 +370,8 @@ class Scheduler:
             if request is None:
                 return
             self.metrics.waiting.set(len(self.queue))
-            if request.cancelled:
-                self._abort(request)
+            if request.cancelled or self._aborting:
+                self._abort(request, self._aborting, retryable=self._aborting is not None)
                 continue
             request.scheduled = time.monotonic()
             self.metrics.queue_time.observe(request.scheduled - request.arrival)
@@ -379,9 +390,12 @@ class Scheduler:
         """One engine step: every running request's next round. A cancelled request is aborted first (its
         blocks freed); a request whose round failed ends with the error, the others go on."""
         for run in list(self._running.values()):
-            if run.request.cancelled:
+            if run.request.cancelled or self._aborting:
                 self.batch.abort(run.sequence)
-                self._retire(run, Output("", [], None, finish_reason="abort"))
+                self._retire(run, Output("", [], None, finish_reason="abort", error=self._aborting,
+                                         retryable=self._aborting is not None))
+        if not self._running:
+            return
         try:
             outputs = self.batch.step()
         except Exception as exc:  # the engine itself failed: every running request ends with the error
@@ -464,10 +478,10 @@ class Scheduler:
         self._finish(run.request, final.finish_reason)
         run.request.post(final)
 
-    def _abort(self, request: Request, error: str | None = None) -> None:
+    def _abort(self, request: Request, error: str | None = None, retryable: bool = False) -> None:
         """End a request that holds no engine state (it never started)."""
         self._finish(request, "abort")
-        request.post(Output("", [], None, finish_reason="abort", error=error))
+        request.post(Output("", [], None, finish_reason="abort", error=error, retryable=retryable))
 
     def _finish(self, request: Request, reason: str) -> None:
         """Record a request's end-of-life metrics (once)."""

@@ -1,12 +1,15 @@
 """`ddtree serve`: uvicorn around the API app, with a SIGTERM drain.
 
-On SIGTERM (or Ctrl-C) the server stops accepting connections, reports not-ready, lets every in-flight
-request finish (up to the drain timeout) and only then stops the engine worker and exits: a rolling
-update loses no request.
+On SIGTERM (or Ctrl-C) the server reports not-ready and refuses new work with a 503 while it keeps
+listening (probes get an answer, not a refused connection), lets every in-flight request finish (up to the
+drain timeout), ends what is left with a 503 (streams: an error event, then [DONE]), and only then closes
+the listener, stops the engine worker and exits with status 0: a rolling update loses no request silently.
+A second signal skips the drain.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -40,19 +43,33 @@ class ServeOptions:
     reasoning_parser: str = "auto"  # auto | qwen3 | none
     default_chat_template_kwargs: dict = field(default_factory=dict)
     batch: BatchOptions = field(default_factory=BatchOptions)  # continuous batching
+    max_request_bytes: int = 4 * 2**20
+    escape_special_tokens: bool = True
+    docs: bool = True
     log_level: str = "info"
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's graceful shutdown, plus: report not-ready and refuse new work from the first signal."""
+    """uvicorn with the drain in front of its shutdown: the first signal starts the drain (the listener stays
+    open meanwhile) and uvicorn's own shutdown begins when it is over, with nothing left to cancel."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.ddtree_state = state
+        self._drain: asyncio.Task | None = None
 
     def handle_exit(self, sig, frame) -> None:
+        """A signal handler (it runs on the event loop's thread, between two of its steps): only flags."""
+        if self.ddtree_state.draining:
+            super().handle_exit(sig, frame)  # the second signal: stop now
         self.ddtree_state.draining = True
-        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.ddtree_state.draining and self._drain is None:
+            self._drain = asyncio.create_task(self.ddtree_state.drain())
+        if self._drain is not None and self._drain.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def run(options: ServeOptions) -> int:
@@ -77,10 +94,14 @@ def run(options: ServeOptions) -> int:
                           default_temperature=options.default_temperature,
                           generation_config=options.generation_config,
                           tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser,
-                          default_chat_template_kwargs=options.default_chat_template_kwargs, batch=options.batch)
+                          default_chat_template_kwargs=options.default_chat_template_kwargs, batch=options.batch,
+                          max_request_bytes=options.max_request_bytes,
+                          escape_special_tokens=options.escape_special_tokens, docs=options.docs)
     app = create_app(load, config, on_load_error)
+    # The drain has ended every request before uvicorn's shutdown starts: its grace period is for replies
+    # still being written to slow clients.
     uv_config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                               timeout_graceful_shutdown=options.drain_timeout)
+                               timeout_graceful_shutdown=5)
     server = _DrainingServer(uv_config, app.state.ddtree)
     server.run()
     if failures:

@@ -163,6 +163,14 @@ async def choice_outputs(scheduler: Scheduler, http: Request,
             scheduler.cancel(request)
 
 
+def _ended_early(out: Output) -> APIError:
+    """Why a request ended without finishing: the server shut down (503, worth a retry elsewhere) or the
+    engine failed (500)."""
+    if out.retryable:
+        return APIError(503, out.error, type="service_unavailable")
+    return APIError(500, f"The engine failed: {out.error}", type="internal_error")
+
+
 async def complete_reply(call: Call, outputs: AsyncIterator[tuple[int, Output]]) -> Response:
     n = len(call.requests)
     text: list[list[str]] = [[] for _ in range(n)]
@@ -178,7 +186,7 @@ async def complete_reply(call: Call, outputs: AsyncIterator[tuple[int, Output]])
     for out in final:
         if out.finish_reason == "abort":
             if out.error:
-                return APIError(500, f"The engine failed: {out.error}", type="internal_error").response()
+                return _ended_early(out).response()
             return Response(status_code=499)  # the client is gone; nobody reads this
     want_logprobs = call.prepared.params.logprobs is not None
     choices = []
@@ -240,7 +248,7 @@ async def stream_reply(call: Call, outputs: AsyncIterator[tuple[int, Output]]) -
     async for index, out in outputs:
         if out.finish_reason == "abort":
             if out.error:
-                yield _sse(APIError(500, f"The engine failed: {out.error}", type="internal_error").body())
+                yield _sse(_ended_early(out).body())
                 yield _sse("[DONE]")
             return
         if chat:

@@ -1,20 +1,27 @@
 """What the handlers share: the server's configuration, the engine once loaded (warmed up before /ready says
-yes), its scheduler and metrics, and the sampling defaults requests that omit a field get.
+yes), its scheduler and metrics, the sampling defaults requests that omit a field get, the worker pool requests
+are parsed and tokenized in, and the drain that ends the server's work at shutdown.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ddtree.api.metrics import ServerMetrics
 from ddtree.api.protocol import APIError
+from ddtree.api.rendering import PromptRenderer
 from ddtree.api.scheduler import Scheduler, SpecStats
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine.batch import BatchOptions, warm_up
+
+T = TypeVar("T")
 
 log = logging.getLogger("ddtree.server")
 
@@ -44,6 +51,10 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # auto: hermes when the chat template writes <tool_call> blocks; hermes; none
     batch: BatchOptions = field(default_factory=BatchOptions)  # continuous batching: sequences, tokens, memory
     reasoning_parser: str = "auto"  # auto: qwen3 when the chat template knows </think>; qwen3; none
+    max_request_bytes: int = 4 * 2**20  # larger bodies get a 413 before they are read
+    escape_special_tokens: bool = True  # special-token text in chat messages is plain text, never a role marker
+    docs: bool = True  # /docs, /redoc and /openapi.json (behind the API key when there is one)
+    prepare_workers: int = 8  # threads that parse, render and tokenize requests off the event loop
 
 
 @dataclass
@@ -59,6 +70,43 @@ class ServerState:
     draining: bool = False
     load_error: str | None = None
     sampling_defaults: dict[str, float] = field(default_factory=lambda: dict(NEUTRAL_SAMPLING))
+    prompts: PromptRenderer | None = None  # prompt text -> ids, once a tokenizer is loaded
+    in_flight: int = 0  # API requests being served (middleware.InFlight); the drain waits for none
+    pool: ThreadPoolExecutor | None = None
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the worker pool: parsing, template rendering and tokenization take time that
+        grows with the request, and on the event loop they would hold up every other client and /health."""
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.config.prepare_workers, thread_name_prefix="ddtree-prepare")
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    async def drain(self) -> None:
+        """Finish the work in flight before the server stops: from now on /ready says 503 and new requests get
+        a 503; those in flight get up to --drain-timeout seconds, then whatever is unfinished ends with a 503
+        (a stream: an error event, then [DONE]) so no client is left with a cut connection."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout
+        if self.in_flight:
+            log.info("draining: %d request(s) in flight, up to %g s to finish (--drain-timeout)", self.in_flight,
+                     self.config.drain_timeout)
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.in_flight and self.scheduler is not None:
+            log.warning("drain timeout: ending %d unfinished request(s) with a 503", self.in_flight)
+            self.scheduler.abort_all("The server shut down before the request finished (drain timeout); "
+                                     "retry it.")
+            deadline = loop.time() + 10  # the engine ends them at its next round
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the engine worker and the pool (after the drain: nothing is left for them)."""
+        if self.scheduler is not None:
+            self.scheduler.shutdown(timeout)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def load(self, load_engine: Callable[[], Any]) -> None:
         """Load the engine and start the scheduler (runs in a thread; the server answers meanwhile)."""
@@ -70,6 +118,8 @@ class ServerState:
         self.sampling_defaults = self._sampling_defaults(engine)
         batch = self._batch(engine)
         self._warm_up(engine, batch)
+        if engine.tokenizer is not None:
+            self.prompts = PromptRenderer(engine, escape_special_tokens=self.config.escape_special_tokens)
         self.engine, self.model_name, self.metrics = engine, name, metrics
         budget = engine.budget if engine.method == "ddtree" else None  # only trees have one
         self.scheduler = Scheduler(batch, engine.decode, metrics, max_queue=self.config.max_queue,

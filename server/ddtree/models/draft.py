@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply
 
 from ddtree.core.tree import Transitions
 from ddtree.errors import DDTreeError
+from ddtree.models.checkpoint import check_checkpoint
 from ddtree.models.dflash2 import CandidateSelector, DynamicConv, SelectorConfig, parse_selector_config
 
 log = logging.getLogger("ddtree.draft")
@@ -474,6 +475,7 @@ def load_draft(
     cfg = parse_draft_config(raw, target, where=str(cfg_path), mask_token_from_tokenizer=mask_token_from_tokenizer)
     if not weights_path.is_file():
         raise DDTreeError(f"draft directory {d} has no model.safetensors")
+    check_checkpoint(d)  # a damaged file fails here in one line, not deep in safetensors
     tensors = {_canonical(k.removeprefix("model.")): v for k, v in load_file(str(weights_path)).items()}
     for borrowed in ("embed_tokens.weight", "lm_head.weight"):
         tensors.pop(borrowed, None)  # the target's embedding and head stay authoritative

@@ -3,14 +3,17 @@
 Sources: `hf://org/name[@revision]` (Hugging Face Hub), `pvc://claim/path` (a claim the pod mounts under
 $DDTREE_PVC_ROOT, default /mnt/pvc) and local paths (air-gapped: weights already in the image or on a
 volume). Hub models are downloaded into DEST and marked complete, so a repeated pull (a restarted Job, a
-new pod) costs one stat; local and pvc sources are linked, not copied. Several pairs pull concurrently:
-one process fetches the target and its draft at the same time.
+new pod) costs a stat and a header read per file; local and pvc sources are linked, not copied. Several
+pairs pull concurrently: one process fetches the target and its draft at the same time. What was downloaded
+is checked against the Hub (sizes, and the sha256 of LFS files) and against its safetensors headers: a
+damaged file (an interrupted pull, a full disk) is fetched again, never marked complete.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import os
 import sys
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ddtree.errors import DDTreeError
+from ddtree.models.checkpoint import INDEX, CheckpointError, read_header, weight_files
 
 MARKER = ".ddtree-pull.json"
 # Weights in formats the server never reads (Flax, TF, ONNX, GGUF, Meta's originals): not worth the bytes.
@@ -147,21 +151,97 @@ def _link(source: Source, dest: Path, progress: Progress) -> str:
     return "linked"
 
 
-def _hub_total(source: Source, token: str | None) -> int | None:
-    """Total bytes of the repo at that revision, for percentages; unknown (None) is fine."""
+@dataclass(frozen=True)
+class HubFile:
+    """What the Hub says one file of a repo is: its size and, for LFS files (the weights), its sha256."""
+
+    size: int | None
+    sha256: str | None = None
+
+
+def _hub_files(source: Source, token: str | None) -> dict[str, HubFile] | None:
+    """The files a pull fetches (SKIP left out), for progress percentages and for checking the download;
+    None when the Hub does not say (a mirror, an old revision): the files are then checked by their own
+    headers only."""
     from huggingface_hub import HfApi
 
     try:
         info = HfApi().model_info(source.location, revision=source.revision, token=token, files_metadata=True)
-        return sum(s.size or 0 for s in info.siblings or []
-                   if not any(fnmatch.fnmatch(s.rfilename, p) for p in SKIP)) or None
-    except Exception:  # progress is a nicety: never fail a pull over it
+    except Exception:  # a nicety: never fail a pull over it
         return None
+    files = {}
+    for s in info.siblings or []:
+        if not any(fnmatch.fnmatch(s.rfilename, p) for p in SKIP):
+            lfs = s.lfs.get("sha256") if isinstance(s.lfs, dict) else getattr(s.lfs, "sha256", None)
+            files[s.rfilename] = HubFile(s.size, lfs)
+    return files or None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 * 2**20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def damaged(dest: Path, expected: dict[str, HubFile] | None) -> dict[str, str]:
+    """What is wrong with a pulled directory, {file: reason} ({} when sound): files missing or not the size
+    (or LFS sha256) the Hub gave, and safetensors files whose headers do not match their bytes or shards
+    an index names but nobody fetched."""
+    problems: dict[str, str] = {}
+    for name, want in (expected or {}).items():
+        path = dest / name
+        size = path.stat().st_size if path.is_file() else None
+        if size is None:
+            problems[name] = "missing"
+        elif want.size is not None and size != want.size:
+            problems[name] = f"{size} bytes, the Hub has {want.size}"
+        elif want.sha256 and _sha256(path) != want.sha256:
+            problems[name] = "its sha256 differs from the Hub's"
+    for path in sorted(dest.glob("*.safetensors")):
+        if path.name not in problems:
+            try:
+                read_header(path)
+            except CheckpointError as exc:
+                problems[path.name] = str(exc)
+    try:
+        weight_files(dest)
+    except CheckpointError as exc:
+        problems.setdefault(INDEX, str(exc))
+    return problems
+
+
+def _present(source: Source, dest: Path) -> bool:
+    """A completed pull of this URI whose files are still whole (sizes as recorded, safetensors headers
+    matching their bytes): a stat per file and a header read, not a download."""
+    marker = _marker(dest)
+    if not (marker and marker.get("uri") == source.uri and marker.get("complete")):
+        return False
+    recorded = {name: HubFile(size) for name, size in (marker.get("files") or {}).items()}
+    problems = damaged(dest, recorded)
+    if problems:
+        name, reason = next(iter(problems.items()))
+        _note(f"{source.uri}: {dest / name}: {reason}; pulling it again")
+        _discard(dest, [MARKER, *problems])
+    return not problems
+
+
+def _note(line: str) -> None:
+    """A human line on stderr (in JSON mode too: the operator reads only the JSON lines)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _discard(dest: Path, names: list[str]) -> None:
+    """Delete damaged files and what huggingface_hub remembers of them, so the next download fetches them."""
+    for name in names:
+        for path in (dest / name, dest / ".cache" / "huggingface" / "download" / f"{name}.metadata"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 def _download(source: Source, dest: Path, token: str | None, progress: Progress) -> str:
-    marker = _marker(dest)
-    if marker and marker.get("uri") == source.uri and marker.get("complete"):
+    if _present(source, dest):
         return "present"
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
@@ -173,9 +253,22 @@ def _download(source: Source, dest: Path, token: str | None, progress: Progress)
     )
 
     dest.mkdir(parents=True, exist_ok=True)
-    try:
-        commit = progress.watch(source, dest, _hub_total(source, token), lambda: snapshot_download(
+    files = _hub_files(source, token)
+    total = (sum(f.size or 0 for f in files.values()) or None) if files else None
+
+    def fetch() -> str:
+        return progress.watch(source, dest, total, lambda: snapshot_download(
             source.location, revision=source.revision, local_dir=dest, token=token, ignore_patterns=SKIP))
+
+    try:
+        commit = fetch()
+        problems = damaged(dest, files)
+        if problems:  # e.g. a file an interrupted pull left behind that huggingface_hub took as complete
+            _note(f"{source.uri}: damaged after download ({', '.join(f'{n}: {r}' for n, r in problems.items())}); "
+                  "fetching those files again")
+            _discard(dest, list(problems))
+            commit = fetch()
+            problems = damaged(dest, files)
     except GatedRepoError:
         raise DDTreeError(f"{source.uri}: gated model; accept its terms on the Hub and pass a token "
                           "(HF_TOKEN or --token-env)") from None
@@ -187,8 +280,13 @@ def _download(source: Source, dest: Path, token: str | None, progress: Progress)
         raise DDTreeError(f"{source.uri}: cannot reach the Hub and no local copy ({exc})") from None
     except HfHubHTTPError as exc:
         raise DDTreeError(f"{source.uri}: download failed: {exc}") from None
+    if problems:
+        name, reason = next(iter(problems.items()))
+        raise DDTreeError(f"{source.uri}: {dest / name} is still damaged after a second download: {reason}")
+    sizes = {p.relative_to(dest).as_posix(): p.stat().st_size for p in dest.rglob("*")
+             if p.is_file() and ".cache" not in p.relative_to(dest).parts and p.name != MARKER}
     (dest / MARKER).write_text(json.dumps({"uri": source.uri, "revision": source.revision,
-                                           "commit": Path(str(commit)).name, "complete": True}))
+                                           "commit": Path(str(commit)).name, "complete": True, "files": sizes}))
     return "downloaded"
 
 

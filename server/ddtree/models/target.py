@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from ddtree.core.tree import DraftTree, visibility
 from ddtree.errors import DDTreeError
+from ddtree.models.checkpoint import check_checkpoint
 from ddtree.models.draft import TargetShape, is_draft_dir
 from ddtree.models.hybrid import AttentionKV, HybridCache, TreeGDN, is_hybrid_config
 
@@ -167,6 +168,8 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype) -
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         raise DDTreeError(f"cannot read the target config in {d}: {str(exc).splitlines()[0]}") from None
     text_config = config.get_text_config()
+    quantized = any(getattr(c, "quantization_config", None) for c in (config, text_config))
+    check_checkpoint(d, quantized=quantized)  # a damaged file fails here in one line, not deep in the loader
     try:
         model, info = AutoModelForCausalLM.from_pretrained(d, config=text_config, dtype=dtype,
                                                            attn_implementation="sdpa", output_loading_info=True)
