@@ -162,6 +162,24 @@ class PagedBackend:
     chunked = True
     paged = True
 
+    @staticmethod
+    def declines(target: Target, draft: DFlashDraft | None) -> str | None:
+        """Why this pair would not batch on the paged fast path (None when it would): what it declines would
+        otherwise batch on the eager reference path, many times slower than one request at a time here."""
+        if isinstance(target, HybridTarget):
+            return "hybrid targets (Gated DeltaNet states) do not batch on the fast path yet"
+        if draft is not None and draft.config.selector is not None:
+            return "DFlash2 drafters do not batch on the fast path yet"
+        if draft is not None and draft.config.attention_sinks:
+            return "drafters with attention sinks do not batch on the fast path yet"
+        cfg = target.config
+        head_dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+        if draft is not None:
+            head_dims.add(draft.config.head_dim)
+        if not all(kernel_works(target.device, d) for d in head_dims):
+            return "the paged attention kernel does not build on this device"
+        return None
+
     def __init__(self, target: Target, draft: DFlashDraft | None, draft_head: DraftHead | None,
                  blocks: BlockManager, *, max_seqs: int = 64, max_rows: int = 2048, cost: CostModel = FLAT) -> None:
         if isinstance(target, HybridTarget):
