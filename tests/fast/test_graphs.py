@@ -13,9 +13,7 @@ from ddtree.fast import layers
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.jit import triton_works
 from ddtree.switches import override
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
+from marks import gpu
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 

@@ -1,17 +1,11 @@
 """Paged attention (ddtree/kernels/paged_attention.py): the Triton kernel against its SDPA reference over
 random batches of sequences whose pages are scattered through one pool."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from ddtree.kernels.paged_attention import PagedLayout, paged_attention_sdpa, paged_mask
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import gpu, interpreted
 
 # (page, committed slots and new rows per sequence, query heads per K/V head, window)
 CASES = [
