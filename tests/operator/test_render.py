@@ -31,6 +31,7 @@ def test_example_renders_for_one_rtx_pro_6000():
     server = pod_spec(children)["containers"][0]
     assert server["resources"]["limits"] == {"memory": "96Gi", "nvidia.com/gpu": "1"}
     assert server["args"][server["args"].index("--served-model-name") + 1] == "qwen3.6-27b"
+    assert server["args"][server["args"].index("--max-num-seqs") + 1] == "64"
     assert children.pull_job["spec"]["template"]["spec"]["containers"][0]["args"][1] == "hf://Qwen/Qwen3.6-27B@main"
     assert children.pdb is None and children.monitor is None
 
