@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.kernels.jit import attempt, triton_works
-from ddtree.kernels.tree import _key, _key_score, _pow2, _tree_warps, ancestors, tree_size
+from ddtree.kernels.tree import _ancestor_matrix, _key, _key_score, _pow2, _tree_warps, ancestors, tree_size
 
 try:
     import triton
@@ -184,14 +184,7 @@ if triton is not None:
         tl.store(Parents + r, tl.zeros_like(parent), mask=r == 0)  # the root
         tl.store(Depths + r, tl.zeros_like(depth), mask=r == 0)
         tl.debug_barrier()
-        i = tl.arange(0, ROWS)  # the ancestor matrix (zeroed by the caller): walk every node up to the root
-        on = i < n + 1
-        up = i.to(tl.int64)
-        one = tl.full([ROWS], 1, tl.uint8)
-        tl.store(Visible + i * (n + 1) + up, one, mask=on)
-        for _ in range(MAX_DEPTH):
-            up = tl.load(Parents + up, mask=on, other=0)
-            tl.store(Visible + i * (n + 1) + up, one, mask=on)
+        _ancestor_matrix(Visible, Parents, n, ROWS, MAX_DEPTH)
 
     @triton.jit
     def _selector_chain_kernel(Order, Tok, Chosen, width, MAX_DEPTH: tl.constexpr):

@@ -305,6 +305,19 @@ if triton is not None:
         tl.store(Tokens + row * k + j, column, mask=j < k)
 
     @triton.jit
+    def _ancestor_matrix(Visible, Parents, n, ROWS: tl.constexpr, MAX_DEPTH: tl.constexpr):
+        """Visible[i, j] = 1 for every ancestor j of node i and itself (the matrix zeroed by the caller): each
+        row walks up from its node to the root through Parents, a built tree's."""
+        i = tl.arange(0, ROWS)
+        on = i < n + 1
+        up = i.to(tl.int64)
+        one = tl.full([ROWS], 1, tl.uint8)
+        tl.store(Visible + i * (n + 1) + up, one, mask=on)
+        for _ in range(MAX_DEPTH):
+            up = tl.load(Parents + up, mask=on, other=0)
+            tl.store(Visible + i * (n + 1) + up, one, mask=on)
+
+    @triton.jit
     def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, NodeOf, Tokens, Parents, Depths, Visible, num_pairs, k,
                      budget, n, MAX_DEPTH: tl.constexpr, SPAN: tl.constexpr, BUDGET: tl.constexpr,
                      EVERY: tl.constexpr, NODES: tl.constexpr, ROWS: tl.constexpr):
@@ -347,14 +360,7 @@ if triton is not None:
         tl.store(Parents + r, tl.zeros_like(parent), mask=r == 0)  # the root
         tl.store(Depths + r, tl.zeros_like(depth), mask=r == 0)
         tl.debug_barrier()
-        i = tl.arange(0, ROWS)  # the ancestor matrix (zeroed by the caller): walk every node up to the root
-        on = i < n + 1
-        up = i.to(tl.int64)
-        one = tl.full([ROWS], 1, tl.uint8)
-        tl.store(Visible + i * (n + 1) + up, one, mask=on)
-        for _ in range(MAX_DEPTH):
-            up = tl.load(Parents + up, mask=on, other=0)
-            tl.store(Visible + i * (n + 1) + up, one, mask=on)
+        _ancestor_matrix(Visible, Parents, n, ROWS, MAX_DEPTH)
 
 
 def chain(draft_logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
