@@ -3,11 +3,14 @@ counters, a refused request is counted and shown, and an unreachable server is a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from api.servers import API_KEY, Server, free_port, start_server
+from ddtree.bench.serve_load import stream_request
 from ddtree.cli import main
 
 REPORT_KEYS = {"base_url", "model", "endpoint", "num_prompts", "request_rate", "max_tokens", "temperature",
@@ -72,7 +75,7 @@ def test_a_jsonl_dataset_on_the_chat_endpoint_with_its_own_max_tokens(server, tm
     out = tmp_path / "report.json"
     rc = main(["bench-serve", "--base-url", server.url + "/v1", "--api-key", API_KEY, "--endpoint", "chat",
                "--dataset", str(data), "--num-prompts", "3", "--max-tokens", "5", "--ignore-eos",
-               "--json", str(out)])
+               "--request-rate", "20", "--json", str(out)])
     assert rc == 0
     (run,) = json.loads(out.read_text())["runs"]
     assert run["concurrency"] is None and run["completed"] == 3
@@ -109,3 +112,24 @@ def test_a_messages_line_needs_the_chat_endpoint(tmp_path, capsys):
     assert main(["bench-serve", "--dataset", str(data), "--base-url", f"http://127.0.0.1:{free_port()}"]) == 2
     assert capsys.readouterr().err.strip() == (f'ddtree bench-serve: error: {data}:1 has "messages": run it with '
                                               "--endpoint chat")
+
+
+def sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def test_a_server_without_usage_counts_chunks_and_an_error_event_fails_the_request():
+    """Other servers: no usage chunk (the text chunks are counted instead); an error event mid-stream (a drain
+    that ran out, say) fails the request with the server's message."""
+    replies = iter([sse({"choices": [{"text": "a"}]}, {"choices": [{"text": ""}]}, {"choices": [{"text": "b c"}]},
+                        "[DONE]"),
+                    sse({"choices": [{"text": "a"}]}, {"error": {"message": "The server shut down"}}, "[DONE]")])
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=next(replies)))
+
+    async def send_two():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return [await stream_request(client, "http://x/v1/completions", {}, {}) for _ in range(2)]
+
+    counted, failed = asyncio.run(send_two())
+    assert counted.ok and counted.output_tokens == 2 and counted.prompt_tokens is None and len(counted.itl) == 1
+    assert not failed.ok and failed.error == "error event: The server shut down"

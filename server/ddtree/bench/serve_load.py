@@ -157,6 +157,8 @@ async def stream_request(client, url: str, body: dict, headers: dict[str, str]) 
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
+                if not isinstance(event, dict):
+                    return RequestResult(ok=False, error=f"not an event: {data[:200]}")
                 if "error" in event:
                     return RequestResult(ok=False, error=f"error event: {_message(event)}")
                 usage = event.get("usage") or usage
@@ -168,7 +170,7 @@ async def stream_request(client, url: str, body: dict, headers: dict[str, str]) 
                         itl.append(now - last)
                     last = now
                     chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, httpx.StreamError, ValueError) as exc:  # ValueError: a data line that is not JSON
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     end = time.perf_counter()
     tokens = usage.get("completion_tokens") if usage else None
