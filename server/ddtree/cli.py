@@ -471,7 +471,12 @@ def _add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from ddtree.bench.serve_load import bench_serve
+    try:
+        from ddtree.bench.serve_load import bench_serve
+    except ModuleNotFoundError as exc:  # httpx comes with the server extra
+        if exc.name != "httpx":
+            raise
+        raise DDTreeError("bench-serve needs httpx: pip install 'ddtree[server]'") from None
 
     return bench_serve(args)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -133,3 +134,11 @@ def test_a_server_without_usage_counts_chunks_and_an_error_event_fails_the_reque
     counted, failed = asyncio.run(send_two())
     assert counted.ok and counted.output_tokens == 2 and counted.prompt_tokens is None and len(counted.itl) == 1
     assert not failed.ok and failed.error == "error event: The server shut down"
+
+
+def test_without_httpx_the_command_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "httpx", None)  # what an install without the server extra looks like
+    monkeypatch.delitem(sys.modules, "ddtree.bench.serve_load")
+    assert main(["bench-serve"]) == 2
+    err = capsys.readouterr().err
+    assert err == "ddtree bench-serve: error: bench-serve needs httpx: pip install 'ddtree[server]'\n"

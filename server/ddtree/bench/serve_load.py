@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
+
 from ddtree.errors import DDTreeError
 
 # vLLM's spec-decode counters (ddtree's server exposes them under the same names: api/metrics.py).
@@ -136,11 +139,9 @@ def request_body(prompt: Prompt, args: argparse.Namespace, model: str) -> dict:
 # One streamed request
 
 
-async def stream_request(client, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
     """Send one streaming request and time its chunks; any failure (HTTP status, error event, broken stream)
     becomes a failed result with a one-line reason."""
-    import httpx
-
     start = time.perf_counter()
     first = last = None
     itl: list[float] = []
@@ -216,10 +217,8 @@ def parse_counters(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape(client, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
+async def scrape(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
     """The spec-decode counters now, or None when the server has no /metrics with them."""
-    import httpx
-
     try:
         response = await client.get(f"{base_url}/metrics", headers=headers)
     except httpx.HTTPError:
@@ -264,8 +263,8 @@ class Progress:
                   f"{self.failed} failed", file=sys.stderr, flush=True)
 
 
-async def run_level(client, args: argparse.Namespace, url: str, bodies: list[dict], headers: dict[str, str],
-                    concurrency: int | None) -> dict:
+async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, url: str, bodies: list[dict],
+                    headers: dict[str, str], concurrency: int | None) -> dict:
     """Send every body at the request rate with at most `concurrency` in flight; the level's summary."""
     rng = random.Random(args.seed)
     limit = asyncio.Semaphore(concurrency or len(bodies))
@@ -293,8 +292,6 @@ async def run_level(client, args: argparse.Namespace, url: str, bodies: list[dic
 
 def _stats(values: list[float]) -> dict[str, float | None]:
     """Mean and percentiles in milliseconds (linear interpolation, as numpy and vLLM compute them)."""
-    import numpy as np
-
     if not values:
         return {name: None for name, _ in PERCENTILES}
     ms = np.asarray(values) * 1000.0
@@ -356,10 +353,8 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-async def _model(client, base_url: str, headers: dict[str, str], given: str | None) -> str:
+async def _model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], given: str | None) -> str:
     """The model to ask for (the first of /v1/models unless given); an unreachable server is a user error."""
-    import httpx
-
     try:
         response = await client.get(f"{base_url}/v1/models", headers=headers)
     except httpx.HTTPError as exc:
@@ -375,8 +370,6 @@ async def _model(client, base_url: str, headers: dict[str, str], given: str | No
 
 
 async def _bench(args: argparse.Namespace) -> dict:
-    import httpx
-
     key = args.api_key or os.environ.get("DDTREE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     levels = args.concurrency or [None]
