@@ -172,11 +172,7 @@ class PagedBackend:
             return "DFlash2 drafters do not batch on the fast path yet"
         if draft is not None and draft.config.attention_sinks:
             return "drafters with attention sinks do not batch on the fast path yet"
-        cfg = target.config
-        head_dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
-        if draft is not None:
-            head_dims.add(draft.config.head_dim)
-        if not all(kernel_works(target.device, d) for d in head_dims):
+        if not all(kernel_works(target.device, d) for d in _head_dims(target, draft)):
             return "the paged attention kernel does not build on this device"
         return None
 
@@ -190,9 +186,7 @@ class PagedBackend:
         self.device, self.dtype = target.device, target.dtype
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(compile=self.device.type == "cuda")
-        head_dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
-        if draft is not None:
-            head_dims.add(draft.config.head_dim)
+        head_dims = _head_dims(target, draft)
         if triton_works(self.device):
             self.ops.take_row_kernels()
             if all(d & (d - 1) == 0 for d in head_dims):
@@ -226,7 +220,6 @@ class PagedBackend:
         # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
         # forward builds its own layout and attention goes through SDPA.
         self.cuda = self.device.type == "cuda"
-        head_dims = {self.layers[0].head_dim} | ({draft.config.head_dim} if draft is not None else set())
         self.static = all(kernel_works(self.device, d) for d in head_dims)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.captured: dict[tuple[str, int], Captured] = {}
@@ -609,6 +602,13 @@ class PagedBackend:
     def _lap(self, t: float) -> tuple[float, float]:
         now = self._now()
         return now - t, now
+
+
+def _head_dims(target: Target, draft: DFlashDraft | None) -> set[int]:
+    """The attention head dims a batched forward runs at: the target's, and its drafter's."""
+    cfg = target.config
+    dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    return dims | ({draft.config.head_dim} if draft is not None else set())
 
 
 def slot_bytes(target: Target, draft: DFlashDraft | None) -> int:
