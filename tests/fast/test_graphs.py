@@ -368,7 +368,7 @@ def test_hybrid_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, 
     make_hybrid_target(tmp_path / "hybrid", arch, seed=0)
     fast = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cuda", dtype=dtype, fast=True,
                                   fast_capacity=512)
-    assert bool(fast.fast.gdn_rows) == (arch == "qwen3_5")  # Qwen3.5's AR steps: the one-row Gated DeltaNet kernel
+    assert bool(fast.fast.hybrid.gdn_rows) == (arch == "qwen3_5")  # Qwen3.5: the one-row Gated DeltaNet kernel
     # the second prompt: two prompt chunks
     graph_rounds_match_ar(fast, [[1, 2, 3, 4, 5], list(range(10, 80)) * 5], dtype,
                           (tmp_path / "hybrid", tmp_path / "draft"))

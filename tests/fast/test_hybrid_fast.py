@@ -42,7 +42,7 @@ def test_moe_hybrids_take_the_fast_path_with_the_reference_tokens(hybrid_pair, a
     fast = Engine.from_pretrained(root / arch, root / "draft", device="cpu", fast=True, fast_capacity=512)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     assert type(fast.fast).__name__ == "HybridFastPath"
-    assert all(isinstance(mlp, Experts) and mlp.shared is not None for mlp in fast.fast.mlps)
+    assert all(isinstance(mlp, Experts) and mlp.shared is not None for mlp in fast.fast.hybrid.mlps)
     for prompt in PROMPTS:
         for method, budget in RUNS:
             rounds_agree(fast, reference, prompt, GREEDY, method, budget)
@@ -59,14 +59,14 @@ def test_every_norm_of_a_hybrid_runs_as_its_own_function_with_the_module_output(
     _, _, root = hybrid_pair
     fast = Engine.from_pretrained(root / arch, root / "draft", device="cpu", fast=True, fast_capacity=64)
     norms = {type(m).__name__: m for m in fast.fast.model.modules() if "RMSNorm" in type(m).__name__}
-    assert set(norms) <= set(fast.fast.norm_ops) and any(name.endswith("Gated") for name in norms)
+    assert set(norms) <= set(fast.fast.hybrid.norm_ops) and any(name.endswith("Gated") for name in norms)
     gen = torch.Generator().manual_seed(0)
     for name, module in norms.items():
         module = copy.deepcopy(module).to(dtype)
         module.weight.data = torch.randn(module.weight.shape, generator=gen).to(dtype)
         x = (3 * torch.randn(7, module.weight.numel(), generator=gen)).to(dtype)
         gate = (torch.randn(x.shape, generator=gen).to(dtype),) if name.endswith("Gated") else ()
-        assert torch.equal(fast.fast._norm(module, x, *gate), module(x, *gate)), name
+        assert torch.equal(fast.fast.hybrid.norm(module, x, *gate), module(x, *gate)), name
 
 
 def test_same_tokens_and_same_acceptance_as_the_reference(hybrid_pair):

@@ -258,7 +258,6 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
 
     from ddtree.fast.batch import PagedBackend, pool_tokens
     from ddtree.fast.runner import unsupported
-    from ddtree.models.target import HybridTarget
 
     reference = SerialBackend(engine.reference)
     one_at_a_time = None
@@ -271,7 +270,7 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
         singles = [SerialBackend(engine.fast, capacity=1)] if engine.fast is not None else []
         return BatchEngine(engine, [*singles, reference], max_num_seqs=1,
                            max_num_batched_tokens=options.max_num_batched_tokens)
-    if unsupported(engine.target) is not None or isinstance(engine.target, HybridTarget):
+    if unsupported(engine.target) is not None:
         return BatchEngine(engine, [reference], max_num_seqs=options.max_num_seqs,
                            max_num_batched_tokens=options.max_num_batched_tokens)
     tokens = options.kv_cache_tokens or pool_tokens(engine, options)

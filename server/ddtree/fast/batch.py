@@ -36,6 +36,7 @@ from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens, process_logits, token_logprobs
 from ddtree.core.tree import DraftTree, chain_tree, tree_from_candidates, visibility, walk
 from ddtree.fast.layers import Draft, Ops, TargetLayer
+from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, RecurrentPool, SeqRows
 from ddtree.fast.rope import RopeTable
 from ddtree.fast.runner import MAX_BUDGET, decoder_layer
 from ddtree.kernels.fp8 import Fp8Weight
@@ -167,7 +168,7 @@ class PagedBackend:
         """Why this pair would not batch on the paged fast path (None when it would): what it declines would
         otherwise batch on the eager reference path, many times slower than one request at a time here."""
         if isinstance(target, HybridTarget):
-            return "hybrid targets (Gated DeltaNet states) do not batch on the fast path yet"
+            return "hybrid targets batch without CUDA graphs so far (each forward launched eagerly)"
         if draft is not None and draft.config.selector is not None:
             return "DFlash2 drafters do not batch on the fast path yet"
         if draft is not None and draft.config.attention_sinks:
@@ -178,8 +179,6 @@ class PagedBackend:
 
     def __init__(self, target: Target, draft: DFlashDraft | None, draft_head: DraftHead | None,
                  blocks: BlockManager, *, max_seqs: int = 64, max_rows: int = 2048, cost: CostModel = FLAT) -> None:
-        if isinstance(target, HybridTarget):
-            raise ValueError("hybrid targets batch on the reference path")
         cfg = target.config
         self.target, self.draft, self.draft_head, self.blocks, self.cost = target, draft, draft_head, blocks, cost
         self.model = target.model.model
@@ -191,14 +190,17 @@ class PagedBackend:
             self.ops.take_row_kernels()
             if all(d & (d - 1) == 0 for d in head_dims):
                 self.ops.attention_heads = heads_kernel
-        self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
+        # a hybrid's recurrent layers keep a state per sequence (fast/paged_hybrid.py); only attention layers page
+        self.hybrid = HybridRows(target, self.ops, max_seqs) if isinstance(target, HybridTarget) else None
+        self.layers = [] if self.hybrid else [TargetLayer.of(layer) for layer in self.model.layers]
         self.max_context = target.max_context
         self.target_rope = RopeTable(self.model.rotary_emb, self.max_context, self.dtype, self.device)
         self.max_seqs, self.max_rows = max_seqs, max_rows
         self.scratch = blocks.num_blocks * blocks.block_size  # one block past the pool: padding rows write there
         slots = self.scratch + blocks.block_size
-        head_dim = self.layers[0].head_dim
-        self.kv = torch.zeros((len(self.layers), 2, cfg.num_key_value_heads, slots, head_dim), dtype=self.dtype,
+        head_dim = max(_head_dims(target, None))
+        attention_layers = len(self.hybrid.hybrid.attention_index) if self.hybrid else len(self.layers)
+        self.kv = torch.zeros((attention_layers, 2, cfg.num_key_value_heads, slots, head_dim), dtype=self.dtype,
                               device=self.device)
         self.taps: tuple[int, ...] = ()
         self.block = 1
@@ -220,7 +222,7 @@ class PagedBackend:
         # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
         # forward builds its own layout and attention goes through SDPA.
         self.cuda = self.device.type == "cuda"
-        self.static = all(kernel_works(self.device, d) for d in head_dims)
+        self.static = self.hybrid is None and all(kernel_works(self.device, d) for d in head_dims)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.captured: dict[tuple[str, int], Captured] = {}
         self.buckets = buckets(max_rows)
@@ -236,9 +238,13 @@ class PagedBackend:
         params = request.params
         history = History(request.prompt_ids, self.vocab, self.device) if params.penalized else None
         self.states[seq_id] = SeqState(request, generator=make_generator(params, self.device), history=history)
+        if self.hybrid:
+            self.hybrid.pool.open(seq_id)
 
     def close(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
+        if self.hybrid:
+            self.hybrid.pool.close(seq_id)
 
     def rows_per_round(self, request: DecodeRequest) -> int:
         """A round writes the root and its tree's nodes in the target's cache, the draft block in the drafter's."""
@@ -275,8 +281,9 @@ class PagedBackend:
         logit_rows += [layout.row_offsets[i + 1] - 1 for i, chunk in enumerate(chunks)
                        if chunk.last and chunk.root is None and i not in wanted]
         logit_index = {row: k for k, row in enumerate(logit_rows)}
+        seqs = self._seq_rows([chunk.seq_id for chunk in chunks], layout)
         logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
-                                         self._tensor(logit_rows))
+                                         self._tensor(logit_rows), seqs)
         if self.drafts:
             self._extend_draft(taps, positions_t, slots_t)
         out: dict[int, Round] = {}
@@ -321,10 +328,12 @@ class PagedBackend:
             positions += [state.start, *(state.start + d for d in tree.depths)]
             slots += self.blocks.slots(seq_id, state.start, n)
             self._describe(layout, seq_id, state.start, visibility(tree))
-        logits, taps = self._run("verify", ids, positions, slots, layout)
+        seqs = self._seq_rows(seq_ids, layout)
+        record = self.hybrid.record(seqs, len(ids)) if self.hybrid else None
+        logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
         phases["verify"], t = self._lap(t)
         greedy = self._greedy_picks(states, logits)
-        out, accepted_rows, accepted_positions, accepted_slots, moves = {}, [], [], [], ([], [])
+        out, accepted_rows, accepted_positions, accepted_slots, moves, lasts = {}, [], [], [], ([], []), []
         for index, (seq_id, state, tree) in enumerate(zip(seq_ids, states, trees, strict=True)):
             lo, hi = layout.row_offsets[index], layout.row_offsets[index + 1]
             if greedy is not None and self._plain_greedy(state):
@@ -340,6 +349,7 @@ class PagedBackend:
                     moves[0].append(slots[lo + node])
                     moves[1].append(slots[lo + j])
             accepted_rows += [lo + node for node in path]
+            lasts.append(path[-1])
             accepted_positions += range(state.start, state.start + len(path))
             accepted_slots += slots[lo:lo + len(path)]
             state.start += len(path)
@@ -350,6 +360,8 @@ class PagedBackend:
         if moves[0]:
             src, dst = self._tensor(moves[0]), self._tensor(moves[1])
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
+        if record is not None:
+            self.hybrid.commit(record, seqs, lasts)
         if self.drafts and drafting:
             keep = self._tensor(accepted_rows)
             self._extend_draft(taps.index_select(0, keep), self._tensor(accepted_positions),
@@ -434,7 +446,10 @@ class PagedBackend:
             return [0] * (per * seqs), [r % per for r in range(per * seqs)], slots, lay
 
         def timed(kind: str, rows: int, seqs: int) -> float:
-            args = layout(rows, seqs)
+            ids, positions, slots, lay = layout(rows, seqs)
+            seq_rows = self._seq_rows([], lay)  # a hybrid's: the verify reads the (empty) state slots in order
+            record = self.hybrid.record(seq_rows, rows) if self.hybrid and kind == "verify" else None
+            args = (ids, positions, slots, lay, seq_rows, record)
             for _ in range(2):  # capture (on a GPU) and warm up
                 self._run(kind, *args)
             times = []
@@ -500,15 +515,16 @@ class PagedBackend:
     def page(self) -> int:
         return self.blocks.block_size
 
-    def _run(self, kind: str, ids: list[int], positions: list[int], slots: list[int],
-             layout: PagedLayout) -> object:
+    def _run(self, kind: str, ids: list[int], positions: list[int], slots: list[int], layout: PagedLayout,
+             seqs: list[SeqRows] | None = None, record: BatchRecord | None = None) -> object:
         """The verify ("verify": logits and taps of every row) or draft ("draft": logits of every row) forward over
         these rows: on static buffers padded to a bucket (a CUDA graph on a GPU) where the kernels run, else
         directly."""
         if not self.static:
             ids_t, positions_t, slots_t = self._tensor(ids), self._tensor(positions), self._tensor(slots)
             if kind == "verify":
-                return self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device))
+                return self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
+                                         None, seqs, record)
             return self._draft_rows(ids_t, positions_t, slots_t, {
                 rule: paged_mask(self._block_rule(layout, visible), self.page, self.device, rule[0])
                 for rule, visible in self.fused_draft.block_visible.items()})
@@ -547,9 +563,14 @@ class PagedBackend:
         return self.captured[(kind, bucket)]
 
     def _target_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: PagedMask,
-                     logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     logit_rows: torch.Tensor | None = None, seqs: list[SeqRows] | None = None,
+                     record: BatchRecord | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target rows of every sequence: logits [N, V] (only of `logit_rows` when given) and the drafter's taps
-        [N, k*H]."""
+        [N, k*H]. A hybrid's recurrent layers take each sequence's rows (`seqs`) from its states: a verify fills
+        `record`, a prefill (no record) moves the states past its rows."""
+        if self.hybrid:
+            return self.hybrid.forward(ids, positions, slots, mask, self.kv, self.target_rope, seqs, record,
+                                       self.taps, logit_rows)
         x = embed(self.model.embed_tokens, ids)
         cos, sin = self.target_rope(positions)
         tapped: dict[int, torch.Tensor] = {}
@@ -565,6 +586,19 @@ class PagedBackend:
         logits = linear(h, self.target.lm_head.weight, self.target.lm_head.bias)
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
+
+    def _seq_rows(self, seq_ids: list[int], layout: PagedLayout) -> list[SeqRows] | None:
+        """A hybrid forward's sequences: each one's state slot, rows and their visibility (None for a dense
+        target). Before any sequence runs (measuring the cost model) the forward reads the slots in order."""
+        if not self.hybrid:
+            return None
+        slots = self.hybrid.pool.slots
+        out = []
+        for b, visible in enumerate(layout.visible):
+            depths = visible.sum(dim=1) - 1  # ancestors above each row
+            out.append(SeqRows(slots.get(seq_ids[b], b) if b < len(seq_ids) else b, layout.row_offsets[b],
+                               layout.row_offsets[b + 1], visible.to(self.device), depths.to(self.device)))
+        return out
 
     def _block_rule(self, layout: PagedLayout, visible: torch.Tensor) -> PagedLayout:
         """A draft forward's layout with every block's rows seeing one another as a layer's rule shows."""
@@ -615,7 +649,8 @@ def slot_bytes(target: Target, draft: DFlashDraft | None) -> int:
     """Bytes one cache slot takes in every pool: the target's K and V in each layer, and the drafter's."""
     cfg = target.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    size = 2 * len(target.layers) * cfg.num_key_value_heads * head_dim
+    attention = sum(not hasattr(layer, "linear_attn") for layer in target.layers)  # a hybrid's recurrent ones: none
+    size = 2 * attention * cfg.num_key_value_heads * head_dim
     if draft is not None:
         dc = draft.config
         size += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim
@@ -629,6 +664,8 @@ def pool_tokens(engine, options) -> int:
         return options.max_num_seqs * min(engine.max_context, 2048)
     free, total = torch.cuda.mem_get_info(engine.target.device)
     activations = options.max_num_batched_tokens * engine.vocab_size * 4 * 3 + 2 * 2**30  # logits, processing, slack
+    if isinstance(engine.target, HybridTarget):  # every sequence's recurrent states
+        activations += options.max_num_seqs * RecurrentPool.bytes_per_sequence(engine.target)
     budget = int(total * options.gpu_memory_utilization) - (total - free) - activations
     tokens = budget // slot_bytes(engine.target, engine.draft)
     if tokens < options.block_size * 2:

@@ -36,6 +36,7 @@ from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
 from ddtree.kernels.jit import triton_works
 from ddtree.kernels.moe import Experts
+from ddtree.kernels.paged_attention import PagedMask
 from ddtree.models.hybrid import project, split_heads
 
 PROMPT_CHUNK = 256  # prompt tokens per forward: the closed form's [heads, n, n] products stay small
@@ -77,68 +78,51 @@ class Recurrent:
     visible: torch.Tensor  # [n, n]
     sources: torch.Tensor  # [n, W]: conv window rows in `inputs`
 
+    def layer(self, index: int) -> Recurrent:
+        """Recurrent layer `index`'s record (views: what a layer writes lands in the whole record)."""
+        return Recurrent(self.inputs[index], self.keys[index], self.u[index], self.decay[index], self.visible,
+                         self.sources)
 
-class HybridFastPath(FastPath):
-    """FastPath for a hybrid target: recurrent layers in closed form, attention layers over a static cache."""
 
-    def _build_target(self) -> None:
-        self.row_gemv = False
-        self.decoder = list(self.model.layers)
+class HybridLayers:
+    """A hybrid decoder's layers on the fast path's ops, apart from any cache: the single-sequence fast path
+    (HybridFastPath) runs them over its static caches, the batched one (fast/paged_hybrid.py) over pooled ones.
+    A recurrent layer reads and writes the states it is handed; an attention layer the cache and mask it is handed
+    (a static cache with a TreeMask, or a paged pool with a PagedMask)."""
+
+    def __init__(self, model: nn.Module, ops, config, device: torch.device) -> None:
+        self.ops, self.device = ops, device
+        self.decoder = list(model.layers)
         self.mlps = [self._mlp(layer.mlp) for layer in self.decoder]
         for layer in self.decoder:  # a recurrent layer's qkv, z, b, a as one weight
             module = getattr(layer, "linear_attn", None)
             if module is not None and hasattr(module, "in_proj_qkv"):
                 fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b,
                                                 module.in_proj_a])
-        self.norm_ops = {name: self.ops.wrap(fn) for name, fn in NORMS.items()}
-        self.conv_and_gates = self.ops.wrap(conv_and_gates)
-        self.delta_rule = self.ops.wrap(tree_delta_rule)
+        self.norm_ops = {name: ops.wrap(fn) for name, fn in NORMS.items()}
+        self.conv_and_gates = ops.wrap(conv_and_gates)
+        self.delta_rule = ops.wrap(tree_delta_rule)
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)
                                                           if hasattr(layer, "linear_attn"))}
         self.gdn_rows = {n for i, n in self.recurrent_index.items()  # recurrent layers whose rounds are one kernel
-                         if triton_works(self.device) and gdn.takes(self.decoder[i].linear_attn)}
+                         if triton_works(device) and gdn.takes(self.decoder[i].linear_attn)}
         self.attention_index = {i: n for n, i in enumerate(i for i in range(len(self.decoder))
                                                           if i not in self.recurrent_index)}
-        self.kv = self._kv_cache(len(self.attention_index))
         first = self.decoder[next(iter(self.recurrent_index))].linear_attn
-        self.conv_width = first.conv_kernel_size
-        self.conv_state = torch.zeros((len(self.recurrent_index), self.conv_width - 1, first.conv_dim),
-                                      dtype=self.dtype, device=self.device)
-        self.recurrent_state = torch.zeros((len(self.recurrent_index), first.num_v_heads, first.head_k_dim,
-                                            first.head_v_dim), dtype=torch.float32, device=self.device)
+        self.conv_width, self.conv_dim = first.conv_kernel_size, first.conv_dim
+        self.state_shape = (first.num_v_heads, first.head_k_dim, first.head_v_dim)
         attention = self.decoder[next(iter(self.attention_index))].self_attn
         self.rope = importlib.import_module(type(attention).__module__).apply_rotary_pos_emb
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    # -- the forward ------------------------------------------------------------------------------------
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Recurrent]:
-        n = ids.numel()
-        mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
-        slots = self.start + self.steps[:n]
-        x = embed(self.model.embed_tokens, ids)
-        cos, sin = self.target_rope(positions)
-        past = self.conv_width - 1
-        layers, channels = self.conv_state.shape[0], self.conv_state.shape[2]
-        heads, d_k, d_v = self.recurrent_state.shape[1:]
-        rec = Recurrent(torch.empty((layers, past + n, channels), dtype=self.dtype, device=self.device),
-                        torch.empty((layers, n, heads, d_k), device=self.device),
-                        torch.empty((layers, n, heads, d_v), device=self.device),
-                        torch.empty((layers, n, heads), device=self.device), visible,
-                        conv_sources(visible, positions - self.start, self.conv_width))
-        tapped = []
-        for i, layer in enumerate(self.decoder):
-            h = self._norm(layer.input_layernorm, x)
-            if i in self.recurrent_index:
-                mixed = self._recurrent(layer.linear_attn, self.recurrent_index[i], h, rec)
-            else:
-                mixed = self._attention(layer.self_attn, self.kv[self.attention_index[i]], h, mask, slots, cos, sin)
-            x = x + mixed
-            x = x + self.mlps[i](self._norm(layer.post_attention_layernorm, x))
-            tapped.append(x)
-        logits = _project(self.target.lm_head, self._norm(self.model.norm, x[-1:] if last_only else x))
-        taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
-        return logits, taps, rec
+    def record(self, n: int, sources: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> Recurrent:
+        """Empty commit records of every recurrent layer for a forward of n rows."""
+        layers, (heads, d_k, d_v) = len(self.recurrent_index), self.state_shape
+        return Recurrent(torch.empty((layers, self.conv_width - 1 + n, self.conv_dim), dtype=dtype, device=self.device),
+                         torch.empty((layers, n, heads, d_k), device=self.device),
+                         torch.empty((layers, n, heads, d_v), device=self.device),
+                         torch.empty((layers, n, heads), device=self.device), visible, sources)
 
     def _mlp(self, mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """A layer's MLP as a function of its normed rows: SwiGLU, or experts (with their shared expert)."""
@@ -147,7 +131,7 @@ class HybridFastPath(FastPath):
         shared = getattr(mlp, "shared_expert", None)
         return Experts.of(mlp, swiglu(shared, self.ops) if shared is not None else None)
 
-    def _norm(self, module, x: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
+    def norm(self, module, x: torch.Tensor, *gate: torch.Tensor) -> torch.Tensor:
         """A norm module's output: its compiled twin when this file knows its math, else the module itself."""
         fn = self.norm_ops.get(type(module).__name__)
         if fn is None:
@@ -155,15 +139,18 @@ class HybridFastPath(FastPath):
         eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # gated / plain
         return fn(x, *gate, module.weight, eps)
 
-    def _recurrent(self, module, index: int, h: torch.Tensor, rec: Recurrent) -> torch.Tensor:
-        """A Gated DeltaNet layer over the tree: conv along each node's path, then the closed-form delta rule."""
+    def recurrent(self, module, h: torch.Tensor, rec: Recurrent, conv_state: torch.Tensor, state: torch.Tensor,
+                  kernel: bool) -> torch.Tensor:
+        """A Gated DeltaNet layer over a tree (or chain) from the committed conv columns conv_state [W-1, C] and
+        state [H, d_k, d_v]: conv along each node's path, then the closed-form delta rule (in the Triton kernels
+        with `kernel`, up to gdn.TREE_MAX rows); what the commit needs goes to `rec`, this layer's record."""
         n = h.shape[0]
-        if n <= gdn.TREE_MAX and index in self.gdn_rows:  # Triton kernels between the projections
-            proj, state = module.ddtree_in_proj(h), (self.conv_state[index], self.recurrent_state[index])
-            record = (rec.keys[index], rec.u[index], rec.decay[index])
+        if n <= gdn.TREE_MAX and kernel:  # Triton kernels between the projections
+            proj = module.ddtree_in_proj(h)
+            record = (rec.keys, rec.u, rec.decay)
             if n == 1:  # an AR step, gated norm included
-                return _project(module.out_proj, gdn.row_step(module, proj, *state, rec.inputs[index], *record))
-            out = gdn.tree_step(module, proj, *state, rec.inputs[index], rec.sources, rec.visible, *record)
+                return _project(module.out_proj, gdn.row_step(module, proj, conv_state, state, rec.inputs, *record))
+            out = gdn.tree_step(module, proj, conv_state, state, rec.inputs, rec.sources, rec.visible, *record)
             z = proj[:, module.conv_dim:module.conv_dim + module.value_dim]
         else:
             if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
@@ -171,32 +158,74 @@ class HybridFastPath(FastPath):
                     [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
             else:
                 qkv, z, b, a = project(module, h)
-            inputs = rec.inputs[index]
-            inputs[:self.conv_width - 1] = self.conv_state[index]
-            inputs[self.conv_width - 1:] = qkv
-            window = inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
+            rec.inputs[:self.conv_width - 1] = conv_state
+            rec.inputs[self.conv_width - 1:] = qkv
+            window = rec.inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
             conv, beta, g = self.conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log,
                                                 module.dt_bias)
             q, k, v = split_heads(module, conv)
-            out, rec.keys[index], rec.u[index], rec.decay[index] = self.delta_rule(
-                q, k, v, g, beta, rec.visible, self.recurrent_state[index])
-        out = self._norm(module.norm, out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+            out, keys, u, decay = self.delta_rule(q, k, v, g, beta, rec.visible, state)
+            rec.keys.copy_(keys)
+            rec.u.copy_(u)
+            rec.decay.copy_(decay)
+        out = self.norm(module.norm, out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return _project(module.out_proj, out.reshape(n, -1))
 
-    def _attention(self, module, cache: torch.Tensor, h: torch.Tensor, mask: TreeMask, slots: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(self, module, cache: torch.Tensor, h: torch.Tensor, mask: TreeMask | PagedMask,
+                  slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A gated attention layer: q and its gate from one projection, q/k norms, partial RoPE, the rows'
         K/V into the cache at `slots`, tree attention, the gate, the output projection."""
         n, d = h.shape[0], self.head_dim
         q, gate = torch.chunk(_project(module.q_proj, h).view(n, -1, 2 * d), 2, dim=-1)
-        q = self._norm(module.q_norm, q)
-        k = self._norm(module.k_norm, _project(module.k_proj, h).view(n, -1, d))
+        q = self.norm(module.q_norm, q)
+        k = self.norm(module.k_norm, _project(module.k_proj, h).view(n, -1, d))
         v = _project(module.v_proj, h).view(n, -1, d)
         q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
         cache[:, :, slots] = torch.stack([k, v]).transpose(1, 2)
         groups = q.shape[1] // self.kv_heads
         grouped = q.reshape(n, self.kv_heads, groups, d).permute(1, 2, 0, 3).reshape(self.kv_heads, groups * n, d)
         return _project(module.o_proj, tree_attention(grouped, cache, mask) * torch.sigmoid(gate.reshape(n, -1)))
+
+
+class HybridFastPath(FastPath):
+    """FastPath for a hybrid target: recurrent layers in closed form, attention layers over a static cache."""
+
+    def _build_target(self) -> None:
+        self.row_gemv = False
+        self.hybrid = HybridLayers(self.model, self.ops, self.target.config, self.device)
+        self.kv = self._kv_cache(len(self.hybrid.attention_index))
+        self.conv_width = self.hybrid.conv_width
+        self.conv_state = torch.zeros((len(self.hybrid.recurrent_index), self.conv_width - 1, self.hybrid.conv_dim),
+                                      dtype=self.dtype, device=self.device)
+        self.recurrent_state = torch.zeros((len(self.hybrid.recurrent_index), *self.hybrid.state_shape),
+                                           dtype=torch.float32, device=self.device)
+
+    # -- the forward ------------------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Recurrent]:
+        n = ids.numel()
+        hybrid = self.hybrid
+        mask = tree_mask(self.start, visible, self.capacity, self.heads // self.kv_heads, self.head_dim, self.dtype)
+        slots = self.start + self.steps[:n]
+        x = embed(self.model.embed_tokens, ids)
+        cos, sin = self.target_rope(positions)
+        rec = hybrid.record(n, conv_sources(visible, positions - self.start, self.conv_width), visible, self.dtype)
+        tapped = []
+        for i, layer in enumerate(hybrid.decoder):
+            h = hybrid.norm(layer.input_layernorm, x)
+            if i in hybrid.recurrent_index:
+                index = hybrid.recurrent_index[i]
+                mixed = hybrid.recurrent(layer.linear_attn, h, rec.layer(index), self.conv_state[index],
+                                         self.recurrent_state[index], index in hybrid.gdn_rows)
+            else:
+                mixed = hybrid.attention(layer.self_attn, self.kv[hybrid.attention_index[i]], h, mask, slots, cos, sin)
+            x = x + mixed
+            x = x + hybrid.mlps[i](hybrid.norm(layer.post_attention_layernorm, x))
+            tapped.append(x)
+        logits = _project(self.target.lm_head, hybrid.norm(self.model.norm, x[-1:] if last_only else x))
+        taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
+        return logits, taps, rec
 
     # -- prompt and commit ------------------------------------------------------------------------------
 

@@ -1,0 +1,191 @@
+"""Hybrid targets (Gated DeltaNet and gated attention) in the batched fast path.
+
+The attention layers keep their K/V in the paged pool as a dense target's do (fast/batch.py). A Gated DeltaNet
+layer has no per-token cache: each sequence owns a slot of a `RecurrentPool`, its conv columns and its recurrent
+state for every such layer. A forward runs every layer over all the batch's rows at once; a recurrent layer takes
+each sequence's rows from that sequence's slot, in the closed form of fast/delta.py (the single-sequence fast
+path's `HybridLayers.recurrent`, so each row is computed as it is there).
+
+Two ways a forward leaves the states:
+
+    prefill  a chunk's rows are all committed, so each layer installs the state after the chunk's last row as it
+             goes (long chunks in PROMPT_CHUNK pieces, as the single-sequence path does);
+    verify   the rows are a tree: the forward leaves a `BatchRecord` (per row: the conv inputs, normed keys, u
+             and G), and once the walk has chosen each sequence's accepted path, `commit` installs the state
+             after its last node for every recurrent layer and sequence in one batched product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.fast.delta import conv_sources, path_state
+from ddtree.fast.hybrid import PROMPT_CHUNK, HybridLayers, Recurrent
+from ddtree.kernels.gather import embed
+from ddtree.kernels.gemm import linear
+from ddtree.kernels.paged_attention import PagedMask
+from ddtree.models.target import HybridTarget
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """One sequence's share of a hybrid forward: its pool slot, its rows lo..hi-1 and their visibility."""
+
+    slot: int
+    lo: int
+    hi: int
+    visible: torch.Tensor  # [n, n] bool: ancestors and self (a causal chain for a prompt chunk)
+    depths: torch.Tensor  # [n]: each row's position less the sequence's committed length
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What a verify forward leaves for `commit`, by global row (leading dim: the recurrent layers). Sequence b's
+    conv inputs sit at rows lo_b + b*(W-1).. of `inputs`: its W-1 committed columns, then its rows'."""
+
+    inputs: torch.Tensor  # [L, B*(W-1) + R, C]
+    keys: torch.Tensor  # [L, R, H, d_k]
+    u: torch.Tensor  # [L, R, H, d_v]
+    decay: torch.Tensor  # [L, R, H]
+    sources: list[torch.Tensor]  # per sequence [n, W]: conv window rows in its segment of `inputs`
+
+    def of(self, index: int, b: int, seq: SeqRows, past: int) -> Recurrent:
+        """Sequence b's record in recurrent layer `index` (views)."""
+        seg = seq.lo + b * past
+        return Recurrent(self.inputs[index, seg:seg + past + seq.hi - seq.lo], self.keys[index, seq.lo:seq.hi],
+                         self.u[index, seq.lo:seq.hi], self.decay[index, seq.lo:seq.hi], seq.visible,
+                         self.sources[b])
+
+
+class RecurrentPool:
+    """The conv columns and recurrent state of every Gated DeltaNet layer, one slot per running sequence. A slot
+    is zeroed when a sequence takes it (its prompt starts from the zero state) and is free again when it leaves."""
+
+    def __init__(self, hybrid: HybridLayers, seqs: int, dtype: torch.dtype, device: torch.device) -> None:
+        layers = len(hybrid.recurrent_index)
+        self.conv = torch.zeros((layers, seqs, hybrid.conv_width - 1, hybrid.conv_dim), dtype=dtype, device=device)
+        self.state = torch.zeros((layers, seqs, *hybrid.state_shape), dtype=torch.float32, device=device)
+        self.free = list(range(seqs))
+        self.slots: dict[int, int] = {}
+
+    @staticmethod
+    def bytes_per_sequence(target: HybridTarget) -> int:
+        """A slot's size: what the pool adds to a sequence's memory beyond its K/V."""
+        layers = [layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")]
+        first = layers[0]
+        conv = (first.conv_kernel_size - 1) * first.conv_dim * target.dtype.itemsize
+        return len(layers) * (conv + first.num_v_heads * first.head_k_dim * first.head_v_dim * 4)
+
+    def open(self, seq_id: int) -> None:
+        slot = self.free.pop(0)
+        self.conv[:, slot].zero_()
+        self.state[:, slot].zero_()
+        self.slots[seq_id] = slot
+
+    def close(self, seq_id: int) -> None:
+        slot = self.slots.pop(seq_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+
+class HybridRows:
+    """A hybrid target's batched forward: attention over the paged pool, recurrent layers over the states pool."""
+
+    def __init__(self, target: HybridTarget, ops, seqs: int) -> None:
+        self.target, self.model = target, target.model.model
+        self.hybrid = HybridLayers(self.model, ops, target.config, target.device)
+        self.pool = RecurrentPool(self.hybrid, seqs, target.dtype, target.device)
+        self.past = self.hybrid.conv_width - 1
+
+    def record(self, seqs: list[SeqRows], rows: int) -> BatchRecord:
+        """Empty records for a verify forward of `rows` rows."""
+        hybrid, device = self.hybrid, self.target.device
+        layers, (heads, d_k, d_v) = len(hybrid.recurrent_index), hybrid.state_shape
+        width = hybrid.conv_width
+        return BatchRecord(
+            torch.empty((layers, len(seqs) * self.past + rows, hybrid.conv_dim), dtype=self.target.dtype,
+                        device=device),
+            torch.empty((layers, rows, heads, d_k), device=device),
+            torch.empty((layers, rows, heads, d_v), device=device), torch.empty((layers, rows, heads), device=device),
+            [conv_sources(s.visible, s.depths, width) for s in seqs])
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: PagedMask,
+                kv: torch.Tensor, rope, seqs: list[SeqRows], record: BatchRecord | None, taps: tuple[int, ...],
+                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every sequence's rows through the target -> logits [N, V] (only `logit_rows`' when given) and the
+        drafter's taps. With a record (a verify), the recurrent layers fill it and leave the states alone;
+        without (a prefill), each sequence's states move past its rows."""
+        hybrid = self.hybrid
+        x = embed(self.model.embed_tokens, ids)
+        cos, sin = rope(positions)
+        tapped = []
+        for i, layer in enumerate(hybrid.decoder):
+            h = hybrid.norm(layer.input_layernorm, x)
+            if i in hybrid.recurrent_index:
+                mixed = self._recurrent(layer.linear_attn, hybrid.recurrent_index[i], h, seqs, record)
+            else:
+                mixed = hybrid.attention(layer.self_attn, kv[hybrid.attention_index[i]], h, mask, slots, cos, sin)
+            x = x + mixed
+            x = x + hybrid.mlps[i](hybrid.norm(layer.post_attention_layernorm, x))
+            tapped.append(x)
+        h = x if logit_rows is None else x.index_select(0, logit_rows)
+        lm_head = self.target.lm_head
+        logits = linear(hybrid.norm(self.model.norm, h), lm_head.weight, lm_head.bias)
+        return logits, (torch.cat([tapped[t] for t in taps], dim=-1) if taps else None)
+
+    def _recurrent(self, module, index: int, h: torch.Tensor, seqs: list[SeqRows],
+                   record: BatchRecord | None) -> torch.Tensor:
+        """A Gated DeltaNet layer over every sequence's rows, each from its own slot."""
+        hybrid, pool = self.hybrid, self.pool
+        kernel = index in hybrid.gdn_rows
+        out = torch.empty_like(h)
+        for b, seq in enumerate(seqs):
+            conv, state = pool.conv[index, seq.slot], pool.state[index, seq.slot]
+            if record is not None:
+                out[seq.lo:seq.hi] = hybrid.recurrent(module, h[seq.lo:seq.hi], record.of(index, b, seq, self.past),
+                                                      conv, state, kernel)
+                continue
+            for lo in range(seq.lo, seq.hi, PROMPT_CHUNK):  # a chunk's rows, committed piece by piece
+                hi = min(lo + PROMPT_CHUNK, seq.hi)
+                causal = seq.visible[lo - seq.lo:hi - seq.lo, lo - seq.lo:hi - seq.lo].contiguous()
+                piece = self._piece(causal)
+                out[lo:hi] = hybrid.recurrent(module, h[lo:hi], piece, conv, state, kernel)
+                last = torch.tensor(hi - lo - 1, device=h.device)
+                state.copy_(path_state(piece.keys[None], piece.u[None], piece.decay[None], causal, state[None],
+                                       last)[0])
+                conv.copy_(piece.inputs.index_select(0, piece.sources[hi - lo - 1, 1:]))
+        return out
+
+    def _piece(self, causal: torch.Tensor) -> Recurrent:
+        """One recurrent layer's record for a causal piece of a prompt chunk."""
+        n, device = causal.shape[0], self.target.device
+        heads, d_k, d_v = self.hybrid.state_shape
+        return Recurrent(torch.empty((self.past + n, self.hybrid.conv_dim), dtype=self.target.dtype, device=device),
+                         torch.empty((n, heads, d_k), device=device), torch.empty((n, heads, d_v), device=device),
+                         torch.empty((n, heads), device=device), causal,
+                         conv_sources(causal, torch.arange(n, device=device), self.hybrid.conv_width))
+
+    def commit(self, record: BatchRecord, seqs: list[SeqRows], lasts: list[int]) -> None:
+        """Each sequence's states become those after its node `lasts[b]` (an index into its rows), in every
+        recurrent layer: exp(G_last) S0 + the path's k uᵀ weighted by their decay, as fast/delta.path_state."""
+        device = record.keys.device
+        paths = [torch.nonzero(seq.visible[last].cpu())[:, 0] + seq.lo for seq, last in zip(seqs, lasts, strict=True)]
+        longest = max(len(p) for p in paths)
+        rows = torch.zeros((len(seqs), longest), dtype=torch.long)
+        on_path = torch.zeros((len(seqs), longest), dtype=torch.bool)
+        for b, path in enumerate(paths):
+            rows[b, :len(path)], on_path[b, :len(path)] = path, True
+        rows, on_path = rows.to(device), on_path.to(device)
+        last_rows = torch.tensor([seq.lo + last for seq, last in zip(seqs, lasts, strict=True)], device=device)
+        slots = torch.tensor([seq.slot for seq in seqs], device=device)
+        g_last = record.decay[:, last_rows]  # [L, B, H]
+        w = (g_last[:, :, None] - record.decay[:, rows]).masked_fill(~on_path[None, :, :, None], float("-inf")).exp()
+        state = self.pool.state.index_select(1, slots)
+        state = g_last.exp()[..., None, None] * state + torch.einsum(
+            "lbphk,lbph,lbphv->lbhkv", record.keys[:, rows], w, record.u[:, rows])
+        self.pool.state.index_copy_(1, slots, state)
+        window = torch.stack([record.sources[b][last, 1:] + seq.lo + b * self.past
+                              for b, (seq, last) in enumerate(zip(seqs, lasts, strict=True))])  # [B, W-1]
+        self.pool.conv.index_copy_(1, slots, record.inputs[:, window.to(device)])

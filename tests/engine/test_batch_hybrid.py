@@ -1,0 +1,152 @@
+"""Hybrid targets batch losslessly: every request in a batch decodes what it decodes alone.
+
+A hybrid's Gated DeltaNet layers keep one state per sequence (fast/paged_hybrid.py); a batch mixes prompt lengths
+(one longer than the recurrent layers' prompt piece), methods and budgets, and small pools and token budgets force
+preemption and chunked prefill, so states are built over several steps, dropped and rebuilt.
+"""
+
+import pytest
+import torch
+from ddtree.core.blocks import BlockManager
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine import Engine
+from ddtree.engine.batch import BatchEngine, SerialBackend
+from ddtree.engine.sequence import Status
+from ddtree.fast.batch import PagedBackend
+from ddtree.fast.hybrid import PROMPT_CHUNK
+from tiny import make_draft, make_hybrid_target
+
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+PROMPTS = [[1, 2, 3], list(range(4, 40)), [8, 9], [(7 * i) % 90 + 3 for i in range(PROMPT_CHUNK + 20)], [13]]
+METHODS = [("ddtree", 8), ("dflash", None), ("ar", None), ("ddtree", 32), ("ddtree", 3)]
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory) -> dict[str, Engine]:
+    root = tmp_path_factory.mktemp("batch_hybrid")
+    make_draft(root / "draft", taps=[1, 2])
+    out = {}
+    for seed, arch in enumerate(["qwen3_5", "qwen3_5_moe", "qwen3_next"]):
+        make_hybrid_target(root / arch, arch, seed=seed)
+        out[arch] = Engine.from_pretrained(root / arch, root / "draft", device="cpu")
+    return out
+
+
+def batch_of(engine: Engine, *, blocks: int = 96, max_num_seqs: int = 4,
+             max_num_batched_tokens: int = 512) -> BatchEngine:
+    pool = BlockManager(blocks, 8)
+    backend = PagedBackend(engine.target, engine.draft, engine.draft_head, pool, max_seqs=max_num_seqs,
+                           max_rows=max_num_batched_tokens)
+    return BatchEngine(engine, [backend, SerialBackend(engine.reference)], max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, blocks=pool)
+
+
+def decode(batch: BatchEngine, requests: list[tuple[list[int], str, int | None]]) -> list:
+    seqs = [batch.add(prompt, GREEDY, method=method, budget=budget) for prompt, method, budget in requests]
+    while batch.has_work():
+        batch.step()
+    return seqs
+
+
+def alone(engine: Engine, prompt: list[int], method: str, budget: int | None) -> list[int]:
+    return engine.generate(prompt, GREEDY, method=method, budget=budget).token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_every_request_of_a_hybrid_batch_decodes_what_it_decodes_alone(hybrids, arch):
+    engine = hybrids[arch]
+    requests = [(p, m, b) for p, (m, b) in zip(PROMPTS, METHODS, strict=True)]
+    batch = batch_of(engine)
+    seqs = decode(batch, requests)
+    for (prompt, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.backend.name == "fast" and seq.status is Status.FINISHED
+        assert seq.generation.token_ids == alone(engine, prompt, method, budget), (method, budget, len(prompt))
+    backend = batch.backends[0]
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks and not backend.hybrid.pool.slots
+    assert sorted(backend.hybrid.pool.free) == list(range(4))
+
+
+def test_preempted_and_chunked_hybrid_requests_rebuild_their_states(hybrids):
+    """A pool too small for every sequence and a token budget that cuts prompts into chunks: states are built
+    over several steps, given up on preemption and rebuilt from the prompt and what was emitted."""
+    engine = hybrids["qwen3_5"]
+    requests = [(p, m, b) for p, (m, b) in zip(PROMPTS, METHODS, strict=True)]
+    batch = batch_of(engine, blocks=48, max_num_batched_tokens=64)
+    seqs = decode(batch, requests)
+    assert sum(seq.preemptions for seq in seqs) > 0
+    for (prompt, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == alone(engine, prompt, method, budget), (method, budget, len(prompt))
+
+
+def test_after_a_batched_round_each_state_is_the_one_its_sequence_has_alone(hybrids):
+    """The verify leaves the states alone and the commit installs each sequence's state after its accepted
+    path: after batched rounds every sequence's recurrent and conv states equal those the single-sequence fast
+    path builds from the same committed tokens."""
+    engine = hybrids["qwen3_5"]
+    fast = Engine(engine.target, engine.draft, engine.tokenizer, fast=True, fast_capacity=256).fast
+    batch = batch_of(engine)
+    backend = batch.backends[0]
+    seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in zip(PROMPTS[:3], METHODS[:3], strict=True)]
+    for _ in range(4):
+        batch.step()
+    pool = backend.hybrid.pool
+    for seq in seqs:
+        committed = backend.states[seq.seq_id].start  # the prompt and emitted tokens but the newest (the root)
+        tokens = torch.tensor((list(seq.request.prompt_ids) + seq.generation.token_ids)[:committed])
+        fast.start.zero_()  # a new sequence for the single-sequence path
+        assert committed > len(seq.request.prompt_ids)  # rounds have run
+        causal = torch.ones(committed, committed, dtype=torch.bool).tril()
+        fast.prompt_forward(tokens, torch.arange(committed), causal)
+        slot = pool.slots[seq.seq_id]  # float32 round-off apart: a GEMM's sums depend on how many rows it takes
+        torch.testing.assert_close(pool.state[:, slot], fast.recurrent_state, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pool.conv[:, slot], fast.conv_state, rtol=1e-4, atol=1e-5)
+
+
+def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_commit_does(hybrids):
+    """Two sequences verify a tree each in one batched forward; the commit then takes each to a deep node of its
+    tree (not the walk's choice: random drafts are rarely accepted). Every recurrent state and conv window equals
+    what the single-sequence fast path's verify and commit give for that sequence and node."""
+    from ddtree.core.tree import tree_from_candidates, visibility
+    from ddtree.kernels.paged_attention import PagedLayout
+
+    engine = hybrids["qwen3_5"]
+    fast = Engine(engine.target, engine.draft, engine.tokenizer, fast=True, fast_capacity=256).fast
+    batch = batch_of(engine)
+    backend = batch.backends[0]
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    seqs = [batch.add(p, GREEDY, method="ddtree", budget=16) for p in prompts]
+    batch.step()  # the prompts go in whole
+    seq_ids = [seq.seq_id for seq in seqs]
+    gen = torch.Generator().manual_seed(3)
+    trees = []
+    for depth in (5, 7):
+        logp = torch.log_softmax(torch.randn(depth, 4, generator=gen), -1).sort(descending=True).values.tolist()
+        trees.append(tree_from_candidates(logp, torch.randint(3, 90, (depth, 4), generator=gen).tolist(), 12))
+    ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
+    for seq_id, prompt, tree in zip(seq_ids, prompts, trees, strict=True):
+        state = backend.states[seq_id]
+        assert state.start == len(prompt)
+        backend.blocks.ensure(seq_id, state.start + tree.size + 1)
+        ids += [state.root, *tree.tokens]
+        positions += [state.start, *(state.start + d for d in tree.depths)]
+        slots += backend.blocks.slots(seq_id, state.start, tree.size + 1)
+        backend._describe(layout, seq_id, state.start, visibility(tree))
+    rows = backend._seq_rows(seq_ids, layout)
+    record = backend.hybrid.record(rows, len(ids))
+    backend._run("verify", ids, positions, slots, layout, rows, record)
+    lasts = [max(range(tree.size + 1), key=lambda i: (tree.depths[i - 1] if i else 0, i)) for tree in trees]
+    assert min(lasts) > 1
+    backend.hybrid.commit(record, rows, lasts)
+    pool = backend.hybrid.pool
+    for seq_id, prompt, tree, last in zip(seq_ids, prompts, trees, lasts, strict=True):
+        n = len(prompt)
+        fast.start.zero_()
+        fast.prompt_forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+        root = backend.states[seq_id].root
+        visible = visibility(tree)
+        _, _, rec = fast.forward(torch.tensor([root, *tree.tokens]), torch.tensor([n, *(n + d for d in tree.depths)]),
+                                 visible)
+        fast._commit_recurrent(rec, torch.tensor(last))
+        slot = pool.slots[seq_id]
+        torch.testing.assert_close(pool.state[:, slot], fast.recurrent_state, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(pool.conv[:, slot], fast.conv_state, rtol=1e-4, atol=1e-5)
