@@ -65,6 +65,19 @@ def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(data, scale)
 
 
+def quantize_blocks(weight: torch.Tensor, block: int = SCALE_BLOCK) -> Fp8Weight:
+    """A weight [N, K] as Qwen's FP8 checkpoints store it: e4m3 values and one float32 scale per block x block
+    tile (partial tiles at the edges), the tile's largest magnitude mapped to e4m3's largest value."""
+    n, k = weight.shape
+    rows, cols = -(-n // block), -(-k // block)
+    padded = weight.new_zeros((rows * block, cols * block), dtype=torch.float32)
+    padded[:n, :k] = weight.detach()
+    tiles = padded.view(rows, block, cols, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=TINY) * (1.0 / FP8_MAX)
+    values = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[:n, :k]
+    return Fp8Weight(values.to(FP8), scale, (block, block))
+
+
 def expand_rows(weight: Fp8Weight) -> Fp8Weight:
     """A block-scaled weight with each row's own copy of its K-block scales (block rows 1): rows of it can be
     cut and joined anywhere, at 4 bytes per K block per row (1/32 of the fp8 bytes at 128-wide blocks)."""
@@ -105,19 +118,21 @@ class QuantizedRows:
 
 
 def reference_mm(rows: QuantizedRows, weight: Fp8Weight) -> torch.Tensor:
-    """rows @ weight^T -> [M, N] in the rows' dtype: the fp8 products summed in float32, then scaled by (row scale
-    x channel scale), as the GPU kernel does. A block-scaled weight: each K block's float32 sum times its blocks'
-    scales, added in K order in float32, then times the row scale."""
+    """rows @ weight^T -> [M, N] in the rows' dtype: the fp8 products summed, then scaled by (row scale x channel
+    scale), as the GPU kernel does. A block-scaled weight: each K block's sum times its blocks' scales, added in K
+    order in float32, then times the row scale. The sums run in float64 and round to float32: exact (so in any
+    order) up to 512 products, where a float32 product's order would follow the row count (a CPU BLAS picks its
+    kernel by shape), and a row's result, quantized again by the next projection, would depend on its batch."""
     if weight.block is None:
-        acc = rows.values.float() @ weight.data.float().T
+        acc = (rows.values.double() @ weight.data.double().T).float()
         return (acc * (rows.scale[:, None] * weight.scale[None, :])).to(rows.dtype)
     n, k = weight.shape
     block_rows, cols = weight.block
     scale = weight.scale.repeat_interleave(block_rows, dim=0)[:n]  # [N, K blocks]
-    values, data = rows.values.float(), weight.data.float()
+    values, data = rows.values.double(), weight.data.double()
     acc = torch.zeros(values.shape[0], n, dtype=torch.float32, device=values.device)
     for j, k0 in enumerate(range(0, k, cols)):
-        acc += (values[:, k0:k0 + cols] @ data[:, k0:k0 + cols].T) * scale[None, :, j]
+        acc += (values[:, k0:k0 + cols] @ data[:, k0:k0 + cols].T).float() * scale[None, :, j]
     return (acc * rows.scale[:, None]).to(rows.dtype)
 
 
