@@ -138,6 +138,14 @@ def _server(spec: Manifest) -> Manifest:
             "shmSize": s.get("shmSize", "16Gi"), "extraArgs": s.get("extraArgs", []), "env": s.get("env", [])}
 
 
+def _batching(spec: Manifest) -> Manifest:
+    """server.batching with the CRD's defaults (the server's own), so an object read without them renders the same."""
+    b = spec.get("server", {}).get("batching", {})
+    return {"maxNumSeqs": b.get("maxNumSeqs", 64), "maxNumBatchedTokens": b.get("maxNumBatchedTokens", 2048),
+            "gpuMemoryUtilization": b.get("gpuMemoryUtilization", 0.9), "blockSize": b.get("blockSize", 16),
+            "batchBudget": b.get("batchBudget", True)}
+
+
 def _gpu(spec: Manifest) -> Manifest:
     g = spec.get("gpu", {})
     return {"count": g.get("count", 1), "products": g.get("products", []),
@@ -359,11 +367,18 @@ def server_args(spec: Manifest) -> list[str]:
     """The `ddtree serve` command line: the contract between the operator and the server."""
     server = _server(spec)
     decoding = spec.get("decoding", {})
+    batching = _batching(spec)
     args = ["serve", "--target", model_dest(spec, "target"), "--draft", model_dest(spec, "draft"),
             "--host", "0.0.0.0", "--port", str(server["port"]),
             "--served-model-name", served_model_name(spec),
             "--method", decoding.get("method", "ddtree"), "--budget", str(decoding.get("budget", 32)),
-            "--max-queue", str(server["maxQueue"]), "--drain-timeout", str(drain_timeout(spec))]
+            "--max-queue", str(server["maxQueue"]), "--drain-timeout", str(drain_timeout(spec)),
+            "--max-num-seqs", str(batching["maxNumSeqs"]),
+            "--max-num-batched-tokens", str(batching["maxNumBatchedTokens"]),
+            "--block-size", str(batching["blockSize"])]
+    if spec["target"].get("quantization", "none") != "none":  # only fp8 is passed: none is the server's default
+        # and images that predate --quantization still start
+        args += ["--quantization", spec["target"]["quantization"]]
     if "temperature" in decoding:
         args += ["--default-temperature", str(decoding["temperature"])]
     if "generationConfig" in decoding:
@@ -374,8 +389,11 @@ def server_args(spec: Manifest) -> list[str]:
         args += ["--draft-quantization", decoding["draftQuantization"]]
     if "thinking" in decoding:
         args += ["--default-chat-template-kwargs", json.dumps({"enable_thinking": decoding["thinking"]})]
-    if _gpu(spec)["count"] > 0:  # explicit both ways (the server's default depends on what it finds)
-        args.append("--fast" if decoding.get("fastPath", True) else "--no-fast")
+    if _gpu(spec)["count"] > 0:  # GPU-only settings; the booleans explicit both ways (the server's defaults
+        # depend on what it finds)
+        args += ["--gpu-memory-utilization", str(batching["gpuMemoryUtilization"]),
+                 "--batch-budget" if batching["batchBudget"] else "--no-batch-budget",
+                 "--fast" if decoding.get("fastPath", True) else "--no-fast"]
     return args + list(server["extraArgs"])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -453,6 +454,45 @@ def _bench(args: argparse.Namespace) -> int:
     return bench(args)
 
 
+def _add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-serve", help="load a running OpenAI-compatible server over HTTP (as vllm bench serve)",
+                       description="Stream --num-prompts requests to a running server at each --concurrency level "
+                       "and report throughput, TTFT, TPOT, ITL and E2E percentiles, failures, and the mean "
+                       "acceptance length from its /metrics. Exits 1 when any request failed.")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    p.add_argument("--model", default=None, help="model id to ask for (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $DDTREE_API_KEY, else $OPENAI_API_KEY)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="/v1/completions or /v1/chat/completions (default: completions)")
+    p.add_argument("--dataset", default="random", metavar="random|FILE.jsonl",
+                   help="random: --input-len random words per prompt; or a JSONL file with one {\"prompt\": ...} or "
+                   "{\"messages\": [...]} per line (an optional \"max_tokens\" each), cycled (default: random)")
+    p.add_argument("--input-len", type=int, default=128, help="random dataset: words per prompt (default 128)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests per concurrency level (default 100)")
+    p.add_argument("--concurrency", nargs="+", type=int, default=None, metavar="C",
+                   help="most requests in flight; several values sweep them in one run (default: no limit)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default: inf, every request at once)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    p.add_argument("--ignore-eos", action="store_true", help="decode max_tokens every time (vLLM's extension)")
+    p.add_argument("--seed", type=int, default=0, help="random prompts and arrival times (default 0)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    p.add_argument("--json", metavar="PATH", help="also write the report, per-request figures included, here")
+    p.set_defaults(handler=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    try:
+        from ddtree.bench.serve_load import bench_serve
+    except ModuleNotFoundError as exc:  # httpx comes with the server extra
+        if exc.name != "httpx":
+            raise
+        raise DDTreeError("bench-serve needs httpx: pip install 'ddtree[server]'") from None
+
+    return bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -463,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_draft_parser(sub)
     _add_draft_vocab_parser(sub)
     _add_bench_parser(sub)
+    _add_bench_serve_parser(sub)
     return parser
 
 

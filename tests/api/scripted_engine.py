@@ -82,7 +82,7 @@ class ScriptedBatch:
     """The batch engine's interface over scripted generations: each step runs every live request's next round,
     in the order they were added; an exception in a script fails that request only."""
 
-    backends, blocks, kv_usage = (), None, 0.0
+    backends, blocks = (), None
 
     def __init__(self, engine: ScriptedEngine, max_num_seqs: int) -> None:
         from ddtree.engine.batch import StepStats
@@ -95,6 +95,11 @@ class ScriptedBatch:
     @property
     def running(self) -> int:
         return len(self.live)
+
+    @property
+    def kv_usage(self) -> float:
+        """One scripted block per live request, as if the pool held max_num_seqs blocks."""
+        return len(self.live) / self.max_num_seqs
 
     def add(self, prompt_ids, params) -> ScriptedSequence:
         seq = ScriptedSequence(self.engine.stream(prompt_ids, params))

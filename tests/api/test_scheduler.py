@@ -94,6 +94,34 @@ def test_cancelling_a_running_request_stops_its_generation():
     scheduler.shutdown(1)
 
 
+def test_the_last_request_cancelled_leaves_the_gauges_at_idle():
+    """Regression: a step that only aborted (every client gone) returned before refreshing the gauges, so
+    kv_cache_usage_perc kept the aborted requests' blocks until the next request came."""
+    engine = ScriptedEngine()
+    engine.gate = threading.Semaphore(0)
+    engine.scripts = [[prefill(0), *[round_([1]) for _ in range(50)]] for _ in range(2)]
+    scheduler, metrics = make(engine, max_num_seqs=2)
+
+    async def main():
+        requests = [Request([5], SamplingParams()) for _ in range(2)]
+        for request in requests:
+            scheduler.submit(request)
+        engine.gate.release(2)  # both prefills
+        for request in requests:
+            await asyncio.wait_for(request.outputs.get(), 10)
+        assert counter(metrics, "vllm:kv_cache_usage_perc") == 1.0
+        for request in requests:
+            scheduler.cancel(request)
+        engine.gate.release(2)  # the rounds under way when the clients left
+        return [await collect(request) for request in requests]
+
+    for outs in asyncio.run(main()):
+        assert outs[-1].finish_reason == "abort"
+    assert counter(metrics, "vllm:kv_cache_usage_perc") == 0.0
+    assert counter(metrics, "vllm:num_requests_running") == 0 and counter(metrics, "vllm:num_requests_waiting") == 0
+    scheduler.shutdown(1)
+
+
 def test_spec_counters_follow_the_rounds():
     engine = ScriptedEngine()
     engine.scripts = [[prefill(0), round_([1, 2, 4]), round_([5], "length")]]

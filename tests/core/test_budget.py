@@ -2,6 +2,7 @@
 maximise expected committed tokens per second of round time under the cost model."""
 
 import math
+import random
 
 import pytest
 from ddtree.core.budget import FLAT, CostModel, choose_nodes, chosen_nodes, expected_tokens
@@ -69,3 +70,29 @@ def test_the_cost_model_interpolates_and_rejects_nonsense():
         CostModel(((10, 1.0), (10, 2.0)))
     with pytest.raises(ValueError):
         CostModel(((10, 0.0),))
+
+
+def rate_at(scores: list[list[float]], cost: CostModel, total: int) -> float:
+    """Expected tokens per second when the round verifies the `total` best nodes (the definition)."""
+    counts = chosen_nodes(scores, total)
+    return expected_tokens(scores, counts) / cost.seconds(len(scores) + sum(counts), len(scores))
+
+
+def test_the_choice_is_the_best_rate_over_every_total():
+    """Against the definition, total by total: the split chosen is the one, among every total allowed, whose
+    expected tokens over round time is highest (the smallest such total), for random trees and costs."""
+    rng = random.Random(0)
+    for _ in range(40):
+        scores = [sorted((math.log(rng.random()) for _ in range(rng.randrange(0, 12))), reverse=True)
+                  for _ in range(rng.randrange(1, 6))]
+        points = sorted(rng.sample(range(1, 60), 3))
+        cost = CostModel(tuple((x, 1.0 + rng.random() * x / 10) for x in points), per_request=rng.random() / 10)
+        totals = None if rng.random() < 0.5 else rng.sample(range(0, 40), 5)
+        available = sum(len(s) for s in scores)
+        allowed = sorted({min(t, available) for t in (range(available + 1) if totals is None else totals)})
+        rates = {t: rate_at(scores, cost, t) for t in allowed}
+        best = max(rates.values())
+        first = next(t for t in allowed if rates[t] >= best * (1 - 1e-9))
+        got = choose_nodes(scores, cost, totals)
+        assert got == chosen_nodes(scores, first)
+        assert rate_at(scores, cost, sum(got)) >= best * (1 - 1e-9)

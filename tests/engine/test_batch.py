@@ -240,3 +240,29 @@ def test_drafts_with_layer_rules_batch_and_others_fall_back_to_the_reference(fas
     assert {seq.backend.name for seq in drafting} == {"fast" if draft == "draft_swa" else "reference"}
     for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
         assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+
+
+@pytest.mark.parametrize(("target", "draft", "reason"), [
+    ("qwen3", "draft", None),
+    ("qwen3", "draft_swa", None),
+    ("qwen3", "draft_dflash2", "DFlash2 drafters"),
+    ("qwen3", "draft_sinks", "attention sinks"),
+    ("hybrid", "draft", "hybrid targets"),
+])
+def test_pairs_the_paged_path_cannot_batch_are_named(fast_ckpt, tmp_path, target, draft, reason):
+    """What the paged fast path would hand to the eager reference path is known before any request comes, so a
+    GPU server decodes those pairs one at a time on its fast path instead, and says why."""
+    from ddtree.engine import Engine
+    from tiny import make_hybrid_target
+
+    if target == "hybrid":
+        make_hybrid_target(tmp_path / "hybrid", "qwen3_5")
+        make_draft(tmp_path / "draft", taps=[1, 2])
+        engine = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cpu")
+    else:
+        engine = Engine.from_pretrained(fast_ckpt / target, fast_ckpt / draft, device="cpu")
+    said = PagedBackend.declines(engine.target, engine.draft)
+    if reason is None:
+        assert said is None or "kernel" in said  # a CPU without Triton: the kernel check alone
+    else:
+        assert reason in said

@@ -13,9 +13,7 @@ from ddtree.fast import layers
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.jit import triton_works
 from ddtree.switches import override
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
+from marks import gpu
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
@@ -431,3 +429,18 @@ def test_batched_rounds_replay_as_graphs_and_give_each_requests_tokens(fast_ckpt
             assert dtype != "float32", (method, budget)
             assert reference_margin(reference, prompt, want, got) < NEAR_TIE, (method, budget)
     assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+@gpu
+def test_a_pair_the_paged_path_cannot_batch_runs_one_at_a_time_on_the_fast_path(fast_ckpt):
+    """A DFlash2 drafter does not batch on the paged path yet: the server decodes its requests one at a time on
+    the single-sequence fast path (graphs and all), not many at a time on the eager reference path."""
+    from ddtree.engine.batch import BatchOptions
+
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_dflash2", device="cuda", fast=True)
+    batch = fast.batch(BatchOptions(max_num_seqs=8))
+    assert batch.max_num_seqs == 1 and batch.backends[0].name == "fast"
+    seq = batch.add([1, 2, 3, 4, 5], GREEDY, method="ddtree", budget=8)
+    while batch.has_work():
+        batch.step()
+    assert seq.backend is batch.backends[0]

@@ -1,21 +1,15 @@
 """Whole generations with every fast-path kernel in place, run by Triton's interpreter on the CPU, against
 the reference path."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.kernels import jit
+from marks import interpreted
 from test_agreement import prompt_logprobs_agree
 from tiny import make_draft, make_hybrid_target, make_target
-
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
-
 
 # each target's methods; together they put every kernel in place, each dense-attention target every
 # attention form: one loop (AR rows), two loops in short tiles (up to 128 grouped rows) and in tall ones (65 nodes)

@@ -1,16 +1,10 @@
 """The commit's in-place K/V compaction."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from cases import compaction_case
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import gpu, interpreted
 
 
 @gpu

@@ -1,18 +1,12 @@
 """The mixture-of-experts kernels against transformers' sparse block."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from cases import SmallGPU
 from ddtree.kernels import jit
+from marks import gpu, interpreted
 from tiny import make_target
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
 
 
 @gpu

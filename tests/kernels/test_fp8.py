@@ -1,16 +1,10 @@
 """The fp8 kernels (row quantization, the fp8 few-row GEMM) against ddtree.kernels.fp8's float32 reference."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from cases import quantized_rows_case
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import gpu, interpreted
 
 
 @gpu

@@ -1,14 +1,9 @@
 """The row-gather kernel against index_select."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
-
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import interpreted
 
 
 @interpreted

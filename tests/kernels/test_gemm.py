@@ -1,19 +1,13 @@
 """The projections' kernels (ddtree/kernels/gemm.py): the few-row GEMM, paired projections, and the routes
 `linear` takes (GEMV, skinny GEMM, cuBLASLt) giving F.linear's product."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from cases import SmallGPU, paired_projection_case
 from ddtree.kernels import jit
 from ddtree.switches import override
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import gpu, interpreted
 
 
 @gpu

@@ -1,16 +1,10 @@
 """The attention-heads kernel (q/k norms, RoPE, the K/V cache write) against the reference step."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from ddtree.kernels.heads import attention_heads as heads_kernel
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import gpu, interpreted
 
 
 @gpu

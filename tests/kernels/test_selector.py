@@ -1,16 +1,10 @@
 """DFlash2's selector programs (ddtree/kernels/selector.py): the one-program tree over a block's transition
 model and the chain program, against the PyTorch loop, compiled on a GPU and interpreted on a CPU."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import gpu, interpreted
 
 
 @gpu

@@ -1,17 +1,11 @@
 """The acceptance walk's kernel and its PyTorch fallback."""
 
-import os
-from importlib.util import find_spec
 
 import pytest
 import torch
 from cases import walk_case
 from ddtree.kernels import jit
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-interpreted = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1" or find_spec("triton") is None,
-    reason="interpreted kernels run on CPU-only machines with Triton (a GPU compiles them)")
+from marks import gpu, interpreted
 
 
 @gpu

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from ddtree.kernels import gemm, wgmma
+from marks import gpu
 
 PROJECTIONS = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (1000, 256), (200, 1024)]
 
@@ -114,7 +115,6 @@ def test_every_8b_tile_compiles_without_a_gpu(dtype):
 
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _hopper() -> bool:

@@ -46,6 +46,26 @@ def create_strictly(cluster, ns: str, name: str, spec: dict[str, Any]) -> dict[s
     ({"server": {"extraArgs": ["--default-chat-template-kwargs={}"]}},
      "server.extraArgs must not set flags that have spec fields"),
     ({"server": {"drainSeconds": 90}}, "must be greater than server.drainSeconds"),
+    ({"server": {"batching": {"maxNumSeqs": 256, "maxNumBatchedTokens": 128}}},
+     "server.batching.maxNumBatchedTokens must be at least server.batching.maxNumSeqs"),
+    ({"server": {"batching": {"maxNumSeqs": 4096}}},  # above the default 2048 tokens a step
+     "server.batching.maxNumBatchedTokens must be at least server.batching.maxNumSeqs"),
+    ({"server": {"batching": {"maxNumSeqs": 0}}}, "spec.server.batching.maxNumSeqs in body should be greater than or"),
+    ({"server": {"batching": {"gpuMemoryUtilization": 0}}},
+     "spec.server.batching.gpuMemoryUtilization in body should be greater than 0"),
+    ({"server": {"batching": {"gpuMemoryUtilization": 1.5}}},
+     "spec.server.batching.gpuMemoryUtilization in body should be less than or equal to 1"),
+    ({"server": {"batching": {"blockSize": 12}}}, "spec.server.batching.blockSize: Unsupported value: 12"),
+    ({"server": {"batching": {"batchBudget": "auto"}}}, "must be of type boolean"),
+    ({"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "int4"}},
+     'spec.target.quantization: Unsupported value: "int4"'),
+    ({"server": {"extraArgs": ["--max-num-seqs=8"]}}, "server.extraArgs must not set flags that have spec fields"),
+    ({"server": {"extraArgs": ["--gpu-memory-utilization", "0.5"]}},
+     "server.extraArgs must not set flags that have spec fields"),
+    ({"server": {"extraArgs": ["--no-batch-budget"]}}, "server.extraArgs must not set flags that have spec fields"),
+    ({"server": {"extraArgs": ["--quantization=fp8"]}}, "server.extraArgs must not set flags that have spec fields"),
+    ({"autoscaling": {"maxReplicas": 4, "target": {"runningRequests": 64}}},  # maxNumSeqs' default
+     "autoscaling.target.runningRequests must be below server.batching.maxNumSeqs"),
     ({"replicas": -1}, "should be greater than or equal to 0"),
     # What reached the silent apply-failure path before: now refused at admission, with Kubernetes' own schemas.
     ({"resources": {"requests": {"memory": "lots"}}}, "should match '^(\\+|-)?"),
@@ -128,11 +148,22 @@ def test_the_kubernetes_fields_accept_what_kubernetes_accepts(cluster, crd, name
         {"name": "NCCL_DEBUG", "value": "WARN"},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "t", "optional": True}}}]}
+    spec["server"] = {**spec["server"], "batching": {"maxNumSeqs": 256, "maxNumBatchedTokens": 8192,
+                                                     "gpuMemoryUtilization": 1, "blockSize": 128, "batchBudget": False}}
+    spec["target"] = {**spec["target"], "quantization": "fp8"}
     created = create_strictly(cluster, namespace, "good", spec)
     assert created["spec"]["autoscaling"]["scaleDownDelaySeconds"] == 300  # defaulted
     assert created["spec"]["rollout"] == {"maxSurge": "25%", "maxUnavailable": 0}
     assert created["spec"]["storage"]["pullTimeoutSeconds"] == 14400
     assert created["spec"]["resources"]["requests"]["ephemeral-storage"] == 1e10
+    assert created["spec"]["server"]["batching"]["gpuMemoryUtilization"] == 1  # the whole GPU is allowed
+
+
+def test_batching_defaults_are_the_servers(cluster, crd, namespace):
+    created = create_strictly(cluster, namespace, "defaults", copy.deepcopy(SPEC))
+    assert created["spec"]["server"]["batching"] == {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048,
+                                                     "gpuMemoryUtilization": 0.9, "blockSize": 16, "batchBudget": True}
+    assert created["spec"]["target"]["quantization"] == "none"
 
 
 @pytest.mark.parametrize(("storage", "message"), [

@@ -1,5 +1,6 @@
-"""The Grafana dashboards against real data: a real Prometheus scrapes a real `ddtree serve` (the demo
-model), and every panel query must evaluate without error and return data once requests have run."""
+"""The Grafana dashboards: every query reads series the server exports, with the right kind of function; and
+against real data, a real Prometheus scrapes a real `ddtree serve` (the demo model), and every panel query must
+evaluate without error and return data once requests have run."""
 
 from __future__ import annotations
 
@@ -14,16 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from ddtree.api.metrics import ServerMetrics
 from k8s_testing import REPO, ddtree_serve_available, free_port, http_get, running
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus (apt-get install prometheus)"),
-    pytest.mark.skipif(not ddtree_serve_available(), reason="`ddtree serve` is not available yet"),
-]
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
 # Grafana's variables as a single deployment scraped with the labels our ServiceMonitor/PodMonitor add.
 VARIABLES = {"$__rate_interval": "2m", "$namespace": "demo-ns", "$deployment": "demo", "$model_name": ".*"}
+# A vector selector (the series name before its label matchers), and whether a counter function takes it.
+SELECTOR = re.compile(r"(\b(?:rate|irate|increase)\(\s*)?([A-Za-z_:][\w:]*)\{([^}]*)\}")
 
 
 def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
@@ -35,6 +34,43 @@ def substitute(expr: str) -> str:
         expr = expr.replace(name, value)
     assert "$" not in expr, f"unknown variable in {expr}"
     return expr
+
+
+def exported_series() -> dict[str, str]:
+    """Every series name the server's registry exposes to Prometheus, as `counter` (only rate() makes sense:
+    counters and histogram parts) or `gauge`; from the metric families, so series without samples yet count."""
+    metrics = ServerMetrics("demo", method="ddtree", budget=32, block_size=16, max_model_len=1024)
+    names = {}
+    for family in metrics.registry.collect():
+        if family.type == "histogram":
+            names.update(dict.fromkeys((f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"),
+                                       "counter"))
+        elif family.type == "counter":
+            names[f"{family.name}_total"] = "counter"
+        else:
+            names[family.name] = "gauge"
+    return names
+
+
+def test_every_query_reads_an_exported_series_the_right_way():
+    exported = exported_series()
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        for title, expr in panel_queries(dashboard):
+            selectors = SELECTOR.findall(expr)
+            assert selectors, f"{title}: no series selector (name{{labels}}) in {expr}"
+            for rated, name, _ in selectors:
+                assert name in exported, f"{path.name}: {title}: {name} is not a series ServerMetrics exports"
+                kind = "counter" if rated else "gauge"
+                assert exported[name] == kind, f"{path.name}: {title}: {name} is a {exported[name]}, read as a {kind}"
+        for var in dashboard["templating"]["list"]:
+            if series := re.match(r"label_values\(([A-Za-z_:][\w:]*)", var.get("definition", "")):
+                assert series.group(1) in exported, f"{path.name}: variable {var['name']}: {series.group(1)}"
+    used = {name for path in DASHBOARDS for _, expr in panel_queries(json.loads(path.read_text()))
+            for _, name, _ in SELECTOR.findall(expr)}
+    batching = {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "ddtree_batch_size_bucket",
+                "ddtree_step_draft_nodes_sum", "ddtree_batch_budget"}
+    assert batching <= used, f"no panel for {batching - used}"
 
 
 def test_dashboards_are_well_formed():
@@ -51,10 +87,14 @@ def test_dashboards_are_well_formed():
         deployment = next(v for v in dashboard["templating"]["list"] if v["name"] == "deployment")
         assert deployment["allValue"] == ".+"  # "All" means every DDTreeDeployment, not every server's series
         titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-        for topic in ("acceptance length", "per-position", "tokens/s", "ttft", "tpot", "queue", "phase", "tree size"):
+        for topic in ("acceptance length", "per-position", "tokens/s", "ttft", "tpot", "queue", "phase", "tree size",
+                      "kv cache", "preemptions", "batch size", "batch budget"):
             assert topic in titles, topic
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus (apt-get install prometheus)")
+@pytest.mark.skipif(not ddtree_serve_available(), reason="`ddtree serve` is not available yet")
 def test_every_panel_returns_data_from_a_real_server(tmp_path: Path):
     server_port, prom_port = free_port(), free_port()
     config = tmp_path / "prometheus.yml"

@@ -42,7 +42,9 @@ def test_rendered_pods_pull_and_serve_the_demo_pair(tmp_path: Path):
                      "draft": {"model": {"uri": str(DEMO / "draft")}},
                      "decoding": {"draftVocab": {"configMapRef": {"name": "demo-hot"}}, "draftQuantization": "fp8"},
                      "gpu": {"count": 0}, "server": {"port": port, "apiKeySecretRef": {"name": "keys"},
-                                                     "drainSeconds": 1, "terminationGracePeriodSeconds": 20}}}
+                                                     "drainSeconds": 1, "terminationGracePeriodSeconds": 20,
+                                                     "batching": {"maxNumSeqs": 4, "maxNumBatchedTokens": 256,
+                                                                  "blockSize": 32}}}}
     children = render.render(body, "ddtree-server:test")
     mounts = {render.MODELS_DIR: tmp_path / "models", "/cache": tmp_path / "cache",
               render.DRAFT_VOCAB_DIR: tmp_path / "vocab"}

@@ -10,9 +10,14 @@ from typing import Any
 
 import pytest
 import yaml
+from ddtree.cli import build_parser
 from ddtree_operator import render, status
 from ddtree_operator.reconcile import parse_progress
 from k8s_testing import CRD_FILE, EXAMPLE, cr
+
+# Every server.batching field away from its default.
+BATCHING = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512, "gpuMemoryUtilization": 0.85, "blockSize": 32,
+            "batchBudget": False}
 
 
 def pod_spec(children: render.Children) -> dict[str, Any]:
@@ -26,6 +31,7 @@ def test_example_renders_for_one_rtx_pro_6000():
     server = pod_spec(children)["containers"][0]
     assert server["resources"]["limits"] == {"memory": "96Gi", "nvidia.com/gpu": "1"}
     assert server["args"][server["args"].index("--served-model-name") + 1] == "qwen3.6-27b"
+    assert server["args"][server["args"].index("--max-num-seqs") + 1] == "64"
     assert children.pull_job["spec"]["template"]["spec"]["containers"][0]["args"][1] == "hf://Qwen/Qwen3.6-27B@main"
     assert children.pdb is None and children.monitor is None
 
@@ -213,9 +219,10 @@ def test_autoscaling_renders_keda_or_an_hpa_on_the_serving_gauge():
 
 
 def test_server_contract_probes_and_drain():
-    spec = {"server": {"port": 9000, "startupTimeoutSeconds": 3605, "drainSeconds": 20,
+    spec = {"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "fp8"},
+            "server": {"port": 9000, "startupTimeoutSeconds": 3605, "drainSeconds": 20,
                        "terminationGracePeriodSeconds": 90, "maxQueue": 64, "extraArgs": ["--log-level", "debug"],
-                       "apiKeySecretRef": {"name": "keys"}, "shmSize": "32Gi"},
+                       "apiKeySecretRef": {"name": "keys"}, "shmSize": "32Gi", "batching": BATCHING},
             "decoding": {"method": "dflash", "budget": 48, "temperature": 0.6, "thinking": False,
                          "generationConfig": "none", "draftQuantization": "fp8",
                          "draftVocab": {"configMapRef": {"name": "qwen3-hot", "key": "hot.json"}}}}
@@ -223,14 +230,17 @@ def test_server_contract_probes_and_drain():
     pod = pod_spec(children)
     server = pod["containers"][0]
     args = server["args"]
-    assert args[0] == "serve" and args[-3:] == ["--fast", "--log-level", "debug"]  # on a GPU: the fast path
-    flags = dict(zip(args[1:-3:2], args[2:-3:2], strict=True))
+    # on a GPU: the batch budget's and the fast path's switches, explicit
+    assert args[0] == "serve" and args[-4:] == ["--no-batch-budget", "--fast", "--log-level", "debug"]
+    flags = dict(zip(args[1:-4:2], args[2:-4:2], strict=True))
     assert flags == {"--target": render.model_dest(cr()["spec"], "target"),
                      "--draft": render.model_dest(cr()["spec"], "draft"), "--host": "0.0.0.0", "--port": "9000",
                      "--served-model-name": "Qwen3-8B", "--method": "dflash", "--budget": "48", "--max-queue": "64",
                      "--drain-timeout": "65", "--default-temperature": "0.6", "--generation-config": "none",
                      "--default-chat-template-kwargs": '{"enable_thinking": false}',
-                     "--draft-vocab": "/etc/ddtree/draft-vocab/hot.json", "--draft-quantization": "fp8"}
+                     "--draft-vocab": "/etc/ddtree/draft-vocab/hot.json", "--draft-quantization": "fp8",
+                     "--quantization": "fp8", "--max-num-seqs": "16", "--max-num-batched-tokens": "512",
+                     "--gpu-memory-utilization": "0.85", "--block-size": "32"}
     assert server["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
     assert server["startupProbe"]["httpGet"]["path"] == "/ready"
     assert server["startupProbe"]["failureThreshold"] == 361  # ceil(3605 / 10)
@@ -257,8 +267,14 @@ def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
     refused = re.compile(re.search(r"matches\('(.+)'\)", rule).group(1))
     decoding = {"method": "ar", "budget": 8, "temperature": 0.5, "generationConfig": "none", "thinking": True,
                 "draftVocab": {"configMapRef": {"name": "hot"}}, "draftQuantization": "fp8"}
-    flags = [a for a in render.server_args(cr({"decoding": decoding})["spec"])[1:] if a.startswith("--")]
-    assert {"--generation-config", "--draft-vocab", "--draft-quantization"} <= set(flags), flags
+    target = {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "fp8"}
+    flags = [a for batch_budget in (True, False)
+             for a in render.server_args(cr({"decoding": decoding, "target": target,
+                                             "server": {"batching": {"batchBudget": batch_budget}}})["spec"])[1:]
+             if a.startswith("--")]
+    assert {"--generation-config", "--draft-vocab", "--draft-quantization", "--quantization", "--max-num-seqs",
+            "--max-num-batched-tokens", "--gpu-memory-utilization", "--block-size", "--batch-budget",
+            "--no-batch-budget"} <= set(flags), flags
     assert all(refused.match(f) for f in flags), flags
 
 
@@ -269,6 +285,44 @@ def test_the_draft_keeps_its_dtype_unless_fp8_is_asked_for():
     assert "--draft-quantization" not in args({}) and "--draft-quantization" not in args({"draftQuantization": "none"})
     rendered = args({"draftQuantization": "fp8"})
     assert rendered[rendered.index("--draft-quantization") + 1] == "fp8"
+
+
+def test_batching_flags_parse_as_the_servers_own_with_the_specs_values():
+    spec = cr({"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "fp8"},
+               "server": {"batching": BATCHING}})["spec"]
+    parsed, unknown = build_parser().parse_known_args(render.server_args(spec))
+    assert (parsed.max_num_seqs, parsed.max_num_batched_tokens, parsed.gpu_memory_utilization, parsed.block_size,
+            parsed.batch_budget) == (16, 512, 0.85, 32, False)
+    # --quantization comes to `ddtree serve` with FP8 targets (issue 46); from then on it must parse as fp8
+    assert unknown in ([], ["--quantization", "fp8"]), unknown
+    assert getattr(parsed, "quantization", "fp8") == "fp8"
+
+
+def test_batching_defaults_are_the_servers_in_the_crd_and_the_renderer():
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    server = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["server"]
+    crd_defaults = {k: v["default"] for k, v in server["properties"]["batching"]["properties"].items()}
+    # an object with the API server's defaults filled in renders as one without them (unit tests, old objects)
+    assert render.server_args(cr({"server": {"batching": crd_defaults}})["spec"]) == render.server_args(cr()["spec"])
+    parser = build_parser()
+    rendered, server_defaults = parser.parse_args(render.server_args(cr()["spec"])), parser.parse_args(["serve"])
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "block_size", "batch_budget"):
+        assert getattr(rendered, flag) == getattr(server_defaults, flag), flag
+
+
+def test_gpu_only_batching_flags_stay_off_cpu_pods():
+    args = render.server_args(cr({"gpu": {"count": 0}, "server": {"batching": BATCHING}})["spec"])
+    assert args[args.index("--max-num-seqs") + 1] == "16"  # the CPU's KV pool is sized by it too
+    assert not {"--gpu-memory-utilization", "--batch-budget", "--no-batch-budget"} & set(args)
+
+
+def test_the_target_keeps_its_dtype_unless_fp8_is_asked_for():
+    def args(target: dict) -> list[str]:
+        return render.server_args(cr({"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, **target}})["spec"])
+
+    assert "--quantization" not in args({}) and "--quantization" not in args({"quantization": "none"})
+    rendered = args({"quantization": "fp8"})
+    assert rendered[rendered.index("--quantization") + 1] == "fp8"
 
 
 def test_the_fast_path_needs_a_gpu_and_can_be_turned_off():

@@ -472,9 +472,10 @@ class Scheduler:
                       stop_reason)
 
     def _retire(self, run: _Running, final: Output) -> None:
-        """Record the metrics before the client hears the request is over (the engine has freed its state)."""
+        """Record the metrics before the client hears the request is over (the engine has freed its state): the
+        gauges too, since a step that only aborted (the last clients went away) ends before it refreshes them."""
         self._running.pop(run.sequence, None)
-        self.metrics.running.set(len(self._running))
+        self._gauges()
         self._finish(run.request, final.finish_reason)
         run.request.post(final)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -184,12 +185,12 @@ def _best_first(logp: list[list[list[float]]], tok: list[list[list[int]]], succ:
 def visibility(tree: DraftTree) -> torch.Tensor:
     """bool [N, N] (N = size + 1): row i sees its ancestors and itself."""
     n = tree.size + 1
-    vis = torch.zeros(n, n, dtype=torch.bool)
+    vis = np.zeros((n, n), dtype=np.bool_)  # numpy rows: a batched round builds one per request, on the host
     vis[0, 0] = True
     for i in range(1, n):
         vis[i] = vis[tree.parents[i]]
         vis[i, i] = True
-    return vis
+    return torch.from_numpy(vis)
 
 
 def walk(tree: DraftTree, picks: list[int]) -> list[int]:

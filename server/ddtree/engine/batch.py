@@ -14,6 +14,7 @@ through `SerialBackend`: each of their sequences runs its own rounds in turn wit
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -26,6 +27,8 @@ from ddtree.engine.generation import RoundOutput
 from ddtree.engine.schedule import Scheduler
 from ddtree.engine.sequence import Sequence, Status
 from ddtree.errors import DDTreeError
+
+log = logging.getLogger("ddtree.engine")
 
 
 class SerialBackend:
@@ -248,8 +251,9 @@ def warm_up(batch: BatchEngine, *settings: SamplingParams) -> list[str]:
 
 def batch_engine(engine, options: BatchOptions) -> BatchEngine:
     """The batch engine for a loaded engine: the batched fast path over paged caches where the target takes it
-    (dense and MoE Qwen3 / Llama targets), with the reference path for what it declines; one request at a time
-    (today's single-sequence paths) with --max-num-seqs 1."""
+    (dense and MoE Qwen3 / Llama targets), with the reference path for requests it declines; one request at a time
+    on the single-sequence paths with --max-num-seqs 1, and on a GPU whose fast path cannot batch this pair
+    (a hybrid target, a DFlash2 drafter: the reference path would batch them many times slower)."""
     import torch
 
     from ddtree.fast.batch import PagedBackend, pool_tokens
@@ -257,7 +261,13 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
     from ddtree.models.target import HybridTarget
 
     reference = SerialBackend(engine.reference)
-    if options.max_num_seqs == 1:
+    one_at_a_time = None
+    if engine.fast is not None and engine.target.device.type == "cuda" and options.max_num_seqs > 1:
+        one_at_a_time = PagedBackend.declines(engine.target, engine.draft)
+        if one_at_a_time is not None:
+            log.warning("continuous batching is off: %s; decoding one request at a time on the fast path "
+                        "(as --max-num-seqs 1)", one_at_a_time)
+    if options.max_num_seqs == 1 or one_at_a_time is not None:
         singles = [SerialBackend(engine.fast, capacity=1)] if engine.fast is not None else []
         return BatchEngine(engine, [*singles, reference], max_num_seqs=1,
                            max_num_batched_tokens=options.max_num_batched_tokens)

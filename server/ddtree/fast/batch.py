@@ -162,6 +162,20 @@ class PagedBackend:
     chunked = True
     paged = True
 
+    @staticmethod
+    def declines(target: Target, draft: DFlashDraft | None) -> str | None:
+        """Why this pair would not batch on the paged fast path (None when it would): what it declines would
+        otherwise batch on the eager reference path, many times slower than one request at a time here."""
+        if isinstance(target, HybridTarget):
+            return "hybrid targets (Gated DeltaNet states) do not batch on the fast path yet"
+        if draft is not None and draft.config.selector is not None:
+            return "DFlash2 drafters do not batch on the fast path yet"
+        if draft is not None and draft.config.attention_sinks:
+            return "drafters with attention sinks do not batch on the fast path yet"
+        if not all(kernel_works(target.device, d) for d in _head_dims(target, draft)):
+            return "the paged attention kernel does not build on this device"
+        return None
+
     def __init__(self, target: Target, draft: DFlashDraft | None, draft_head: DraftHead | None,
                  blocks: BlockManager, *, max_seqs: int = 64, max_rows: int = 2048, cost: CostModel = FLAT) -> None:
         if isinstance(target, HybridTarget):
@@ -172,9 +186,7 @@ class PagedBackend:
         self.device, self.dtype = target.device, target.dtype
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(compile=self.device.type == "cuda")
-        head_dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
-        if draft is not None:
-            head_dims.add(draft.config.head_dim)
+        head_dims = _head_dims(target, draft)
         if triton_works(self.device):
             self.ops.take_row_kernels()
             if all(d & (d - 1) == 0 for d in head_dims):
@@ -208,7 +220,6 @@ class PagedBackend:
         # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
         # forward builds its own layout and attention goes through SDPA.
         self.cuda = self.device.type == "cuda"
-        head_dims = {self.layers[0].head_dim} | ({draft.config.head_dim} if draft is not None else set())
         self.static = all(kernel_works(self.device, d) for d in head_dims)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.captured: dict[tuple[str, int], Captured] = {}
@@ -577,12 +588,7 @@ class PagedBackend:
 
     def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of committed rows (their tap features at their positions) into the drafter's pool."""
-        draft, fused, dc = self.draft, self.fused_draft, self.draft.config
-        ctx, _ = self.ops.normed(fused.fc(feats), None, draft.hidden_norm.weight, dc.rms_norm_eps,
-                                 fused.context_kv.fp8)
-        cos, sin = self.draft_rope(positions)
-        kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
-                                    dc.num_kv_heads, dc.head_dim)
+        kv = self.fused_draft.context(self.ops, self.draft, feats, *self.draft_rope(positions))
         self.draft_kv.index_copy_(3, slots, kv)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -596,6 +602,13 @@ class PagedBackend:
     def _lap(self, t: float) -> tuple[float, float]:
         now = self._now()
         return now - t, now
+
+
+def _head_dims(target: Target, draft: DFlashDraft | None) -> set[int]:
+    """The attention head dims a batched forward runs at: the target's, and its drafter's."""
+    cfg = target.config
+    dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    return dims | ({draft.config.head_dim} if draft is not None else set())
 
 
 def slot_bytes(target: Target, draft: DFlashDraft | None) -> int:

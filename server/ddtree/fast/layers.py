@@ -375,6 +375,15 @@ class Draft:
         return cls(Proj(weight_of(draft.fc)), context_kv, k_norms, layers, draft.norm.weight, cfg.rms_norm_eps,
                    cfg.layer_rules, visible, sinks, cfg.input_embedding_scale, draft.finish_logits, **more)
 
+    def context(self, ops: Ops, draft: nn.Module, feats: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """Committed rows' context K/V for every draft layer, from their tap features: fc, the hidden norm, then
+        every layer's k and v in one projection (k normed and rotated), as the draft cache holds them."""
+        dc = draft.config
+        ctx, _ = ops.normed(self.fc(feats), None, draft.hidden_norm.weight, dc.rms_norm_eps, self.context_kv.fp8)
+        return ops.context_heads(self.context_kv(ctx), self.k_norms, dc.rms_norm_eps, cos, sin, dc.num_kv_heads,
+                                 dc.head_dim)
+
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """The block's target embeddings as the drafter reads them (input_embedding_scale)."""
         return x * self.embedding_scale if self.embedding_scale != 1.0 else x

@@ -542,14 +542,8 @@ class FastPath:
         self.root.copy_(bonus)
 
     def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        """Context K/V of committed rows (tap features at their positions) into the draft cache rows = positions:
-        fc, hidden norm, then every draft layer's k and v in one projection."""
-        draft, fused, dc = self.draft, self.fused_draft, self.draft.config
-        ctx, _ = self.ops.normed(fused.fc(feats), None, draft.hidden_norm.weight, dc.rms_norm_eps,
-                                 fused.context_kv.fp8)
-        cos, sin = self.draft_rope(positions)
-        kv = self.ops.context_heads(fused.context_kv(ctx), fused.k_norms, dc.rms_norm_eps, cos, sin,
-                                    dc.num_kv_heads, dc.head_dim)
+        """Context K/V of committed rows (tap features at their positions) into the draft cache rows = positions."""
+        kv = self.fused_draft.context(self.ops, self.draft, feats, *self.draft_rope(positions))
         self.draft_kv.index_copy_(3, positions, kv)
 
 

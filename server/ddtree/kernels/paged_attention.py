@@ -154,7 +154,8 @@ def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torc
     groups = rows // mask.n
     out = torch.empty((mask.n, kv_heads * groups * d), dtype=q.dtype, device=q.device)
     k, v = cache[0], cache[1]
-    block_n = min(mask.page, 64) if mask.page & (mask.page - 1) == 0 else 16
+    # Columns look their page up one by one, so a tile may span pages; tl.dot needs K >= 16 on every Triton.
+    block_n = min(max(mask.page, 16), 64) if mask.page & (mask.page - 1) == 0 else 16
     _paged_kernel[(mask.tiles.shape[0], kv_heads)](
         q, k, v, out, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets, mask.tiles,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), mask.tables.stride(0), mask.n, 1.0 / math.sqrt(d),

@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 
 from ddtree.kernels.jit import attempt, triton_works
-from ddtree.kernels.tree import _key, _key_score, _pow2, _tree_warps, ancestors, tree_size
+from ddtree.kernels.tree import (
+    _ancestor_matrix,
+    _key,
+    _key_score,
+    _number_best_first,
+    _pow2,
+    _tree_warps,
+    ancestors,
+    tree_size,
+)
 
 try:
     import triton
@@ -163,15 +172,7 @@ if triton is not None:
             tl.store(ParentSlot + d * budget + b, picked_slot, mask=keep)
             tl.store(States + d * budget + b, next_state, mask=keep)
             tl.debug_barrier()
-        e = tl.arange(0, EVERY)  # best-first numbering of all depths' slots: node r + 1 is the r-th best
-        inside = e < MAX_DEPTH * budget
-        key = tl.where(inside, _key(tl.load(Scores + e, mask=inside, other=float("-inf")), EVERY - 1 - e), lowest)
-        best = tl.topk(key, NODES)
-        r = tl.arange(0, NODES)
-        take = r < n
-        cand = EVERY - 1 - (best & 0xFFFFFFFF)
-        tl.store(NodeOf + cand, (r + 1).to(tl.int64), mask=take)
-        tl.debug_barrier()
+        r, take, cand = _number_best_first(Scores, NodeOf, budget, n, MAX_DEPTH, EVERY, NODES)
         depth = cand // budget
         above = take & (depth > 0)
         parent = tl.load(NodeOf + (depth - 1) * budget + tl.load(ParentSlot + cand, mask=above, other=0),
@@ -184,14 +185,7 @@ if triton is not None:
         tl.store(Parents + r, tl.zeros_like(parent), mask=r == 0)  # the root
         tl.store(Depths + r, tl.zeros_like(depth), mask=r == 0)
         tl.debug_barrier()
-        i = tl.arange(0, ROWS)  # the ancestor matrix (zeroed by the caller): walk every node up to the root
-        on = i < n + 1
-        up = i.to(tl.int64)
-        one = tl.full([ROWS], 1, tl.uint8)
-        tl.store(Visible + i * (n + 1) + up, one, mask=on)
-        for _ in range(MAX_DEPTH):
-            up = tl.load(Parents + up, mask=on, other=0)
-            tl.store(Visible + i * (n + 1) + up, one, mask=on)
+        _ancestor_matrix(Visible, Parents, n, ROWS, MAX_DEPTH)
 
     @triton.jit
     def _selector_chain_kernel(Order, Tok, Chosen, width, MAX_DEPTH: tl.constexpr):

@@ -305,6 +305,36 @@ if triton is not None:
         tl.store(Tokens + row * k + j, column, mask=j < k)
 
     @triton.jit
+    def _number_best_first(Scores, NodeOf, budget, n, MAX_DEPTH: tl.constexpr, EVERY: tl.constexpr,
+                           NODES: tl.constexpr):
+        """Number the kept slots of every depth best first (node r + 1 is the r-th best over all depths):
+        NodeOf[slot] = its node. Returns each node's rank r, whether it exists, and its slot."""
+        e = tl.arange(0, EVERY)
+        inside = e < MAX_DEPTH * budget
+        lowest = -9223372036854775807
+        key = tl.where(inside, _key(tl.load(Scores + e, mask=inside, other=float("-inf")), EVERY - 1 - e), lowest)
+        best = tl.topk(key, NODES)
+        r = tl.arange(0, NODES)
+        take = r < n
+        cand = EVERY - 1 - (best & 0xFFFFFFFF)
+        tl.store(NodeOf + cand, (r + 1).to(tl.int64), mask=take)
+        tl.debug_barrier()
+        return r, take, cand
+
+    @triton.jit
+    def _ancestor_matrix(Visible, Parents, n, ROWS: tl.constexpr, MAX_DEPTH: tl.constexpr):
+        """Visible[i, j] = 1 for every ancestor j of node i and itself (the matrix zeroed by the caller): each
+        row walks up from its node to the root through Parents, a built tree's."""
+        i = tl.arange(0, ROWS)
+        on = i < n + 1
+        up = i.to(tl.int64)
+        one = tl.full([ROWS], 1, tl.uint8)
+        tl.store(Visible + i * (n + 1) + up, one, mask=on)
+        for _ in range(MAX_DEPTH):
+            up = tl.load(Parents + up, mask=on, other=0)
+            tl.store(Visible + i * (n + 1) + up, one, mask=on)
+
+    @triton.jit
     def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, NodeOf, Tokens, Parents, Depths, Visible, num_pairs, k,
                      budget, n, MAX_DEPTH: tl.constexpr, SPAN: tl.constexpr, BUDGET: tl.constexpr,
                      EVERY: tl.constexpr, NODES: tl.constexpr, ROWS: tl.constexpr):
@@ -328,15 +358,7 @@ if triton is not None:
             index = SPAN - 1 - (top & 0xFFFFFFFF)
             tl.store(Picks + d * budget + b, tl.load(Pairs + index, mask=keep, other=0), mask=keep)
             tl.debug_barrier()
-        e = tl.arange(0, EVERY)  # best-first numbering of all depths' slots: node r + 1 is the r-th best
-        inside = e < MAX_DEPTH * budget
-        key = tl.where(inside, _key(tl.load(Scores + e, mask=inside, other=float("-inf")), EVERY - 1 - e), lowest)
-        best = tl.topk(key, NODES)
-        r = tl.arange(0, NODES)
-        take = r < n
-        cand = EVERY - 1 - (best & 0xFFFFFFFF)
-        tl.store(NodeOf + cand, (r + 1).to(tl.int64), mask=take)
-        tl.debug_barrier()
+        r, take, cand = _number_best_first(Scores, NodeOf, budget, n, MAX_DEPTH, EVERY, NODES)
         depth = cand // budget
         pick = tl.load(Picks + cand, mask=take, other=0)
         parent = tl.load(NodeOf + (depth - 1) * budget + pick // k, mask=take & (depth > 0), other=0)
@@ -347,14 +369,7 @@ if triton is not None:
         tl.store(Parents + r, tl.zeros_like(parent), mask=r == 0)  # the root
         tl.store(Depths + r, tl.zeros_like(depth), mask=r == 0)
         tl.debug_barrier()
-        i = tl.arange(0, ROWS)  # the ancestor matrix (zeroed by the caller): walk every node up to the root
-        on = i < n + 1
-        up = i.to(tl.int64)
-        one = tl.full([ROWS], 1, tl.uint8)
-        tl.store(Visible + i * (n + 1) + up, one, mask=on)
-        for _ in range(MAX_DEPTH):
-            up = tl.load(Parents + up, mask=on, other=0)
-            tl.store(Visible + i * (n + 1) + up, one, mask=on)
+        _ancestor_matrix(Visible, Parents, n, ROWS, MAX_DEPTH)
 
 
 def chain(draft_logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
