@@ -79,6 +79,28 @@ def test_greedy_ddtree_equals_the_fp8_targets_own_ar_on_the_fast_path(fp8_ckpt, 
                 == reference.generate(prompt, GREEDY, method="ar").token_ids)
 
 
+def test_an_fp8_target_batches_on_the_paged_fast_path(fp8_ckpt):
+    """Requests of different lengths and methods in one batch on the FP8 checkpoint: each decodes what the FP8
+    target decodes alone, through the same fp8 projections (fast/layers.py) as the single-sequence path."""
+    from ddtree.core.blocks import BlockManager
+    from ddtree.engine.batch import BatchEngine, SerialBackend
+    from ddtree.fast.batch import PagedBackend
+
+    engine = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", fp8_ckpt / "draft", device="cpu")
+    pool = BlockManager(48, 8)
+    backend = PagedBackend(engine.target, engine.draft, engine.draft_head, pool, max_seqs=4, max_rows=64)
+    batch = BatchEngine(engine, [backend, SerialBackend(engine.reference)], max_num_seqs=4,
+                        max_num_batched_tokens=64, blocks=pool)
+    requests = [(PROMPTS[0], "ddtree", 16), (PROMPTS[1], "dflash", None), (PROMPTS[0][:2], "ar", None)]
+    seqs = [batch.add(prompt, GREEDY, method=method, budget=budget) for prompt, method, budget in requests]
+    while batch.has_work():
+        batch.step()
+    for (prompt, method, _), seq in zip(requests, seqs, strict=True):
+        assert seq.backend.name == "fast"
+        assert seq.generation.token_ids == engine.generate(prompt, GREEDY, method="ar").token_ids, method
+    assert pool.free_blocks == pool.num_blocks
+
+
 @pytest.mark.slow
 def test_the_fast_paths_fp8_kernels_give_the_reference_tokens(fp8_ckpt, kernels_on_cpu):
     """The dense FP8 target with the Triton kernels interpreted: block-scaled few-row GEMMs at one row (the AR
