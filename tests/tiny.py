@@ -24,8 +24,9 @@ EOS_ID = VOCAB - 2  # (vocab - 2 for other sizes)
 SELECTOR = SelectorConfig(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
-def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, sliding_window: int | None = None):
-    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, sliding_window: int | None = None,
+                  hidden: int = HIDDEN, head_dim: int = 16):
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   eos_token_id=vocab - 2, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
                   initializer_range=0.2)
@@ -34,12 +35,12 @@ def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, s
         if sliding_window:
             extra = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0,
                          layer_types=["sliding_attention", "full_attention"] * (layers // 2))
-        return Qwen3Config(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra,
+        return Qwen3Config(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra,
                            **common)
     if arch == "llama":
-        return LlamaConfig(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        return LlamaConfig(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        return Qwen3MoeConfig(head_dim=head_dim, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                               decoder_sparse_step=1, mlp_only_layers=[], **common)
     raise ValueError(arch)
 
@@ -61,7 +62,7 @@ def make_target(out: Path, arch: str = "qwen3", seed: int = 0, generation_config
 def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers: int = 2, block_size: int = 8,
                seed: int = 1, layout: str = "old", sliding_window: int | None = None, taps=None,
                layer_types: list[str] | None = None, is_causal: bool | None = None, fields: dict | None = None,
-               sinks: str | None = None, selector: SelectorConfig | None = None) -> Path:
+               sinks: str | None = None, selector: SelectorConfig | None = None, hidden: int = HIDDEN) -> Path:
     """A random DFlash draft in the z-lab format; layout "old" (top-level block_size, rope_theta) or "new".
 
     A sliding window makes the first layer a sliding one (unless `layer_types` says otherwise); `is_causal` is
@@ -72,7 +73,7 @@ def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers:
     taps = list(taps) if taps is not None else default_taps(target_layers, 2)
     if layer_types is None and sliding_window:
         layer_types = ["sliding_attention"] + ["full_attention"] * (layers - 1)
-    cfg = draft_config_dict(hidden_size=HIDDEN, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
+    cfg = draft_config_dict(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
                             intermediate_size=128, vocab_size=vocab, block_size=block_size, mask_token_id=vocab - 1,
                             target_layer_ids=taps, num_target_layers=target_layers, max_position_embeddings=1024,
                             layer_types=layer_types, sliding_window=sliding_window, is_causal=is_causal,
@@ -85,7 +86,7 @@ def make_draft(out: Path, *, target_layers: int = 4, vocab: int = VOCAB, layers:
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
         cfg.pop("rope_scaling")
     torch.manual_seed(seed)
-    model = DFlashDraft(parse_draft_config(cfg, TargetShape(HIDDEN, vocab, target_layers)))
+    model = DFlashDraft(parse_draft_config(cfg, TargetShape(hidden, vocab, target_layers)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "base_kernel" in name:  # near the identity convolution, so that the block stream keeps its scale
@@ -112,10 +113,10 @@ def make_dflash2_draft(out: Path, *, sliding_window: int | None = 6, is_causal: 
                       is_causal=is_causal, selector=selector, **kw)
 
 
-def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int = 4) -> dict:
+def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int = 4, hidden: int = HIDDEN) -> dict:
     """A tiny Qwen3.5-style stack: three Gated DeltaNet layers, then one gated full-attention layer."""
     layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
-    cfg = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
+    cfg = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                max_position_embeddings=1024, layer_types=layer_types, eos_token_id=vocab - 2,
@@ -127,7 +128,8 @@ def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int
     return cfg
 
 
-def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimodal: bool = True) -> Path:
+def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimodal: bool = True,
+                       hidden: int = HIDDEN) -> Path:
     """Qwen3.5 / Qwen3.5-MoE in the multimodal checkpoint layout (as published), or Qwen3-Next (text only)."""
     from transformers import (
         Qwen3_5Config,
@@ -139,8 +141,8 @@ def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimod
     )
 
     torch.manual_seed(seed)
-    text = hybrid_text_config(arch)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN)
+    text = hybrid_text_config(arch, hidden=hidden)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
     if arch == "qwen3_next":
         model = Qwen3NextForCausalLM(Qwen3NextConfig(**text))
     elif arch == "qwen3_5":
@@ -162,3 +164,35 @@ def prefill(target, tokens: list[int]):
 def path_tokens(tree, node: int) -> list[int]:
     """The draft tokens on the way from the root to `node`."""
     return [tree.tokens[n - 1] for n in tree.path_to(node)[1:]]
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def make_fp8_checkpoint(source: Path, out: Path) -> Path:
+    """`source` (a tiny checkpoint) in Qwen's published FP8 format: each decoder projection (routers and Gated
+    DeltaNet's b/a excepted, as Qwen keeps them) as e4m3 `weight` + float32 `weight_scale_inv` per 128 x 128 block,
+    and the config's quantization_config; the other tensors and files as they were."""
+    import shutil
+
+    from ddtree.kernels.fp8 import quantize_blocks
+    from ddtree.models.fp8_target import KEPT
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name not in ("model.safetensors", "config.json"):
+            shutil.copy(path, out / path.name)
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if tensor.dim() == 2 and name.endswith(".weight") and ".layers." in name and not KEPT.search(module):
+            fp8 = quantize_blocks(tensor)
+            tensors[name], tensors[f"{module}.weight_scale_inv"] = fp8.data, fp8.scale
+        else:
+            tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {**FP8_CONFIG, "modules_to_not_convert": ["lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -24,6 +24,14 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="draft only these tokens (a file from `ddtree draft-vocab`, a JSON list of ids, or a "
                         ".pt tensor of ids): a cheaper draft step, the same output (default: the whole vocabulary)")
     _add_draft_quantization_arg(parser)
+    _add_quantization_arg(parser)
+
+
+def _add_quantization_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", choices=["none", "fp8"], default=None,
+                        help="fp8: quantize a bf16 target's projections to float8 on load, per channel (half the "
+                        "bytes of a decode step; needs compute capability 8.9+, or the CPU). FP8 checkpoints "
+                        "(Qwen's ...-FP8, 128 x 128 block scales) load as fp8 without it (default: none)")
 
 
 def _add_draft_quantization_arg(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +97,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     engine = Engine.from_pretrained(args.target, args.draft, method=args.method, budget=args.budget,
                                     device=args.device, dtype=args.dtype, fast=args.fast, draft_vocab=args.draft_vocab,
-                                    draft_quantization=args.draft_quantization)
+                                    draft_quantization=args.draft_quantization, quantization=args.quantization)
     if engine.draft is not None:  # which rule each layer was drafted under: a wrong one only costs acceptance
         print(f"ddtree generate: draft: {engine.draft.config.describe()}", file=sys.stderr)
     if engine.fast is None and engine.fast_unsupported != "off":
@@ -241,7 +249,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise DDTreeError("--default-chat-template-kwargs must be a JSON object")
     return run(ServeOptions(
         target=args.target, draft=args.draft, draft_vocab=args.draft_vocab,
-        draft_quantization=args.draft_quantization, method=args.method, budget=args.budget,
+        draft_quantization=args.draft_quantization, quantization=args.quantization, method=args.method,
+        budget=args.budget,
         device=args.device, dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("DDTREE_API_KEY") or None, max_queue=args.max_queue,
         drain_timeout=args.drain_timeout, default_temperature=args.default_temperature,
@@ -421,6 +430,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="draft only these tokens: a draft vocabulary file, or N for the N lowest ids (a --shape's "
                    "costs; its random weights make every choice of tokens alike)")
     _add_draft_quantization_arg(p)
+    p.add_argument("--quantization", choices=["none", "fp8"], default=None,
+                   help="fp8: the target's projections in float8: on a --shape its random weights in the FP8 "
+                   "checkpoints' 128 x 128 blocks, on a loaded pair quantized per channel on load (default: none)")
     p.add_argument("--concurrency", nargs="+", type=int, default=None, metavar="C",
                    help="continuous batching instead: output tok/s with C requests in flight, for ar, dflash, "
                         "ddtree at the first --budgets value and ddtree under the batch budget")

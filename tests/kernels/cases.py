@@ -285,3 +285,29 @@ class SmallGPU:
                 raise jit.OutOfResources(1, 0, "shared memory")
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def integer_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """e4m3 values that are integers in [-16, 16] (exact in e4m3): sums of their products stay exact in float32
+    in any order (below 2^24 for K up to 65536), so kernels and references can be compared bit for bit."""
+    return torch.randint(-16, 17, shape, generator=gen).float().to(torch.float8_e4m3fn)
+
+
+def block_scaled_case(rows: int, n: int, k: int, block_rows: int, device: str) -> None:
+    """The fp8 few-row GEMM on a block-scaled weight (the published 128 x 128 blocks, or each row's own K-block
+    scales) equals fp8.reference_mm bit for bit and the float64 product of the dequantized operands (fp8.dequantize:
+    the scales are powers of two, so every step is exact), and repeats bit for bit."""
+    from ddtree.kernels import fp8, gemm
+
+    gen = torch.Generator().manual_seed(rows + n + k + block_rows)
+    scale = 2.0 ** torch.randint(-10, -4, (-(-n // block_rows), k // 128), generator=gen).float()
+    weight = fp8.Fp8Weight(integer_fp8((n, k), gen).to(device), scale.to(device), (block_rows, 128))
+    values = integer_fp8((rows, k), gen).to(device)
+    row_scale = (2.0 ** torch.randint(-6, 0, (rows,), generator=gen).float()).to(device)
+    given = fp8.QuantizedRows(values, row_scale, torch.float32)
+    got = gemm.skinny_fp8(values, row_scale, weight, torch.float32)
+    assert torch.equal(got, fp8.reference_mm(given, weight))
+    dense = (values.double() * row_scale.double()[:, None]) @ fp8.dequantize(weight).double().T
+    assert torch.equal(got.double(), dense)
+    assert torch.equal(gemm.skinny_fp8(values, row_scale, weight, torch.float32), got)
+    assert not gemm._counters(values.device, 1).any()

@@ -26,6 +26,7 @@ class ServeOptions:
     draft: str | None = None
     draft_vocab: str | None = None  # a draft vocabulary file (ddtree.draft_vocab); None: the whole vocabulary
     draft_quantization: str | None = None  # "fp8": the drafter's projections in fp8 (ddtree.quantize)
+    quantization: str | None = None  # "fp8": a bf16 target's projections quantized on load (models/fp8_target.py)
     method: str = "ddtree"
     budget: int | None = None
     device: str | None = None
@@ -83,7 +84,8 @@ def run(options: ServeOptions) -> int:
         return Engine.from_pretrained(options.target, options.draft, method=options.method,
                                       budget=options.budget, device=options.device, dtype=options.dtype,
                                       fast=options.fast, draft_vocab=options.draft_vocab,
-                                      draft_quantization=options.draft_quantization)
+                                      draft_quantization=options.draft_quantization,
+                                      quantization=options.quantization)
 
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)

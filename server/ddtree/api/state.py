@@ -14,12 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from ddtree.api.metrics import ServerMetrics
 from ddtree.api.protocol import APIError
 from ddtree.api.rendering import PromptRenderer
 from ddtree.api.scheduler import Scheduler, SpecStats
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine.batch import BatchOptions, warm_up
+from ddtree.kernels.fp8 import Fp8Weight
+from ddtree.models.fp8_target import stored_bytes
 
 T = TypeVar("T")
 
@@ -55,6 +59,29 @@ class ServerConfig:
     escape_special_tokens: bool = True  # special-token text in chat messages is plain text, never a role marker
     docs: bool = True  # /docs, /redoc and /openapi.json (behind the API key when there is one)
     prepare_workers: int = 8  # threads that parse, render and tokenize requests off the event loop
+
+
+CACHES = ("kv", "draft_kv", "conv_state", "recurrent_state")  # the static caches a decode path allocates
+
+
+def memory_line(engine: Any, batch: Any) -> str:
+    """What the device holds, by use: the target's weights (in its format), the drafter's (and a draft head's own
+    rows), and the K/V and recurrent caches of the fast path and the batch backends."""
+    target, draft, head = engine.target, engine.draft, engine.draft_head
+    drafter = stored_bytes(draft) if draft is not None else 0
+    if head is not None and not (isinstance(head.weight, torch.Tensor)
+                                 and head.weight.data_ptr() == target.lm_head.weight.data_ptr()):
+        weight = head.weight
+        drafter += weight.nbytes if isinstance(weight, Fp8Weight) else weight.numel() * weight.element_size()
+    caches = {}
+    for holder in (getattr(engine, "fast", None), *getattr(batch, "backends", ())):
+        for name in CACHES:
+            tensor = getattr(holder, name, None)
+            if isinstance(tensor, torch.Tensor):
+                caches[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    fmt = target.quantization or str(target.dtype).removeprefix("torch.")
+    return (f"memory: target weights {stored_bytes(target.model) / 1e9:.2f} GB ({fmt}), drafter "
+            f"{drafter / 1e9:.2f} GB, KV and recurrent caches {sum(caches.values()) / 1e9:.2f} GB")
 
 
 @dataclass
@@ -134,6 +161,8 @@ class ServerState:
             log.info("drafting from %d of %d tokens (--draft-vocab)", head.size, engine.vocab_size)
         if quantized := getattr(engine, "draft_quantization", None):
             log.info("drafting in %s (--draft-quantization): the output stays the target's own", quantized)
+        if isinstance(getattr(getattr(engine, "target", None), "model", None), torch.nn.Module):  # not a test fake
+            log.info("%s", memory_line(engine, batch))
 
     def _batch(self, engine: Any) -> Any:
         """The batch engine requests decode in, and what it holds, said once."""

@@ -110,10 +110,11 @@ def bench(args: argparse.Namespace) -> int:
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     if args.shape:
         dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
-        fast, eager = build_shape(args.shape, device, dtype, capacity, args.draft_vocab, args.draft_quantization)
+        fast, eager = build_shape(args.shape, device, dtype, capacity, args.draft_vocab, args.draft_quantization,
+                                  args.quantization)
     else:
         fast, eager = build_pair(args.target, args.draft, str(device), args.dtype, capacity, args.draft_vocab,
-                                 args.draft_quantization)
+                                 args.draft_quantization, args.quantization)
     paths = paths_to_run(args.paths, fast)
     prompts = prompts_for(fast, args)
     if not prompts:
@@ -154,7 +155,7 @@ def bench(args: argparse.Namespace) -> int:
                   torch=torch.__version__, prompts=len(prompts),
                   prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens, sampling=describe(params),
                   vocab_size=fast.vocab_size, draft_vocab=fast.draft_head.size if fast.draft_head else None,
-                  draft_quantization=fast.draft_quantization,
+                  draft_quantization=fast.draft_quantization, quantization=fast.target.quantization,
                   step_bytes=step_bytes, round_bytes=round_bytes,
                   copy_bandwidth=copy, read_bandwidth=read, floor_ms=floor_ms, round_floor_ms=round_floor_ms,
                   round_vs_floor_at=achievable, draft_share_of_round_floor=1 - step_bytes / round_bytes,
@@ -227,7 +228,9 @@ def table(report: dict) -> str:
              + (f". The draft scores {report['draft_vocab']} tokens (--draft-vocab)" if report["draft_vocab"]
                 and report["draft_vocab"] < report["vocab_size"] else "")
              + (f". The draft runs in {report['draft_quantization']} (--draft-quantization)"
-                if report.get("draft_quantization") else ""),
+                if report.get("draft_quantization") else "")
+             + (f". The target runs in {report['quantization']} (--quantization)" if report.get("quantization")
+                else ""),
              *([f"fast path {report['fast_path']}"] if report["fast_path"] != "available" else []),
              "", "| path | method | B | tau | TPOT ms | tok/s | round ms | round/floor | round/AR | verify/AR | "
              "draft | tree | verify | commit | host | non-verify | == ar |", "|" + "---|" * 17]

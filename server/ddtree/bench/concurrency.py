@@ -46,10 +46,11 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     if args.shape:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        engine, _ = build_shape(args.shape, device, dtype, 256, args.draft_vocab, args.draft_quantization)
+        engine, _ = build_shape(args.shape, device, dtype, 256, args.draft_vocab, args.draft_quantization,
+                                args.quantization)
     else:
         engine, _ = build_pair(args.target, args.draft, str(device), args.dtype, 256, args.draft_vocab,
-                               args.draft_quantization)
+                               args.draft_quantization, args.quantization)
     prompts = _prompts(engine, args, 2 * max(levels))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=True)

@@ -13,6 +13,8 @@ from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import load_draft_vocab
+from ddtree.models.fp8_target import quantize_target
+from ddtree.models.quantize import check_device, check_format
 from ddtree.models.target import HybridTarget, Target
 
 
@@ -75,10 +77,10 @@ SHAPES = {
 }
 
 
-def build_target(shape: dict, device: torch.device, dtype: torch.dtype) -> Target:
+def build_target(shape: dict, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> Target:
     """The random-weight target of a shape, its weights born in `dtype` on `device` (a 27B model never
     exists in fp32); a HybridTarget when the shape has linear-attention layers, a Qwen3-MoE model when it
-    has experts."""
+    has experts. `quantization` "fp8": its projections in the FP8 checkpoints' 128 x 128 blocks."""
     import transformers
 
     hybrid = "linear_attention" in shape["target"].get("layer_types", ())
@@ -86,7 +88,12 @@ def build_target(shape: dict, device: torch.device, dtype: torch.dtype) -> Targe
     config = getattr(transformers, f"{family}TextConfig" if hybrid else f"{family}Config")(**shape["target"])
     with born(device, dtype):
         model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    return HybridTarget(model) if hybrid else Target(model)
+    if check_format(quantization, "target quantization"):
+        check_device(device, "an fp8 target")
+        quantize_target(model, device, blocks=True)
+    target = HybridTarget(model) if hybrid else Target(model)
+    target.quantization = "fp8 (128 x 128 block scales, random)" if quantization == "fp8" else None
+    return target
 
 
 def build_draft(shape: dict, target: Target, device: torch.device, dtype: torch.dtype) -> DFlashDraft:
@@ -114,13 +121,14 @@ def born(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int,
-                draft_vocab: str | None = None, draft_quantization: str | None = None) -> tuple[Engine, Engine]:
+                draft_vocab: str | None = None, draft_quantization: str | None = None,
+                quantization: str | None = None) -> tuple[Engine, Engine]:
     """(fast engine, eager engine) over one random-weight model of a published shape, built on the device.
 
     Seeded, so that runs of one shape compare the same weights.
     """
     torch.manual_seed(0)
-    target = build_target(SHAPES[name], device, dtype)
+    target = build_target(SHAPES[name], device, dtype, quantization)
     draft = build_draft(SHAPES[name], target, device, dtype)
     hot = draft_vocab_ids(draft_vocab, target.shape.vocab_size)
     fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name, draft_vocab=hot,
@@ -130,10 +138,11 @@ def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capaci
 
 
 def build_pair(target: str | None, draft: str | None, device: str, dtype: str | None, fast_capacity: int,
-               draft_vocab: str | None = None, draft_quantization: str | None = None) -> tuple[Engine, Engine]:
+               draft_vocab: str | None = None, draft_quantization: str | None = None,
+               quantization: str | None = None) -> tuple[Engine, Engine]:
     """(fast engine, eager engine) over one loaded pair: the fast path's static caches are built once, after
     the draft vocabulary (a file, or N lowest ids) is known. Both share one (quantized) draft and head."""
-    loaded = Engine.from_pretrained(target, draft, device=device, dtype=dtype)
+    loaded = Engine.from_pretrained(target, draft, device=device, dtype=dtype, quantization=quantization)
     hot = draft_vocab_ids(draft_vocab, loaded.vocab_size)
     pair = (loaded.target, loaded.draft, loaded.tokenizer)
     fast = Engine(*pair, model_name=loaded.model_name, fast=True, fast_capacity=fast_capacity, draft_vocab=hot,

@@ -20,6 +20,7 @@ from ddtree.engine import Engine
 from ddtree.fast.layers import weight_of
 from ddtree.kernels.fp8 import Fp8Weight
 from ddtree.kernels.jit import OutOfResources, triton_works
+from ddtree.models.fp8_target import stored_bytes
 from ddtree.models.quantize import Fp8Linear
 
 SPEC_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s (datasheet)
@@ -38,9 +39,8 @@ def weight_bytes(engine: Engine, context: int) -> int:
     embed = engine.target.embed_tokens.weight
     size = embed.element_size()
     tied = engine.target.lm_head.weight.data_ptr() == embed.data_ptr()
-    params = nbytes(model.parameters())
-    experts = nbytes(p for layer in engine.target.layers
-                     for p in getattr(layer.mlp, "experts", nn.Module()).parameters())
+    params = stored_bytes(model)  # fp8 projections with their scales
+    experts = sum(stored_bytes(getattr(layer.mlp, "experts", nn.Module())) for layer in engine.target.layers)
     unpicked = experts - experts * getattr(cfg, "num_experts_per_tok", 0) // getattr(cfg, "num_experts", 1)
     weights = params - unpicked - (0 if tied else embed.numel() * size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -121,11 +121,14 @@ class Engine:
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = None, *,
                         method: str = "ddtree", budget: int | None = None, device: str | None = None,
                         dtype: str | None = None, fast: bool | None = False, fast_capacity: int = 4096,
-                        draft_vocab: str | Path | None = None, draft_quantization: str | None = None) -> Engine:
+                        draft_vocab: str | Path | None = None, draft_quantization: str | None = None,
+                        quantization: str | None = None) -> Engine:
         """Load a target (and its DFlash draft); with no target, the demo pair shipped in the package.
         fast=None turns the fast path on when the model runs on CUDA (where it pays off). `draft_vocab`: a
         draft vocabulary file (ddtree.draft_vocab), the tokens the drafter may propose. `draft_quantization`:
-        "fp8" runs the drafter's projections in fp8 (ddtree.quantize); None or "none" keeps its dtype."""
+        "fp8" runs the drafter's projections in fp8 (ddtree.quantize); None or "none" keeps its dtype.
+        `quantization`: "fp8" quantizes a bf16 target's projections on load (an FP8 checkpoint is fp8 as it is:
+        ddtree/models/fp8_target.py)."""
         if target is None:
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
         if not Path(target).is_dir():
@@ -140,7 +143,7 @@ class Engine:
             raise DDTreeError("a draft vocabulary needs a DFlash draft (--draft DIR)")
         check_draft_quantization(draft_quantization, draft is not None, dev)
         hot = read_draft_vocab(draft_vocab) if draft_vocab is not None else None
-        tgt = load_target(target, device=dev, dtype=torch_dtype)
+        tgt = load_target(target, device=dev, dtype=torch_dtype, quantization=quantization)
         tokenizer = _load_tokenizer(Path(target))
         drf = None
         if draft is not None:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.fast.delta import conv_sources, path_state, tree_delta_rule
-from ddtree.fast.layers import fuse, swiglu
+from ddtree.fast.layers import fuse, swiglu, weight_of
 from ddtree.fast.runner import FastPath
 from ddtree.kernels import gdn
 from ddtree.kernels.attention import TreeMask, tree_attention, tree_mask
@@ -261,4 +261,4 @@ class HybridFastPath(FastPath):
 
 def _project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A module's linear map through `linear` (the few-row GEMM where it pays), on the module's own weights."""
-    return linear(x, module.weight, module.bias)
+    return linear(x, weight_of(module), module.bias)

@@ -30,7 +30,7 @@ from torch import nn
 
 from ddtree.kernels import rows
 from ddtree.kernels.attention import TreeMask, tree_mask
-from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows
+from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows, expand_rows
 from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, silu_mul_linear
 from ddtree.kernels.moe import Experts
 from ddtree.kernels.tree import chain, top_prefixes
@@ -189,18 +189,45 @@ def weight_of(module: nn.Module) -> torch.Tensor | Fp8Weight:
     return module.fp8 if isinstance(module, Fp8Linear) else module.weight
 
 
-def fuse(owner: nn.Module, name: str, linears: list[nn.Module]) -> Proj:
+@dataclass(frozen=True)
+class Joined:
+    """Projections of one input whose weights differ in format (an FP8 target's Gated DeltaNet qkv and z in fp8,
+    its b and a kept in bf16), their outputs side by side: one product per format."""
+
+    parts: tuple[Proj, ...]
+    fp8 = False  # its rows come unquantized: each fp8 part quantizes them itself
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def fuse(owner: nn.Module, name: str, linears: list[nn.Module]) -> Proj | Joined:
     """One projection computing every linear in `linears` (same input), their outputs concatenated.
 
     The fused weight is kept on `owner` under `name` (so building a second fast path reuses it) and each
     linear's weight (and bias, or an Fp8Linear's scales) becomes a row view of it: the memory is not doubled.
     One kept for the modules' earlier format (a draft quantized after a fast path fused it) is made again.
+    Linears in different formats are fused per run of one format (`Joined`). Block-scaled fp8 weights whose rows
+    do not end on a scale block first give each row its own K-block scales (fp8.expand_rows).
     """
+    runs = [[linears[0]]]
+    for m in linears[1:]:
+        same = isinstance(m, Fp8Linear) == isinstance(runs[-1][0], Fp8Linear)
+        runs[-1].append(m) if same else runs.append([m])
+    if len(runs) > 1:
+        joined = Joined(tuple(fuse(owner, f"{name}_{i}", run) for i, run in enumerate(runs)))
+        setattr(owner, name, joined)
+        return joined
     kept = getattr(owner, name, None)
     if kept is None or kept.fp8 != isinstance(linears[0], Fp8Linear):
         if isinstance(linears[0], Fp8Linear):
+            rows = linears[0].block[0] if linears[0].block else 1
+            if any(m.out_features % rows for m in linears[:-1]):
+                for m in linears:
+                    wide = expand_rows(m.fp8)
+                    m.weight_scale, m.block = wide.scale, wide.block
             fused = Proj(Fp8Weight(_concat_rows([m.weight for m in linears]),
-                                   _concat_rows([m.weight_scale for m in linears])))
+                                   _concat_rows([m.weight_scale for m in linears]), linears[0].block))
             shared = [("weight", fused.weight.data), ("weight_scale", fused.weight.scale)]
         else:
             fused = Proj(_concat_rows([m.weight for m in linears]),
@@ -220,7 +247,7 @@ def swiglu(mlp: nn.Module, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:
     """A SwiGLU MLP module (gate_proj, up_proj, down_proj) as a function of its normed rows: gate and up as one
     weight (`fuse`), SiLU · up as one step, then down."""
     gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
-    return lambda h: linear(ops.swiglu(h, gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+    return lambda h: linear(ops.swiglu(h, gate_up), weight_of(mlp.down_proj), mlp.down_proj.bias)
 
 
 def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -276,9 +303,9 @@ class TargetLayer(Layer):
         has_qk_norm = hasattr(attn, "q_norm")
         experts = Experts.of(mlp) if hasattr(mlp, "experts") else None
         gate_up = None if experts else fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
-        down = None if experts else Proj(mlp.down_proj.weight, mlp.down_proj.bias)
+        down = None if experts else Proj(weight_of(mlp.down_proj), mlp.down_proj.bias)
         return cls(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                   Proj(attn.o_proj.weight, attn.o_proj.bias), gate_up, down,
+                   Proj(weight_of(attn.o_proj), attn.o_proj.bias), gate_up, down,
                    attn.q_norm.weight if has_qk_norm else None, attn.k_norm.weight if has_qk_norm else None,
                    attn.k_proj.out_features // attn.head_dim, attn.head_dim, qkv,
                    (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features), experts)
@@ -396,6 +423,4 @@ class Draft:
 
 def _rows(weight: torch.Tensor | Fp8Weight, start: int, end: int) -> torch.Tensor | Fp8Weight:
     """Rows start..end-1 of a weight (with their scales, for an fp8 one)."""
-    if isinstance(weight, Fp8Weight):
-        return Fp8Weight(weight.data[start:end], weight.scale[start:end])
-    return weight[start:end]
+    return weight.rows(start, end) if isinstance(weight, Fp8Weight) else weight[start:end]

@@ -48,6 +48,8 @@ from ddtree.kernels.tree import ancestors, chain, top_prefixes, tree_size, vocab
 from ddtree.kernels.walk import accept
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import DraftHead
+from ddtree.models.fp8_target import Fp8Experts
+from ddtree.models.quantize import Fp8Linear
 from ddtree.models.target import HybridTarget, Target
 
 __all__ = ["FastPath", "Plan", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
@@ -85,8 +87,12 @@ def unsupported(target: Target) -> str | None:
         return f"model type {cfg.model_type} is not one of {', '.join(ARCHITECTURES)}, nor a hybrid"
     if set(target.layer_types) - {"full_attention", "linear_attention"}:
         return "sliding-window layers use the reference path"
+    if any(isinstance(module, Fp8Experts) for module in target.model.modules()):
+        return "fp8 mixture-of-experts weights (the fast path's expert kernels are bf16 only)"
     if not all(hasattr(layer.mlp, "gate_proj") or sparse_block(layer.mlp) for layer in target.layers):
         return "mixture-of-experts blocks other than the Qwen3 families' (top-k experts, an optional shared expert)"
+    if not hybrid and any(len({isinstance(m, Fp8Linear) for m in _projections(layer)}) > 1 for layer in target.layers):
+        return "decoder layers whose projections mix fp8 and unquantized weights"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act} (the fast path's MLPs are SwiGLU)"
     if any(layer.linear_attn.conv1d.bias is not None for layer in target.layers if hasattr(layer, "linear_attn")):
@@ -96,6 +102,13 @@ def unsupported(target: Target) -> str | None:
     if any(abs(module.scaling - head_dim**-0.5) > 1e-9 for module in attention):
         return "attention scaling other than 1/sqrt(head_dim)"
     return None
+
+
+def _projections(layer: nn.Module) -> list[nn.Module]:
+    """A dense decoder layer's attention and MLP projections."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj] + [
+        getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj") if hasattr(mlp, n)]
 
 
 class FastPath:
@@ -158,7 +171,8 @@ class FastPath:
         """The target's fused layers and its static K/V cache (a hybrid target builds its own)."""
         self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
         # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
-        # (ddtree/kernels/gemv.py).
+        # (ddtree/kernels/gemv.py). An fp8 target's one row takes the fp8 GEMM at one row instead (its rows are
+        # quantized by the norm's kernel, which the fused GEMV would have to compute before its first tile).
         # A mixture-of-experts layer's router is its MLP's GEMV; the experts then run their own kernels.
         lm_head = self.target.lm_head
         weights, biases = [lm_head.weight], [lm_head.bias]
@@ -167,7 +181,8 @@ class FastPath:
             weights += [p.weight for p in projections] + ([layer.experts.router] if layer.experts is not None else [])
             biases += [p.bias for p in projections]
         self.row_gemv = (triton_works(self.device)
-                         and all(gemv_supported(w) for w in weights) and all(b is None for b in biases))
+                         and all(isinstance(w, torch.Tensor) and gemv_supported(w) for w in weights)
+                         and all(b is None for b in biases))
         self.kv = self._kv_cache(len(self.layers))
 
     def _kv_cache(self, layers: int) -> torch.Tensor:

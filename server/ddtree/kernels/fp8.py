@@ -1,9 +1,12 @@
 """The fp8 (e4m3) weight and row formats of quantized projections, and their float32 reference.
 
-Each weight row (output channel) has its own scale, and each input row is scaled on the fly by its own largest
-magnitude (per-token dynamic scaling, vLLM's FP8-dynamic scheme). Products of fp8 values are exact in float32,
-which accumulates them; the scales apply after the sum. The GPU kernels (rows.py, gemm.py) compute exactly the
-functions defined here; this module is what they are tested against.
+A weight has one scale per output row (channel: what ddtree quantizes itself, a drafter or a bf16 target on
+load), or one per block of rows x K columns (Qwen's published FP8 checkpoints: 128 x 128 blocks, the scale
+stored as `weight_scale_inv`). Each input row is scaled on the fly by its own largest magnitude (per-token
+dynamic scaling, vLLM's FP8-dynamic scheme). Products of fp8 values are exact in float32, which accumulates
+them; a channel scale applies after the whole sum, a block scale after each K block's sum, and the row scale
+last. The GPU kernels (rows.py, gemm.py) compute exactly the functions defined here; this module is what they
+are tested against.
 """
 
 from __future__ import annotations
@@ -18,16 +21,32 @@ TINY = 1e-12  # the scale floor of an all-zero row
 WEIGHT_BLOCK = 8192  # weight rows quantized at a time (float32 scratch: 8192 x K x 4 bytes)
 
 
+SCALE_BLOCK = 128  # the K columns (and rows) a published checkpoint's block scale covers
+
+
 @dataclass(frozen=True)
 class Fp8Weight:
-    """A weight [N, K] as fp8 values `data` and one float32 scale per output row: weight ≈ data * scale[:, None]."""
+    """A weight [N, K] as fp8 values `data` and float32 scales: one per output row (`block` None, scale [N]:
+    weight ≈ data * scale[:, None]), or one per block of `block` = (rows, columns) (scale [ceil(N / rows),
+    ceil(K / columns)]: weight ≈ data * scale repeated over each block). Rows 1 is a block format too: a fused
+    weight whose parts do not end on a 128-row block keeps each row's K-block scales (`expand_rows`)."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    block: tuple[int, int] | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    def rows(self, start: int, end: int) -> Fp8Weight:
+        """Rows start..end-1 with their scales (block rows must start on a block)."""
+        if self.block is None:
+            return Fp8Weight(self.data[start:end], self.scale[start:end])
+        r = self.block[0]
+        if start % r:
+            raise ValueError(f"rows from {start} do not start on a {r}-row scale block")
+        return Fp8Weight(self.data[start:end], self.scale[start // r:-(-end // r)], self.block)
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +63,38 @@ def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
         data[start:start + WEIGHT_BLOCK], scale[start:start + WEIGHT_BLOCK] = quantize_rows(
             weight.detach()[start:start + WEIGHT_BLOCK])
     return Fp8Weight(data, scale)
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = SCALE_BLOCK) -> Fp8Weight:
+    """A weight [N, K] as Qwen's FP8 checkpoints store it: e4m3 values and one float32 scale per block x block
+    tile (partial tiles at the edges), the tile's largest magnitude mapped to e4m3's largest value."""
+    n, k = weight.shape
+    rows, cols = -(-n // block), -(-k // block)
+    padded = weight.new_zeros((rows * block, cols * block), dtype=torch.float32)
+    padded[:n, :k] = weight.detach()
+    tiles = padded.view(rows, block, cols, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=TINY) * (1.0 / FP8_MAX)
+    values = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[:n, :k]
+    return Fp8Weight(values.to(FP8), scale, (block, block))
+
+
+def expand_rows(weight: Fp8Weight) -> Fp8Weight:
+    """A block-scaled weight with each row's own copy of its K-block scales (block rows 1): rows of it can be
+    cut and joined anywhere, at 4 bytes per K block per row (1/32 of the fp8 bytes at 128-wide blocks)."""
+    if weight.block is None or weight.block[0] == 1:
+        return weight
+    scale = weight.scale.repeat_interleave(weight.block[0], dim=0)[:weight.shape[0]]
+    return Fp8Weight(weight.data, scale.contiguous(), (1, weight.block[1]))
+
+
+def dequantize(weight: Fp8Weight) -> torch.Tensor:
+    """The float32 weight the fp8 values and their scales stand for."""
+    n, k = weight.shape
+    if weight.block is None:
+        return weight.data.float() * weight.scale[:, None]
+    rows, cols = weight.block
+    scale = weight.scale.repeat_interleave(rows, dim=0)[:n].repeat_interleave(cols, dim=1)[:, :k]
+    return weight.data.float() * scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +118,22 @@ class QuantizedRows:
 
 
 def reference_mm(rows: QuantizedRows, weight: Fp8Weight) -> torch.Tensor:
-    """rows @ weight^T -> [M, N] in the rows' dtype: the fp8 products summed in float32, then scaled by (row scale
-    x channel scale), as the GPU kernel does."""
-    acc = rows.values.float() @ weight.data.float().T
-    return (acc * (rows.scale[:, None] * weight.scale[None, :])).to(rows.dtype)
+    """rows @ weight^T -> [M, N] in the rows' dtype: the fp8 products summed, then scaled by (row scale x channel
+    scale), as the GPU kernel does. A block-scaled weight: each K block's sum times its blocks' scales, added in K
+    order in float32, then times the row scale. The sums run in float64 and round to float32: exact (so in any
+    order) up to 512 products, where a float32 product's order would follow the row count (a CPU BLAS picks its
+    kernel by shape), and a row's result, quantized again by the next projection, would depend on its batch."""
+    if weight.block is None:
+        acc = (rows.values.double() @ weight.data.double().T).float()
+        return (acc * (rows.scale[:, None] * weight.scale[None, :])).to(rows.dtype)
+    n, k = weight.shape
+    block_rows, cols = weight.block
+    scale = weight.scale.repeat_interleave(block_rows, dim=0)[:n]  # [N, K blocks]
+    values, data = rows.values.double(), weight.data.double()
+    acc = torch.zeros(values.shape[0], n, dtype=torch.float32, device=values.device)
+    for j, k0 in enumerate(range(0, k, cols)):
+        acc += (values[:, k0:k0 + cols] @ data[:, k0:k0 + cols].T).float() * scale[None, :, j]
+    return (acc * rows.scale[:, None]).to(rows.dtype)
 
 
 def reference_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

@@ -11,8 +11,10 @@ that the GPU fills; the last program of a column tile to finish sums the float32
 More rows pad the product to 64 or 128 and make it compute-bound in Triton: there a kernel that pads rows to a
 multiple of 8 wins, so `linear` hands those to ours on Hopper (ddtree/kernels/wgmma.py) and to cuBLAS elsewhere.
 
-The same kernel takes an fp8 drafter's projections (fp8.py; `skinny_fp8`): e4m3 weights and rows,
-half the bytes, on the fp8 tensor cores, at any row count (a prompt's context rows in tiles).
+The same kernel takes fp8 projections (fp8.py; `skinny_fp8`): e4m3 weights and rows, half the bytes, on the
+fp8 tensor cores, at any row count (a prompt's context rows in tiles): a quantized drafter's and an fp8
+target's, whose published checkpoints scale 128 x 128 blocks (each 128-wide K step's product scaled by its
+blocks' scales before it is added).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.kernels import wgmma
-from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows, quantize_rows, reference_mm
+from ddtree.kernels.fp8 import SCALE_BLOCK, Fp8Weight, QuantizedRows, quantize_rows, reference_mm
 from ddtree.kernels.gemv import gemv
 from ddtree.kernels.gemv import supported as gemv_supported
 from ddtree.kernels.jit import after_previous, attempt, launch_fitting, pdl, probe, triton_works
@@ -85,6 +87,8 @@ def pair_linear(x: torch.Tensor | QuantizedRows, first: torch.Tensor | Fp8Weight
     if triton is None or first.shape[1] != second.shape[1]:
         return None
     if isinstance(first, Fp8Weight) and isinstance(second, Fp8Weight):
+        if first.block is not None or second.block is not None:
+            return None  # only a drafter's channel-scaled q and k/v pair
         rows = x if isinstance(x, QuantizedRows) else rows_of(x)
         if not (fp8_supported(rows.values) and _pairable(first.data, second.data)):
             return None
@@ -110,7 +114,7 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: Fp8Weight, bias: torch.T
     """x [..., K] (or rows already quantized) @ weight^T (+ bias): the fp8 GPU kernels where they run, else the
     reference."""
     rows = x if isinstance(x, QuantizedRows) else rows_of(x)
-    if fp8_supported(rows.values):
+    if fp8_supported(rows.values) and blocks_supported(weight):
         out = skinny_fp8(rows.values, rows.scale, weight, rows.dtype)
     else:
         out = reference_mm(rows, weight)
@@ -133,17 +137,24 @@ def _zero_bias(n: int, x: torch.Tensor) -> torch.Tensor:
     return _kept_zeros("bias", n, x.dtype, x.device, least=1 << 18)[:n]
 
 
-def launch_config(n: int, k: int, fp8: bool = False) -> dict[str, int]:
+def blocks_supported(weight: Fp8Weight) -> bool:
+    """Whether the kernel takes a weight's scales: per channel, or per block of whole SCALE_BLOCK-wide K tiles
+    (a weight whose K ends inside a block runs the reference)."""
+    return weight.block is None or (weight.block[1] == SCALE_BLOCK and weight.shape[1] % SCALE_BLOCK == 0)
+
+
+def launch_config(n: int, k: int, fp8: bool = False, scale_block: int | None = None) -> dict[str, int]:
     """Column tile, K tile, K splits, warps and pipeline depth for an [n, k] weight at up to MAX_ROWS rows.
 
     From benchmarks/skinny_tune.py on an H200 (Qwen3-8B and its DFlash draft's widths): 64-column tiles and
     128-wide K steps throughout; K splits until ~160 programs run, and further while each still covers
     3072 or more of K (the long down and fc weights). An fp8 weight (`skinny_fp8`) takes 256-wide K steps,
     the same bytes a step: the best of benchmarks/fp8_tune.py's grid at every draft projection, with
-    the same splits and depths.
+    the same splits and depths. A block-scaled weight takes K steps of its block's width (`scale_block`, 128), so
+    that each step's product has one scale per column (untuned: the lead's H200 runs will say).
     """
     block_n = 64
-    widths = (256, 128, 64) if fp8 else (128, 64)
+    widths = (scale_block,) if scale_block else (256, 128, 64) if fp8 else (128, 64)
     block_k = next(w for w in widths if k % w == 0 or w == 64)
     tiles = triton.cdiv(n, block_n)
     split_k = 1
@@ -181,15 +192,18 @@ def skinny_fp8(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dty
     bf16 kernel's bytes a step), each K tile's product added in float32, and (row scale x channel scale) applied
     after the sum. Any number of rows: past FP8_ROW_TILE (a prompt's context) they run in tiles, without K splits.
     `config`: launch_config's keys, for tuning (benchmarks/fp8_tune.py)."""
-    cfg = config or launch_config(weight.shape[0], values.shape[1], fp8=True)
-    return _skinny(values, scale, weight.data, weight.scale, dtype, cfg)
+    cfg = config or launch_config(weight.shape[0], values.shape[1], fp8=True,
+                                  scale_block=weight.block[1] if weight.block else None)
+    return _skinny(values, scale, weight.data, weight.scale, dtype, cfg, blocks=weight.block)
 
 
 def _skinny(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, w_scale: torch.Tensor | None,
             dtype: torch.dtype, cfg: dict[str, int],
-            second: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+            second: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+            blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """One launch of _skinny_kernel: half-precision or float32 operands, or (with the scales) fp8 ones; with
-    `second` (a weight and its scales, `pair_linear`) its rows as further columns."""
+    `second` (a weight and its scales, `pair_linear`) its rows as further columns; `blocks`: the fp8 weight's
+    scale block (rows, columns), None for channel scales."""
     rows, k = x.shape
     first_n = weight.shape[0]
     after, after_scale = second if second is not None else (weight, w_scale)
@@ -208,9 +222,10 @@ def _skinny(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
     def launch(fit: dict[str, int]) -> None:
         _skinny_kernel[(tiles, split_k, row_tiles)](
             x, scales[0], weight, scales[1], after, scales[2], y, partials, counters, rows, first_n, n, x.stride(0),
-            weight.stride(0), K=k,
+            weight.stride(0), w_scale.stride(0) if blocks else 0, K=k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
-            BLOCK_K=fit["block_k"], SPLIT_K=split_k, FP8=fp8, PDL=dependent, num_warps=cfg["num_warps"],
+            BLOCK_K=fit["block_k"], SPLIT_K=split_k, FP8=fp8, SCALE_ROWS=blocks[0] if blocks else 0,
+            SCALE_COLS=blocks[1] if blocks else 1, PDL=dependent, num_warps=cfg["num_warps"],
             num_stages=fit["num_stages"], launch_pdl=dependent)
 
     # float32 rows need up to 147 KB at the tuned tiles, fp8's 256-wide K tiles 4 x 16 KB a stage: more than a
@@ -246,13 +261,16 @@ def _kept_zeros(use: str, n: int, dtype: torch.dtype, device: torch.device, leas
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(X, XS, W, WS, W2, WS2, Y, Part, Count, M, N1, N, stride_x, stride_w, K: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    def _skinny_kernel(X, XS, W, WS, W2, WS2, Y, Part, Count, M, N1, N, stride_x, stride_w, stride_s,
+                       K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                       SCALE_COLS: tl.constexpr, PDL: tl.constexpr):
         """Columns pid_n * BLOCK_N.. of y for the rows of tile pid_m, over the K slice pid_k of SPLIT_K (float32
         inputs take the exact product, not TF32: the float32 tests hold the fast path to the reference's tokens).
         Columns from N1 on are rows of the second weight W2 (N1 = N: none; N1 ends on a column tile).
-        FP8: e4m3 operands, scaled after the sum by XS (per row) and WS or WS2 (per column)."""
+        FP8: e4m3 operands, scaled after the sum by XS (per row) and WS or WS2 (per column); with SCALE_ROWS > 0
+        WS holds one scale per SCALE_ROWS rows x SCALE_COLS columns (row stride stride_s), each K tile's product
+        (BLOCK_K divides SCALE_COLS) scaled by its block's before it is added, and only XS after the sum."""
         after_previous(PDL)
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         span: tl.constexpr = K // SPLIT_K
@@ -265,18 +283,27 @@ if triton is not None:
         w_ptrs = tl.where(second, W2 + (rn - N1)[:, None] * stride_w, W + rn[:, None] * stride_w) + rk[None, :]
         x_ptrs = X + rm[None, :] * stride_x + rk[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for _ in range(0, span, BLOCK_K):
+        if SCALE_ROWS > 0:
+            s_ptrs = tl.where(second, WS2 + ((rn - N1) // SCALE_ROWS) * stride_s,
+                              WS + (rn // SCALE_ROWS) * stride_s) + (pid_k * span) // SCALE_COLS
+        for kk in range(0, span, BLOCK_K):
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
-            if FP8:  # each K tile's product added in float32: Hopper's fp8 MMA keeps fewer bits in its own
+            if SCALE_ROWS > 0:  # this K tile's block scale per column, after its float32 product
+                acc += tl.dot(w, x) * tl.load(s_ptrs + kk // SCALE_COLS, mask=col_ok, other=0.0)[:, None]
+            elif FP8:  # each K tile's product added in float32: Hopper's fp8 MMA keeps fewer bits in its own
                 acc += tl.dot(w, x)  # accumulator, which over a long K strays ~1e-3 from the float32 sum
             else:
                 acc = tl.dot(w, x, acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if FP8:  # (column scale x row scale), for the store
-            w_scale = tl.load(tl.where(second, WS2 + (rn - N1), WS + rn), mask=col_ok, other=0.0)
-            scale = w_scale[:, None] * tl.load(XS + rm, mask=row_ok, other=0.0)[None, :]
+        if FP8:  # (column scale x row scale), for the store; block scales are in acc already
+            x_scale = tl.load(XS + rm, mask=row_ok, other=0.0)[None, :]
+            if SCALE_ROWS > 0:
+                scale = tl.zeros((BLOCK_N, BLOCK_M), tl.float32) + x_scale
+            else:
+                w_scale = tl.load(tl.where(second, WS2 + (rn - N1), WS + rn), mask=col_ok, other=0.0)
+                scale = w_scale[:, None] * x_scale
         out_ptrs = Y + rm[None, :] * N + rn[:, None]
         out_ok = col_ok[:, None] & row_ok[None, :]
         if SPLIT_K == 1:

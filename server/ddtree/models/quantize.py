@@ -30,42 +30,45 @@ FORMATS = ("none", "fp8")
 
 class Fp8Linear(nn.Module):
     """A bias-free nn.Linear whose weight is kept only as an `Fp8Weight` (`weight`: the fp8 values, a buffer;
-    `weight_scale`: the per-row scales). Quantize a module once it sits on its device in its dtype: a later
+    `weight_scale`: their scales, per row or per `block`): an nn.Linear quantized per row, or a weight as loaded
+    (an FP8 checkpoint's blocks). Quantize a module once it sits on its device in its dtype: a later
     `module.to(dtype)` would cast the fp8 buffer too."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, source: nn.Linear | Fp8Weight) -> None:
         super().__init__()
-        if linear.bias is not None:
-            raise DDTreeError("fp8 draft quantization takes bias-free projections only")
-        q = quantize_weight(linear.weight)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", q.data, persistent=False)
-        self.register_buffer("weight_scale", q.scale, persistent=False)
+        if isinstance(source, nn.Linear):
+            if source.bias is not None:
+                raise DDTreeError("fp8 quantization takes bias-free projections only")
+            source = quantize_weight(source.weight)
+        self.out_features, self.in_features = source.shape
+        self.register_buffer("weight", source.data, persistent=False)
+        self.register_buffer("weight_scale", source.scale, persistent=False)
+        self.block = source.block
         self.bias = None
 
     @property
     def fp8(self) -> Fp8Weight:
-        return Fp8Weight(self.weight, self.weight_scale)
+        return Fp8Weight(self.weight, self.weight_scale, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.fp8)
 
 
-def check_format(quantization: str | None) -> str | None:
+def check_format(quantization: str | None, what: str = "draft quantization") -> str | None:
     """None for no quantization (also for "none"); the format otherwise, or a one-line error."""
     if quantization in (None, "none"):
         return None
     if quantization not in FORMATS:
-        raise DDTreeError(f"draft quantization must be one of {', '.join(FORMATS)}, got {quantization!r}")
+        raise DDTreeError(f"{what} must be one of {', '.join(FORMATS)}, got {quantization!r}")
     return quantization
 
 
-def check_device(device: torch.device) -> None:
-    """fp8 drafts on CUDA need fp8 tensor cores; the CPU runs the float32 reference (for tests and demos)."""
+def check_device(device: torch.device, what: str = "fp8 draft quantization") -> None:
+    """fp8 on CUDA needs fp8 tensor cores; the CPU runs the float32 reference (for tests and demos)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
-            raise DDTreeError(f"fp8 draft quantization needs a GPU with fp8 tensor cores (compute capability 8.9 "
+            raise DDTreeError(f"{what} needs a GPU with fp8 tensor cores (compute capability 8.9 "
                               f"or later: Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is "
                               f"{major}.{minor}")
 

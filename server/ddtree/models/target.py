@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -19,7 +20,9 @@ from ddtree.core.tree import DraftTree, visibility
 from ddtree.errors import DDTreeError
 from ddtree.models.checkpoint import check_checkpoint
 from ddtree.models.draft import TargetShape, is_draft_dir
+from ddtree.models.fp8_target import check_config, load_fp8_weights, quantize_target
 from ddtree.models.hybrid import AttentionKV, HybridCache, TreeGDN, is_hybrid_config
+from ddtree.models.quantize import check_device, check_format
 
 
 class Target:
@@ -38,6 +41,7 @@ class Target:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.layer_types: list[str] = list(getattr(self.config, "layer_types", None) or ["full_attention"])
         self.sliding_window: int | None = getattr(self.config, "sliding_window", None)
+        self.quantization: str | None = None  # how its projections are stored, when not in its dtype (load_target)
 
     @property
     def shape(self) -> TargetShape:
@@ -151,10 +155,12 @@ class HybridTarget(Target):
         TreeGDN.commit(cache, keep[-1])
 
 
-def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype) -> Target:
+def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype,
+                quantization: str | None = None) -> Target:
     """Load a transformers causal LM checkpoint as a target; one-line errors for what is not one.
 
-    Multimodal Qwen3.5/3.6 checkpoints load text-only, from their text config.
+    Multimodal Qwen3.5/3.6 checkpoints load text-only, from their text config. A published FP8 checkpoint keeps
+    its fp8 weights and block scales; `quantization` "fp8" quantizes a bf16 one on load (models/fp8_target.py).
     """
     d = Path(path)
     if not d.is_dir():
@@ -168,13 +174,27 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype) -
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         raise DDTreeError(f"cannot read the target config in {d}: {str(exc).splitlines()[0]}") from None
     text_config = config.get_text_config()
-    quantized = any(getattr(c, "quantization_config", None) for c in (config, text_config))
-    check_checkpoint(d, quantized=quantized)  # a damaged file fails here in one line, not deep in the loader
+    quantized = next((c.quantization_config for c in (config, text_config)
+                      if getattr(c, "quantization_config", None)), None)
+    block = check_config(quantized if isinstance(quantized, dict) else getattr(quantized, "to_dict", dict)(), d)
+    quantization = check_format(quantization, "target quantization")
+    if block or quantization:
+        check_device(device, "an fp8 target")
+    for c in (config, text_config):  # the fp8 weights are ours to load: transformers casts them, unscaled
+        if hasattr(c, "quantization_config"):
+            del c.quantization_config
+    check_checkpoint(d, quantized=quantized is not None)  # a damaged file fails in one line, not in the loader
+    # an FP8 checkpoint's scales are no parameters of the model: transformers' report of them as unexpected goes
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    report.setLevel(logging.ERROR if block else level)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(d, config=text_config, dtype=dtype,
                                                            attn_implementation="sdpa", output_loading_info=True)
     except (OSError, ValueError) as exc:
         raise DDTreeError(f"cannot load the target in {d}: {str(exc).splitlines()[0]}") from None
+    finally:
+        report.setLevel(level)
     tied = getattr(text_config, "tie_word_embeddings", False)
     missing = sorted(k for k in info.get("missing_keys", ()) if not (tied and k == "lm_head.weight"))
     if missing:
@@ -182,5 +202,14 @@ def load_target(path: str | Path, *, device: torch.device, dtype: torch.dtype) -
                           f"e.g. {missing[0]}")
     if not hasattr(getattr(model, "model", None), "layers"):
         raise DDTreeError(f"{d}: unsupported target architecture {type(model).__name__} (no decoder layers)")
+    if block:
+        load_fp8_weights(model, d, block)
+    elif quantization:
+        quantize_target(model, device)
     model = model.to(device)
-    return HybridTarget(model) if is_hybrid_config(text_config) else Target(model)
+    target = HybridTarget(model) if is_hybrid_config(text_config) else Target(model)
+    if block:
+        target.quantization = f"fp8 ({block[0]} x {block[1]} block scales, from the checkpoint)"
+    elif quantization:
+        target.quantization = "fp8 (per-channel scales, quantized on load)"
+    return target

@@ -1,0 +1,176 @@
+"""FP8 targets (ddtree/models/fp8_target.py): Qwen's published block-scaled FP8 checkpoints (written here from tiny
+random models) and bf16 targets quantized on load; `ddtree` keeps the FP8 target's own greedy `ar` output."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine import Engine
+from ddtree.errors import DDTreeError
+from ddtree.kernels.fp8 import dequantize
+from ddtree.models import quantize
+from ddtree.models.fp8_target import Fp8Experts, stored_bytes
+from ddtree.models.quantize import Fp8Linear
+from safetensors import safe_open
+from tiny import FP8_CONFIG, make_draft, make_fp8_checkpoint, make_hybrid_target, make_target
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(60, 80))]
+HIDDEN = 128  # K of the projections a multiple of the 128-wide scale blocks, as in every Qwen model
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    make_draft(root / "draft", hidden=HIDDEN, taps=[1, 2])
+    make_target(root / "qwen3", "qwen3", hidden=HIDDEN, head_dim=32)
+    make_target(root / "moe", "qwen3_moe", seed=4, hidden=HIDDEN, head_dim=32)
+    make_hybrid_target(root / "qwen3_5", "qwen3_5", hidden=HIDDEN)
+    for name in ("qwen3", "moe", "qwen3_5"):
+        make_fp8_checkpoint(root / name, root / f"{name}-fp8")
+    return root
+
+
+def agree(engine: Engine, methods=(("dflash", None), ("ddtree", 1), ("ddtree", 16))) -> None:
+    """Greedy dflash and ddtree emit the target's own greedy `ar` tokens."""
+    for prompt in PROMPTS:
+        ar = engine.generate(prompt, GREEDY, method="ar").token_ids
+        for method, budget in methods:
+            assert engine.generate(prompt, GREEDY, method=method, budget=budget).token_ids == ar, (method, budget)
+
+
+def test_a_published_fp8_checkpoint_keeps_its_values_and_block_scales(fp8_ckpt):
+    engine = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", fp8_ckpt / "draft", device="cpu")
+    model = engine.target.model
+    assert engine.target.quantization == "fp8 (128 x 128 block scales, from the checkpoint)"
+    projections = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(projections) == 7 * 4 and all(m.block == (128, 128) for m in projections)
+    assert type(model.lm_head) is torch.nn.Linear and not isinstance(model.model.embed_tokens, Fp8Linear)
+    q = model.model.layers[1].self_attn.q_proj
+    with safe_open(fp8_ckpt / "qwen3-fp8" / "model.safetensors", framework="pt") as f:
+        data = f.get_tensor("model.layers.1.self_attn.q_proj.weight")
+        scale = f.get_tensor("model.layers.1.self_attn.q_proj.weight_scale_inv")
+    assert torch.equal(q.weight.view(torch.uint8), data.view(torch.uint8)) and torch.equal(q.weight_scale, scale)
+    plain = Engine.from_pretrained(fp8_ckpt / "qwen3", device="cpu", method="ar").target.model
+    original = plain.model.layers[1].self_attn.q_proj.weight
+    assert torch.allclose(dequantize(q.fp8), original, rtol=0.07, atol=1e-3)  # e4m3's rounding, per block
+    assert stored_bytes(model) < stored_bytes(plain)
+
+
+@pytest.mark.parametrize("name", ["qwen3-fp8", "qwen3_5-fp8", "moe-fp8"])
+def test_greedy_ddtree_equals_the_fp8_targets_own_ar_on_the_reference_path(fp8_ckpt, name):
+    """Dense Qwen3, a Qwen3.5 hybrid (multimodal layout), Qwen3-MoE (per-expert fp8 weights, as Qwen publishes)."""
+    engine = Engine.from_pretrained(fp8_ckpt / name, fp8_ckpt / "draft", device="cpu")
+    if name == "moe-fp8":
+        assert all(isinstance(layer.mlp.experts, Fp8Experts) for layer in engine.target.layers)
+    agree(engine)
+
+
+@pytest.mark.parametrize("name", ["qwen3-fp8", "qwen3_5-fp8"])
+def test_greedy_ddtree_equals_the_fp8_targets_own_ar_on_the_fast_path(fp8_ckpt, name):
+    fast = Engine.from_pretrained(fp8_ckpt / name, fp8_ckpt / "draft", device="cpu", fast=True, fast_capacity=256)
+    assert fast.fast is not None, fast.fast_unsupported
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    agree(fast, (("ar", None), ("dflash", None), ("ddtree", 16)))
+    for prompt in PROMPTS:  # and the reference path's tokens: the same fp8 products
+        assert (fast.generate(prompt, GREEDY, method="ddtree", budget=16).token_ids
+                == reference.generate(prompt, GREEDY, method="ar").token_ids)
+
+
+def test_an_fp8_target_batches_on_the_paged_fast_path(fp8_ckpt):
+    """Requests of different lengths and methods in one batch on the FP8 checkpoint: each decodes what the FP8
+    target decodes alone, through the same fp8 projections (fast/layers.py) as the single-sequence path."""
+    from ddtree.core.blocks import BlockManager
+    from ddtree.engine.batch import BatchEngine, SerialBackend
+    from ddtree.fast.batch import PagedBackend
+
+    engine = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", fp8_ckpt / "draft", device="cpu")
+    pool = BlockManager(48, 8)
+    backend = PagedBackend(engine.target, engine.draft, engine.draft_head, pool, max_seqs=4, max_rows=64)
+    batch = BatchEngine(engine, [backend, SerialBackend(engine.reference)], max_num_seqs=4,
+                        max_num_batched_tokens=64, blocks=pool)
+    requests = [(PROMPTS[0], "ddtree", 16), (PROMPTS[1], "dflash", None), (PROMPTS[0][:2], "ar", None)]
+    seqs = [batch.add(prompt, GREEDY, method=method, budget=budget) for prompt, method, budget in requests]
+    while batch.has_work():
+        batch.step()
+    for (prompt, method, _), seq in zip(requests, seqs, strict=True):
+        assert seq.backend.name == "fast"
+        assert seq.generation.token_ids == engine.generate(prompt, GREEDY, method="ar").token_ids, method
+    assert pool.free_blocks == pool.num_blocks
+
+
+@pytest.mark.slow
+def test_the_fast_paths_fp8_kernels_give_the_reference_tokens(fp8_ckpt, kernels_on_cpu):
+    """The dense FP8 target with the Triton kernels interpreted: block-scaled few-row GEMMs at one row (the AR
+    step) and at a tree's rows, the norms quantizing their rows."""
+    fast = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", fp8_ckpt / "draft", device="cpu", fast=True,
+                                  fast_capacity=128)
+    assert fast.fast is not None and not fast.fast.row_gemv and fast.fast.ops.quantizing_rows
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ar = reference.generate(PROMPTS[0], params, method="ar").token_ids
+    assert fast.generate(PROMPTS[0], params, method="ar").token_ids == ar
+    assert fast.generate(PROMPTS[0], params, method="ddtree", budget=8).token_ids == ar
+
+
+def test_fp8_experts_take_the_reference_path_with_the_reason(fp8_ckpt):
+    engine = Engine.from_pretrained(fp8_ckpt / "moe-fp8", fp8_ckpt / "draft", device="cpu", fast=True)
+    assert engine.fast is None and "fp8 mixture-of-experts" in engine.fast_unsupported
+
+
+@pytest.mark.parametrize("name", ["qwen3", "moe", "qwen3_5"])
+def test_quantization_on_load_quantizes_every_projection_per_channel_but_the_routers(fp8_ckpt, name):
+    engine = Engine.from_pretrained(fp8_ckpt / name, fp8_ckpt / "draft", device="cpu", quantization="fp8")
+    model = engine.target.model
+    assert engine.target.quantization == "fp8 (per-channel scales, quantized on load)"
+    projections = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert projections and all(m.block is None and m.weight_scale.shape == (m.out_features,) for m in projections)
+    kept = [n for n, m in model.model.layers.named_modules() if type(m) is torch.nn.Linear]
+    assert all(n.endswith(("mlp.gate", "in_proj_a", "in_proj_b")) for n in kept), kept
+    if name != "moe":  # see the report of issue 46: a 3e-6 difference between a verify's rows and an AR step's
+        agree(engine, (("ddtree", 16),))  # (CPU float32) flipped one e4m3 rounding in this tiny MoE's second prompt
+
+
+def test_an_fp8_checkpoint_with_quantization_fp8_loads_as_published(fp8_ckpt):
+    engine = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", device="cpu", quantization="fp8", method="ar")
+    assert engine.target.quantization.startswith("fp8 (128 x 128 block")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"quant_method": "awq"}, "quantization method 'awq' is not implemented"),
+    ({"quant_method": "compressed-tensors"}, "quantization method 'compressed-tensors' is not implemented"),
+    ({"fmt": "e5m2"}, "fp8 format 'e5m2' is not implemented"),
+    ({"activation_scheme": "static"}, "fp8 activation scheme 'static' is not implemented"),
+    ({"weight_block_size": None}, "per-tensor fp8"),
+    ({"weight_block_size": [64, 64]}, r"fp8 weight blocks \[64, 64\] are not implemented"),
+])
+def test_the_loader_refuses_formats_it_does_not_implement_by_name_in_one_line(fp8_ckpt, tmp_path, change, message):
+    shutil.copytree(fp8_ckpt / "qwen3-fp8", tmp_path / "t")
+    config = json.loads((tmp_path / "t" / "config.json").read_text())
+    config["quantization_config"] = {k: v for k, v in {**FP8_CONFIG, **change}.items() if v is not None}
+    (tmp_path / "t" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DDTreeError, match=message) as info:
+        Engine.from_pretrained(tmp_path / "t", device="cpu", method="ar")
+    assert "\n" not in str(info.value)
+
+
+def test_an_unknown_target_quantization_and_a_gpu_without_fp8_tensor_cores_are_refused(fp8_ckpt, monkeypatch):
+    with pytest.raises(DDTreeError, match="target quantization must be one of none, fp8, got 'int4'"):
+        Engine.from_pretrained(fp8_ckpt / "qwen3", device="cpu", quantization="int4", method="ar")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10")
+    with pytest.raises(DDTreeError, match=r"an fp8 target needs a GPU with fp8 tensor cores .* NVIDIA A10 is 8\.6"):
+        quantize.check_device(torch.device("cuda"), "an fp8 target")
+
+
+def test_the_server_logs_weights_drafter_and_cache_memory(fp8_ckpt):
+    from ddtree.api.state import memory_line
+
+    engine = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", fp8_ckpt / "draft", device="cpu", fast=True,
+                                    fast_capacity=64)
+    line = memory_line(engine, engine.batch(__import__("ddtree.engine.batch", fromlist=["x"]).BatchOptions()))
+    weights = stored_bytes(engine.target.model) / 1e9
+    assert line.startswith(f"memory: target weights {weights:.2f} GB (fp8 (128 x 128 block scales")
+    assert "drafter" in line and "KV and recurrent caches" in line
