@@ -102,17 +102,22 @@ def test_after_a_batched_round_each_state_is_the_one_its_sequence_has_alone(hybr
         torch.testing.assert_close(pool.conv[:, slot], fast.conv_state, rtol=1e-4, atol=1e-5)
 
 
-def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_commit_does(hybrids):
+@pytest.mark.parametrize("kernels", ["pytorch", "interpreted"])
+def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_commit_does(hybrids, kernels, request):
     """Two sequences verify a tree each in one batched forward; the commit then takes each to a deep node of its
     tree (not the walk's choice: random drafts are rarely accepted). Every recurrent state and conv window equals
-    what the single-sequence fast path's verify and commit give for that sequence and node."""
+    what the single-sequence fast path's verify and commit give for that sequence and node: with each sequence's
+    recurrent layers in PyTorch, and with all of them in the varlen kernels (interpreted) on static buffers."""
     from ddtree.core.tree import tree_from_candidates, visibility
     from ddtree.kernels.paged_attention import PagedLayout
 
+    if kernels == "interpreted":
+        request.getfixturevalue("kernels_on_cpu")
     engine = hybrids["qwen3_5"]
     fast = Engine(engine.target, engine.draft, engine.tokenizer, fast=True, fast_capacity=256).fast
     batch = batch_of(engine)
     backend = batch.backends[0]
+    assert backend.static == (kernels == "interpreted")
     prompts = [PROMPTS[1], PROMPTS[0]]
     seqs = [batch.add(p, GREEDY, method="ddtree", budget=16) for p in prompts]
     batch.step()  # the prompts go in whole
@@ -132,7 +137,7 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
         slots += backend.blocks.slots(seq_id, state.start, tree.size + 1)
         backend._describe(layout, seq_id, state.start, visibility(tree))
     rows = backend._seq_rows(seq_ids, layout)
-    record = backend.hybrid.record(rows, len(ids))
+    record = backend.hybrid.record(rows)
     backend._run("verify", ids, positions, slots, layout, rows, record)
     lasts = [max(range(tree.size + 1), key=lambda i: (tree.depths[i - 1] if i else 0, i)) for tree in trees]
     assert min(lasts) > 1
@@ -150,3 +155,31 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
         slot = pool.slots[seq_id]
         torch.testing.assert_close(pool.state[:, slot], fast.recurrent_state, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(pool.conv[:, slot], fast.conv_state, rtol=1e-4, atol=1e-5)
+
+
+def test_the_interpreted_kernels_batch_a_hybrid_as_the_gpu_replays(hybrids, kernels_on_cpu):
+    """The static buffers, the paged attention kernel and the varlen Gated DeltaNet kernels (Triton's
+    interpreter), as a GPU's graphs run a hybrid's verify."""
+    engine = hybrids["qwen3_5"]
+    batch = batch_of(engine, blocks=48, max_num_batched_tokens=64)
+    backend = batch.backends[0]
+    assert backend.static and backend.hybrid.varlen
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    requests = [(PROMPTS[0], "ddtree", 8), (PROMPTS[1], "dflash", None), (PROMPTS[2], "ar", None)]
+    seqs = [batch.add(prompt, params, method=method, budget=budget) for prompt, method, budget in requests]
+    while batch.has_work():
+        batch.step()
+    for (prompt, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+
+
+def test_the_cost_model_of_a_hybrid_is_measured_within_its_trees_rows_and_leaves_the_states_alone(hybrids):
+    """The server measures a round's cost before any request: a hybrid's verify samples hold at most
+    gdn.TREE_MAX rows a sequence (what its varlen kernels take), and reading the empty state slots changes none."""
+    from ddtree.kernels import gdn
+
+    backend = batch_of(hybrids["qwen3_5"], max_num_seqs=2, max_num_batched_tokens=512).backends[0]
+    cost = backend.measure_cost(repeats=1)
+    rows = [r for r, _ in cost.points]
+    assert rows and max(rows) <= 2 * gdn.TREE_MAX
+    assert not backend.hybrid.pool.state.any() and not backend.hybrid.pool.conv.any()

@@ -432,6 +432,45 @@ def test_batched_rounds_replay_as_graphs_and_give_each_requests_tokens(fast_ckpt
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_hybrid_rounds_replay_as_graphs_and_give_each_requests_tokens(tmp_path, dtype):
+    """A Qwen3.5 hybrid on the paged path: every verify's Gated DeltaNet layers in the varlen kernels for all
+    sequences, replayed from the bucketed CUDA graphs; prompts through the per-sequence pieces (one longer than a
+    piece); each request gets the tokens it gets alone (float32: exactly; bf16: up to the reference's near-ties),
+    and every block and state slot comes back."""
+    from ddtree.core.blocks import BlockManager
+    from ddtree.engine.batch import BatchEngine, SerialBackend
+    from ddtree.fast.batch import PagedBackend
+    from tiny import make_draft, make_hybrid_target
+
+    make_draft(tmp_path / "draft", taps=[1, 2])
+    make_hybrid_target(tmp_path / "hybrid", "qwen3_5", seed=0)
+    fast = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cuda", dtype=dtype)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    pool = BlockManager(512, 16)
+    paged = PagedBackend(fast.target, fast.draft, fast.draft_head, pool, max_seqs=8, max_rows=256)
+    with torch.inference_mode():
+        paged.capture_all()
+    assert paged.static and paged.hybrid.varlen and paged.captured
+    batch = BatchEngine(fast, [paged, SerialBackend(fast.reference)], max_num_seqs=8, max_num_batched_tokens=256,
+                        blocks=pool)
+    prompts = [[1, 2, 3, 4, 5], [(7 * i) % 90 + 3 for i in range(300)], list(range(30, 60))]
+    runs = [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)]
+    requests = [(p, r) for p in prompts for r in runs]
+    seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests]
+    while batch.has_work():
+        batch.step()
+    assert all(seq.backend is paged for seq in seqs)
+    for (prompt, (method, budget)), seq in zip(requests, seqs, strict=True):
+        want = reference.generate(prompt, GREEDY, method="ar").token_ids
+        got = seq.generation.token_ids
+        if got != want:
+            assert dtype != "float32", (method, budget)
+            assert reference_margin(reference, prompt, want, got) < NEAR_TIE, (method, budget)
+    assert pool.free_blocks == pool.num_blocks and not paged.hybrid.pool.slots
+
+
+@gpu
 def test_a_pair_the_paged_path_cannot_batch_runs_one_at_a_time_on_the_fast_path(fast_ckpt):
     """A DFlash2 drafter does not batch on the paged path yet: the server decodes its requests one at a time on
     the single-sequence fast path (graphs and all), not many at a time on the eager reference path."""

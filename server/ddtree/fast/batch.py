@@ -18,8 +18,9 @@ core/blocks.py (one table per sequence serves both pools). The layers are the si
 (fast/layers.py), so each row is computed as it is there. On CUDA the draft and verify forwards are replayed as
 CUDA graphs, one per bucket of rows (`BatchGraphs`); elsewhere they run eagerly.
 
-Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's), greedy or sampled with any of the
-request's settings; hybrid (Gated DeltaNet) targets batch on the reference path.
+Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's) and Qwen3.5 / Qwen3.6 hybrids (their
+Gated DeltaNet layers keep a state per sequence: fast/paged_hybrid.py), greedy or sampled with any of the
+request's settings.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens, process_logits, token_logprobs
 from ddtree.core.tree import DraftTree, chain_tree, tree_from_candidates, visibility, walk
 from ddtree.fast.layers import Draft, Ops, TargetLayer
-from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, RecurrentPool, SeqRows
+from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, RecurrentPool, SeqRows, VarlenRows
 from ddtree.fast.rope import RopeTable
 from ddtree.fast.runner import MAX_BUDGET, decoder_layer
+from ddtree.kernels import gdn
 from ddtree.kernels.fp8 import Fp8Weight
 from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
@@ -68,7 +70,7 @@ class StaticRows:
     padding: they write the pools' scratch slot, and their outputs are never read."""
 
     def __init__(self, rows: int, seqs: int, table_width: int, vis_capacity: int, scratch: int,
-                 device: torch.device) -> None:
+                 device: torch.device, conv_width: int = 0) -> None:
         self.rows, self.seqs, self.scratch = rows, seqs, scratch
         long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
         self.ids, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
@@ -79,6 +81,9 @@ class StaticRows:
         self.vis_offsets = torch.zeros(seqs, **i32)
         self.tiles = torch.full((rows // BLOCK_M + seqs, 2), -1, **i32)
         self.rule_visible: dict[tuple[int | None, bool], torch.Tensor] = {}  # a draft forward's, per layer rule
+        # a hybrid verify's: each sequence's state slot and each row's conv window (fast/paged_hybrid.py)
+        self.state_slots = torch.zeros(seqs, **i32)
+        self.sources = torch.zeros((rows, conv_width), **long)
 
     def fits(self, rows: int, layout: PagedLayout) -> bool:
         tables = max((len(t) for t in layout.tables), default=0)
@@ -113,6 +118,15 @@ class StaticRows:
             visible = torch.cat(flat)
             self.visible[:visible.numel()].copy_(visible, non_blocking=True)
         self.tiles.copy_(tiles, non_blocking=True)
+
+    def fill_recurrent(self, seqs: list[SeqRows], sources: list[torch.Tensor]) -> None:
+        """A hybrid verify's sequences: their state slots and their rows' conv windows."""
+        slots = torch.zeros(self.seqs, dtype=torch.int32)
+        slots[:len(seqs)] = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
+        self.state_slots.copy_(slots, non_blocking=True)
+        if sources:
+            rows = torch.cat(sources)
+            self.sources[:rows.shape[0]].copy_(rows, non_blocking=True)
 
     def mask(self, page: int, window: int | None = None, visible: torch.Tensor | None = None) -> PagedMask:
         """The layout as the kernel reads it (`visible`: another visibility buffer at the same offsets)."""
@@ -157,7 +171,7 @@ def buckets(largest: int) -> list[int]:
 
 
 class PagedBackend:
-    """Batched rounds over paged caches for a dense target (+ its DFlash drafter)."""
+    """Batched rounds over paged caches for a dense or hybrid target (+ its DFlash drafter)."""
 
     name = "fast"
     chunked = True
@@ -191,7 +205,9 @@ class PagedBackend:
             if all(d & (d - 1) == 0 for d in head_dims):
                 self.ops.attention_heads = heads_kernel
         # a hybrid's recurrent layers keep a state per sequence (fast/paged_hybrid.py); only attention layers page
-        self.hybrid = HybridRows(target, self.ops, max_seqs) if isinstance(target, HybridTarget) else None
+        self.hybrid = HybridRows(target, self.ops, max_seqs, max_rows) if isinstance(target, HybridTarget) else None
+        # a hybrid's trees stay within the varlen Gated DeltaNet kernels' rows (fast/paged_hybrid.py)
+        self.max_tree = gdn.TREE_MAX - 1 if self.hybrid else MAX_BUDGET
         self.layers = [] if self.hybrid else [TargetLayer.of(layer) for layer in self.model.layers]
         self.max_context = target.max_context
         self.target_rope = RopeTable(self.model.rotary_emb, self.max_context, self.dtype, self.device)
@@ -222,7 +238,8 @@ class PagedBackend:
         # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
         # forward builds its own layout and attention goes through SDPA.
         self.cuda = self.device.type == "cuda"
-        self.static = self.hybrid is None and all(kernel_works(self.device, d) for d in head_dims)
+        self.static = (all(kernel_works(self.device, d) for d in head_dims)
+                       and (self.hybrid is None or self.hybrid.varlen))
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.captured: dict[tuple[str, int], Captured] = {}
         self.buckets = buckets(max_rows)
@@ -329,7 +346,7 @@ class PagedBackend:
             slots += self.blocks.slots(seq_id, state.start, n)
             self._describe(layout, seq_id, state.start, visibility(tree))
         seqs = self._seq_rows(seq_ids, layout)
-        record = self.hybrid.record(seqs, len(ids)) if self.hybrid else None
+        record = self.hybrid.record(seqs) if self.hybrid else None
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
         phases["verify"], t = self._lap(t)
         greedy = self._greedy_picks(states, logits)
@@ -405,7 +422,8 @@ class PagedBackend:
             if state.request.method == "dflash":
                 trees[i] = chain_tree([row[0] for row in tokens[slot][:depth]], [row[0] for row in logp[slot][:depth]])
             else:
-                trees[i] = tree_from_candidates(logp[slot][:depth], tokens[slot][:depth], state.request.budget)
+                trees[i] = tree_from_candidates(logp[slot][:depth], tokens[slot][:depth],
+                                                min(state.request.budget, self.max_tree))
         scores = [tree.scores for tree in trees]
         limit = sum(len(s) for s in scores) if node_limit is None else node_limit
         counts = choose_nodes(scores, self.cost, range(min(limit, sum(len(s) for s in scores)) + 1))
@@ -448,7 +466,7 @@ class PagedBackend:
         def timed(kind: str, rows: int, seqs: int) -> float:
             ids, positions, slots, lay = layout(rows, seqs)
             seq_rows = self._seq_rows([], lay)  # a hybrid's: the verify reads the (empty) state slots in order
-            record = self.hybrid.record(seq_rows, rows) if self.hybrid and kind == "verify" else None
+            record = self.hybrid.record(seq_rows) if self.hybrid and kind == "verify" else None
             args = (ids, positions, slots, lay, seq_rows, record)
             for _ in range(2):  # capture (on a GPU) and warm up
                 self._run(kind, *args)
@@ -460,8 +478,11 @@ class PagedBackend:
             return min(times)
 
         points, slowest = [], 0.0
+        if self.hybrid:  # a hybrid's verify holds at most TREE_MAX rows a sequence
+            samples = [b for b in samples if b <= self.max_seqs * gdn.TREE_MAX]
         for rows in samples:  # more rows never take less time: noise is flattened out
-            slowest = max(slowest, timed("verify", rows, max(1, min(self.max_seqs, rows // 16))))
+            seqs = max(1, min(self.max_seqs, rows // 16), -(-rows // (gdn.TREE_MAX if self.hybrid else rows)))
+            slowest = max(slowest, timed("verify", rows, seqs))
             points.append((rows, slowest))
         per_request = 0.0
         if self.drafts and self.max_seqs >= 8 and 8 * self.block <= self.buckets[-1]:
@@ -536,6 +557,8 @@ class PagedBackend:
         if not forward.rows.fits(n, layout):
             raise ValueError(f"a batch of {len(layout.starts)} sequences and {n} rows does not fit its buffers")
         forward.rows.fill(ids, positions, slots, layout)
+        if record is not None:
+            forward.rows.fill_recurrent(seqs, record.sources)
         for rule, buffer in forward.rows.rule_visible.items():  # a draft: every block sees itself by its layer's rule
             blocks = torch.cat([self.fused_draft.block_visible[rule].reshape(-1).to(torch.int8).cpu()] * len(ids)
                                )[:len(layout.starts) * self.block * self.block]
@@ -548,9 +571,15 @@ class PagedBackend:
     def _capture(self, kind: str, bucket: int) -> Captured:
         per_seq = MAX_BUDGET + 1 if kind == "verify" else self.block
         width = -(-self.max_context // self.page) + 1
-        rows = StaticRows(bucket, self.max_seqs, width, bucket * min(bucket, per_seq), self.scratch, self.device)
+        rows = StaticRows(bucket, self.max_seqs, width, bucket * min(bucket, per_seq), self.scratch, self.device,
+                          self.hybrid.hybrid.conv_width if self.hybrid else 0)
         if kind == "verify":
             def run(r: StaticRows) -> object:
+                if self.hybrid:
+                    varlen = VarlenRows(r.state_slots, r.sources, min(bucket, gdn.TREE_MAX))
+                    return self.hybrid.forward(r.ids, r.positions, r.slots, r.mask(self.page), self.kv,
+                                               self.target_rope, None, self.hybrid.record([]), self.taps,
+                                               varlen=varlen)
                 return self._target_rows(r.ids, r.positions, r.slots, r.mask(self.page))
         else:
             rules = list(self.fused_draft.block_visible)
@@ -597,7 +626,7 @@ class PagedBackend:
         for b, visible in enumerate(layout.visible):
             depths = visible.sum(dim=1) - 1  # ancestors above each row
             out.append(SeqRows(slots.get(seq_ids[b], b) if b < len(seq_ids) else b, layout.row_offsets[b],
-                               layout.row_offsets[b + 1], visible.to(self.device), depths.to(self.device)))
+                               layout.row_offsets[b + 1], visible, depths))
         return out
 
     def _block_rule(self, layout: PagedLayout, visible: torch.Tensor) -> PagedLayout:
@@ -664,8 +693,9 @@ def pool_tokens(engine, options) -> int:
         return options.max_num_seqs * min(engine.max_context, 2048)
     free, total = torch.cuda.mem_get_info(engine.target.device)
     activations = options.max_num_batched_tokens * engine.vocab_size * 4 * 3 + 2 * 2**30  # logits, processing, slack
-    if isinstance(engine.target, HybridTarget):  # every sequence's recurrent states
-        activations += options.max_num_seqs * RecurrentPool.bytes_per_sequence(engine.target)
+    if isinstance(engine.target, HybridTarget):  # every sequence's recurrent states, a verify's record
+        activations += (options.max_num_seqs * RecurrentPool.bytes_per_sequence(engine.target)
+                        + HybridRows.buffer_bytes(engine.target, options.max_num_seqs, options.max_num_batched_tokens))
     budget = int(total * options.gpu_memory_utilization) - (total - free) - activations
     tokens = budget // slot_bytes(engine.target, engine.draft)
     if tokens < options.block_size * 2:

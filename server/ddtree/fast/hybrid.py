@@ -151,24 +151,28 @@ class HybridLayers:
             if n == 1:  # an AR step, gated norm included
                 return _project(module.out_proj, gdn.row_step(module, proj, conv_state, state, rec.inputs, *record))
             out = gdn.tree_step(module, proj, conv_state, state, rec.inputs, rec.sources, rec.visible, *record)
-            z = proj[:, module.conv_dim:module.conv_dim + module.value_dim]
+            return self.gated_out(module, out, proj[:, module.conv_dim:module.conv_dim + module.value_dim])
+        if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
+            qkv, z, b, a = module.ddtree_in_proj(h).split(
+                [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
         else:
-            if hasattr(module, "ddtree_in_proj"):  # one GEMM for the four (the reference path keeps its four)
-                qkv, z, b, a = module.ddtree_in_proj(h).split(
-                    [module.conv_dim, module.value_dim, module.num_v_heads, module.num_v_heads], dim=-1)
-            else:
-                qkv, z, b, a = project(module, h)
-            rec.inputs[:self.conv_width - 1] = conv_state
-            rec.inputs[self.conv_width - 1:] = qkv
-            window = rec.inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
-            conv, beta, g = self.conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log,
-                                                module.dt_bias)
-            q, k, v = split_heads(module, conv)
-            out, keys, u, decay = self.delta_rule(q, k, v, g, beta, rec.visible, state)
-            rec.keys.copy_(keys)
-            rec.u.copy_(u)
-            rec.decay.copy_(decay)
-        out = self.norm(module.norm, out.to(h.dtype).reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+            qkv, z, b, a = project(module, h)
+        rec.inputs[:self.conv_width - 1] = conv_state
+        rec.inputs[self.conv_width - 1:] = qkv
+        window = rec.inputs[rec.sources].transpose(1, 2)  # [n, C, W], as the reference's windows
+        conv, beta, g = self.conv_and_gates(window, module.conv1d.weight[:, 0], b, a, module.A_log,
+                                            module.dt_bias)
+        q, k, v = split_heads(module, conv)
+        out, keys, u, decay = self.delta_rule(q, k, v, g, beta, rec.visible, state)
+        rec.keys.copy_(keys)
+        rec.u.copy_(u)
+        rec.decay.copy_(decay)
+        return self.gated_out(module, out.to(h.dtype), z)
+
+    def gated_out(self, module, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output o (model dtype) through the gated norm with z, then the output projection."""
+        n = z.shape[0]
+        out = self.norm(module.norm, out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return _project(module.out_proj, out.reshape(n, -1))
 
     def attention(self, module, cache: torch.Tensor, h: torch.Tensor, mask: TreeMask | PagedMask,

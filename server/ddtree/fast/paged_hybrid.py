@@ -13,6 +13,11 @@ Two ways a forward leaves the states:
     verify   the rows are a tree: the forward leaves a `BatchRecord` (per row: the conv inputs, normed keys, u
              and G), and once the walk has chosen each sequence's accepted path, `commit` installs the state
              after its last node for every recurrent layer and sequence in one batched product.
+
+A verify runs each recurrent layer for all sequences in two launches where the Triton kernels run
+(kernels/gdn.varlen_tree_step, over device buffers a CUDA graph replays: `VarlenRows`), else sequence by sequence
+in PyTorch. The record lives in buffers sized once for the largest verify, so a captured forward writes where the
+commit reads. A sequence's tree is then at most gdn.TREE_MAX rows (its root and TREE_MAX - 1 nodes).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from ddtree.fast.delta import conv_sources, path_state
 from ddtree.fast.hybrid import PROMPT_CHUNK, HybridLayers, Recurrent
+from ddtree.kernels import gdn
 from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
 from ddtree.kernels.paged_attention import PagedMask
@@ -36,8 +42,17 @@ class SeqRows:
     slot: int
     lo: int
     hi: int
-    visible: torch.Tensor  # [n, n] bool: ancestors and self (a causal chain for a prompt chunk)
-    depths: torch.Tensor  # [n]: each row's position less the sequence's committed length
+    visible: torch.Tensor  # [n, n] bool, on the host: ancestors and self (a causal chain for a prompt chunk)
+    depths: torch.Tensor  # [n], on the host: each row's position less the sequence's committed length
+
+
+@dataclass(frozen=True)
+class VarlenRows:
+    """A verify's sequences as the varlen kernels read them, besides the paged mask's row and mask offsets."""
+
+    slots: torch.Tensor  # [B] int32: each sequence's pool slot
+    sources: torch.Tensor  # [R, W] int64: each row's conv window in its sequence's [committed columns ; rows]
+    max_rows: int  # a bound on any sequence's rows
 
 
 @dataclass(frozen=True)
@@ -49,14 +64,14 @@ class BatchRecord:
     keys: torch.Tensor  # [L, R, H, d_k]
     u: torch.Tensor  # [L, R, H, d_v]
     decay: torch.Tensor  # [L, R, H]
-    sources: list[torch.Tensor]  # per sequence [n, W]: conv window rows in its segment of `inputs`
+    sources: list[torch.Tensor]  # per sequence [n, W], on the host: conv window rows in its segment of `inputs`
 
     def of(self, index: int, b: int, seq: SeqRows, past: int) -> Recurrent:
         """Sequence b's record in recurrent layer `index` (views)."""
-        seg = seq.lo + b * past
+        seg, device = seq.lo + b * past, self.keys.device
         return Recurrent(self.inputs[index, seg:seg + past + seq.hi - seq.lo], self.keys[index, seq.lo:seq.hi],
-                         self.u[index, seq.lo:seq.hi], self.decay[index, seq.lo:seq.hi], seq.visible,
-                         self.sources[b])
+                         self.u[index, seq.lo:seq.hi], self.decay[index, seq.lo:seq.hi], seq.visible.to(device),
+                         self.sources[b].to(device))
 
 
 class RecurrentPool:
@@ -93,30 +108,47 @@ class RecurrentPool:
 class HybridRows:
     """A hybrid target's batched forward: attention over the paged pool, recurrent layers over the states pool."""
 
-    def __init__(self, target: HybridTarget, ops, seqs: int) -> None:
+    def __init__(self, target: HybridTarget, ops, seqs: int, rows: int) -> None:
         self.target, self.model = target, target.model.model
-        self.hybrid = HybridLayers(self.model, ops, target.config, target.device)
-        self.pool = RecurrentPool(self.hybrid, seqs, target.dtype, target.device)
-        self.past = self.hybrid.conv_width - 1
+        self.hybrid = hybrid = HybridLayers(self.model, ops, target.config, target.device)
+        self.pool = RecurrentPool(hybrid, seqs, target.dtype, target.device)
+        self.past = hybrid.conv_width - 1
+        # every recurrent layer in the varlen kernels (else each sequence in turn, in PyTorch)
+        self.varlen = len(hybrid.gdn_rows) == len(hybrid.recurrent_index)
+        layers, (heads, d_k, d_v), device = len(hybrid.recurrent_index), hybrid.state_shape, target.device
+        rows = self.record_rows(seqs, rows)
+        self.buffers = (torch.empty((layers, seqs * self.past + rows, hybrid.conv_dim), dtype=target.dtype,
+                                    device=device),
+                        torch.empty((layers, rows, heads, d_k), device=device),
+                        torch.empty((layers, rows, heads, d_v), device=device),
+                        torch.empty((layers, rows, heads), device=device))
 
-    def record(self, seqs: list[SeqRows], rows: int) -> BatchRecord:
-        """Empty records for a verify forward of `rows` rows."""
-        hybrid, device = self.hybrid, self.target.device
-        layers, (heads, d_k, d_v) = len(hybrid.recurrent_index), hybrid.state_shape
-        width = hybrid.conv_width
-        return BatchRecord(
-            torch.empty((layers, len(seqs) * self.past + rows, hybrid.conv_dim), dtype=self.target.dtype,
-                        device=device),
-            torch.empty((layers, rows, heads, d_k), device=device),
-            torch.empty((layers, rows, heads, d_v), device=device), torch.empty((layers, rows, heads), device=device),
-            [conv_sources(s.visible, s.depths, width) for s in seqs])
+    @staticmethod
+    def record_rows(seqs: int, rows: int) -> int:
+        """Rows a verify's record holds: at most `rows`, and each sequence's tree at most gdn.TREE_MAX."""
+        return min(rows, seqs * gdn.TREE_MAX)
+
+    @staticmethod
+    def buffer_bytes(target: HybridTarget, seqs: int, rows: int) -> int:
+        """The verify record's buffers: what a batch of up to `rows` rows adds beyond the caches."""
+        layers = [layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")]
+        m, rows = layers[0], HybridRows.record_rows(seqs, rows)
+        per_row = m.num_v_heads * (m.head_k_dim + m.head_v_dim + 1) * 4 + m.conv_dim * target.dtype.itemsize
+        return len(layers) * (per_row * rows + (m.conv_kernel_size - 1) * seqs * m.conv_dim * target.dtype.itemsize)
+
+    def record(self, seqs: list[SeqRows]) -> BatchRecord:
+        """The record a verify of these sequences fills (its buffers, and each sequence's conv window sources)."""
+        width = self.hybrid.conv_width
+        return BatchRecord(*self.buffers, [conv_sources(s.visible, s.depths, width) for s in seqs])
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: PagedMask,
-                kv: torch.Tensor, rope, seqs: list[SeqRows], record: BatchRecord | None, taps: tuple[int, ...],
-                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                kv: torch.Tensor, rope, seqs: list[SeqRows] | None, record: BatchRecord | None,
+                taps: tuple[int, ...], logit_rows: torch.Tensor | None = None,
+                varlen: VarlenRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every sequence's rows through the target -> logits [N, V] (only `logit_rows`' when given) and the
         drafter's taps. With a record (a verify), the recurrent layers fill it and leave the states alone;
-        without (a prefill), each sequence's states move past its rows."""
+        without (a prefill), each sequence's states move past its rows. With `varlen` (a verify on static
+        buffers) the recurrent layers read the sequences from the device and `seqs` is not needed."""
         hybrid = self.hybrid
         x = embed(self.model.embed_tokens, ids)
         cos, sin = rope(positions)
@@ -124,7 +156,11 @@ class HybridRows:
         for i, layer in enumerate(hybrid.decoder):
             h = hybrid.norm(layer.input_layernorm, x)
             if i in hybrid.recurrent_index:
-                mixed = self._recurrent(layer.linear_attn, hybrid.recurrent_index[i], h, seqs, record)
+                index = hybrid.recurrent_index[i]
+                if varlen is not None:
+                    mixed = self._varlen(layer.linear_attn, index, h, mask, varlen, record)
+                else:
+                    mixed = self._recurrent(layer.linear_attn, index, h, seqs, record)
             else:
                 mixed = hybrid.attention(layer.self_attn, kv[hybrid.attention_index[i]], h, mask, slots, cos, sin)
             x = x + mixed
@@ -149,7 +185,7 @@ class HybridRows:
                 continue
             for lo in range(seq.lo, seq.hi, PROMPT_CHUNK):  # a chunk's rows, committed piece by piece
                 hi = min(lo + PROMPT_CHUNK, seq.hi)
-                causal = seq.visible[lo - seq.lo:hi - seq.lo, lo - seq.lo:hi - seq.lo].contiguous()
+                causal = seq.visible[lo - seq.lo:hi - seq.lo, lo - seq.lo:hi - seq.lo].contiguous().to(h.device)
                 piece = self._piece(causal)
                 out[lo:hi] = hybrid.recurrent(module, h[lo:hi], piece, conv, state, kernel)
                 last = torch.tensor(hi - lo - 1, device=h.device)
@@ -157,6 +193,16 @@ class HybridRows:
                                        last)[0])
                 conv.copy_(piece.inputs.index_select(0, piece.sources[hi - lo - 1, 1:]))
         return out
+
+    def _varlen(self, module, index: int, h: torch.Tensor, mask: PagedMask, varlen: VarlenRows,
+                record: BatchRecord) -> torch.Tensor:
+        """A Gated DeltaNet layer over every sequence's tree in the varlen kernels (two launches)."""
+        proj = module.ddtree_in_proj(h)
+        out = gdn.varlen_tree_step(module, proj, self.pool.conv[index], self.pool.state[index], varlen.slots,
+                                   mask.row_offsets, varlen.sources, mask.visible, mask.vis_offsets,
+                                   record.inputs[index], record.keys[index], record.u[index], record.decay[index],
+                                   varlen.max_rows)
+        return self.hybrid.gated_out(module, out, proj[:, module.conv_dim:module.conv_dim + module.value_dim])
 
     def _piece(self, causal: torch.Tensor) -> Recurrent:
         """One recurrent layer's record for a causal piece of a prompt chunk."""
@@ -171,7 +217,7 @@ class HybridRows:
         """Each sequence's states become those after its node `lasts[b]` (an index into its rows), in every
         recurrent layer: exp(G_last) S0 + the path's k uᵀ weighted by their decay, as fast/delta.path_state."""
         device = record.keys.device
-        paths = [torch.nonzero(seq.visible[last].cpu())[:, 0] + seq.lo for seq, last in zip(seqs, lasts, strict=True)]
+        paths = [torch.nonzero(seq.visible[last])[:, 0] + seq.lo for seq, last in zip(seqs, lasts, strict=True)]
         longest = max(len(p) for p in paths)
         rows = torch.zeros((len(seqs), longest), dtype=torch.long)
         on_path = torch.zeros((len(seqs), longest), dtype=torch.bool)
