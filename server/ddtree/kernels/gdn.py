@@ -25,6 +25,12 @@ against 24.54 at B = 32.
 
 Both write what the commit needs into the same `Recurrent` buffers the PyTorch steps fill (the conv window's
 columns, the normed keys, u and G), so the commit is unchanged.
+
+Batch (continuous batching). `varlen_tree_step` runs the two tree kernels over many sequences at once, the
+sequence one more grid axis: each program reads its sequence's row range, slot in the conv and state pools and
+mask offset from device tensors and runs the same jit helpers as a single tree (the single-tree kernels are thin
+wrappers of them and build to the same code), so the grids depend on the batch's shape only and a CUDA graph
+can capture the call.
 """
 
 from __future__ import annotations
@@ -114,6 +120,52 @@ def tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Ten
     return out
 
 
+def varlen_tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_pool: torch.Tensor, state_pool: torch.Tensor,
+                     seq_slots: torch.Tensor, row_offsets: torch.Tensor, sources: torch.Tensor, visible: torch.Tensor,
+                     vis_offsets: torch.Tensor, inputs: torch.Tensor, keys: torch.Tensor, u: torch.Tensor,
+                     decay: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """`tree_step` for a batch of B sequences in the same two launches (continuous batching), each sequence with
+    its own rows, ancestor mask, committed conv columns and state. The grids depend on B, max_rows and the head
+    dims only, never on the data, and the host reads nothing from the device, so a CUDA graph can capture it.
+
+    Sequence b's rows are row_offsets[b]..row_offsets[b+1]-1 (row_offsets [B+1] int32) of proj [R, conv_dim +
+    value_dim + 2 H]: none for a padding sequence, and R may end in rows of no sequence. Its committed columns
+    and state are conv_pool[seq_slots[b]] and state_pool[seq_slots[b]] (conv_pool [S, W-1, conv_dim],
+    state_pool [S, H, d_k, d_v] float32, seq_slots [B] int32), only read. Its [n, n] ancestor mask lies
+    row-major at vis_offsets[b] ([B] int32) of the flat int8 (or bool) `visible`; its rows' `sources` [R, W]
+    (int64, as conv_sources makes them) index [its committed columns ; its rows].
+
+    max_rows (1..128) bounds every sequence's rows (unchecked) and pads the tree as n does tree_step's; past 64
+    the delta kernel takes 116 KB of shared memory at Qwen3.6-27B's widths, over a consumer GPU's 99 KB.
+
+    The record, what a commit needs: inputs [B (W-1) + R, conv_dim], sequence b's W-1 committed columns then
+    its rows' conv inputs from row row_offsets[b] + b (W-1); keys [R, H, d_k], u [R, H, d_v] and decay [R, H]
+    (float32) by row. Returns o [R, H * d_v] (model dtype, before the gated norm; rows of no sequence
+    unspecified).
+    """
+    rows, batch = proj.shape[0], seq_slots.numel()
+    heads, d_k, d_v = state_pool.shape[1:]
+    conv_dim, taps = conv_pool.shape[2], module.conv1d.weight.shape[-1]
+    block, slice_v = max(16, triton.next_power_of_2(max_rows)), min(d_v, TREE_SLICE)
+    warps, tile = TREE_CONFIGS[block]
+    slices = d_v // slice_v
+    # each sequence's Work as tree_step's for its n rows: q, v, β and g per row and head, then each delta
+    # program's system and G, (n + 1) * block floats; n * row_work + seq_work in all, from sequence to sequence
+    row_work, seq_work = heads * (d_k + d_v + 2 + slices * block), heads * slices * block
+    work = torch.empty(rows * row_work + batch * seq_work, dtype=torch.float32, device=proj.device)
+    out = torch.empty((rows, heads * d_v), dtype=proj.dtype, device=proj.device)
+    _varlen_prep_kernel[(max_rows, heads, batch)](
+        proj, conv_pool, module.conv1d.weight, module.A_log, module.dt_bias, inputs, sources, keys, work, seq_slots,
+        row_offsets, d_k ** -0.5, proj.stride(0), ROW_WORK=row_work, SEQ_WORK=seq_work, CONV_DIM=conv_dim,
+        KEY_DIM=module.key_dim, VALUE_DIM=module.value_dim, HEADS=heads, GROUPS=heads // module.num_k_heads, DK=d_k,
+        DV=d_v, TAPS=taps, num_warps=1)
+    _varlen_delta_kernel[(heads, slices, batch)](
+        state_pool, visible.view(torch.int8), keys, u, decay, work, out, seq_slots, row_offsets, vis_offsets,
+        ROW_WORK=row_work, SEQ_WORK=seq_work, HEADS=heads, DK=d_k, DV=d_v, SLICE=slice_v, BLOCK=block,
+        TILE=min(block, tile), CHUNK=min(d_k, TREE_CHUNK), PRECISION=TREE_PRECISION, num_warps=warps)
+    return out
+
+
 if triton is not None:
 
     @triton.jit
@@ -199,13 +251,12 @@ if triton is not None:
         return (acc / (1.0 + tl.exp(-acc))).to(Proj.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _tree_prep_kernel(Proj, ConvState, ConvW, ALog, DtBias, Inputs, Sources, Keys, Work, scale, n, stride_p,
-                          CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                          HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                          TAPS: tl.constexpr):
-        """Node i, value head h: its conv (q, k of the head's key head; v), normed q and k, β and g. Keys gets
-        the normed k (the commit's record); Work the scaled q, v, β and g."""
-        i, h = tl.program_id(0), tl.program_id(1)
+    def _tree_prep(Proj, ConvState, ConvW, ALog, DtBias, Inputs, Sources, Keys, Work, scale, i, h, n, stride_p,
+                   CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, HEADS: tl.constexpr,
+                   GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, TAPS: tl.constexpr):
+        """Node i of a tree of n, value head h: its conv (q, k of the head's key head; v), normed q and k, β and
+        g. Keys gets the normed k (the commit's record); Work the scaled q, v, β and g. Every pointer is the
+        tree's own (its first row, its committed columns, its record): one tree or one sequence of a batch."""
         k_head = h // GROUPS
         dk, dv = tl.arange(0, DK), tl.arange(0, DV)
         first = h % GROUPS == 0
@@ -245,14 +296,14 @@ if triton is not None:
         return xk, xs, vis, tl.load(GSums + rows, mask=valid, other=0.0)
 
     @triton.jit
-    def _tree_delta_kernel(State, Vis, Keys, U, Decay, Work, Out, n, HEADS: tl.constexpr, DK: tl.constexpr,
-                           DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
-                           CHUNK: tl.constexpr, PRECISION: tl.constexpr):
-        """Value head h, d_v slice c, over the n nodes (BLOCK columns, padded), TILE rows at a time so no
-        [BLOCK, BLOCK] product is ever held: G along each path; the system's strict lower part
+    def _tree_delta(State, Vis, Keys, U, Decay, Work, Out, n, h, c, HEADS: tl.constexpr, DK: tl.constexpr,
+                    DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                    CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+        """Value head h, d_v slice c (of the grid's axis 1), over the n nodes (BLOCK columns, padded), TILE rows
+        at a time so no [BLOCK, BLOCK] product is ever held: G along each path; the system's strict lower part
         L = β exp(G_i - G_j) k_iᵀk_j and right-hand side β (v - exp(G) S0ᵀ k), through memory; u by forward
-        substitution; then o = exp(G) S0ᵀ q + (exp(G_i - G_j) q_iᵀk_j over the ancestors) u."""
-        h, c = tl.program_id(0), tl.program_id(1)
+        substitution; then o = exp(G) S0ᵀ q + (exp(G_i - G_j) q_iᵀk_j over the ancestors) u. Every pointer is
+        the tree's own; its Work holds the prep's q, v, β and g, then each (head, slice)'s L rows and G."""
         cols, tile = tl.arange(0, BLOCK), tl.arange(0, TILE)
         dv = c * SLICE + tl.arange(0, SLICE)
         col_valid = cols < n
@@ -303,3 +354,57 @@ if triton is not None:
             o = tl.exp(g_rows)[:, None] * qs + tl.dot(qk, u, input_precision=PRECISION)
             tl.store(Out + rows[:, None] * (HEADS * DV) + h * DV + dv[None, :], o.to(Out.dtype.element_ty),
                      mask=valid[:, None])
+
+    @triton.jit
+    def _tree_prep_kernel(Proj, ConvState, ConvW, ALog, DtBias, Inputs, Sources, Keys, Work, scale, n, stride_p,
+                          CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                          HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          TAPS: tl.constexpr):
+        """One tree: node i = program 0, value head h = program 1."""
+        _tree_prep(Proj, ConvState, ConvW, ALog, DtBias, Inputs, Sources, Keys, Work, scale, tl.program_id(0),
+                   tl.program_id(1), n, stride_p, CONV_DIM, KEY_DIM, VALUE_DIM, HEADS, GROUPS, DK, DV, TAPS)
+
+    @triton.jit
+    def _tree_delta_kernel(State, Vis, Keys, U, Decay, Work, Out, n, HEADS: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                           CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+        """One tree: value head h = program 0, d_v slice c = program 1."""
+        _tree_delta(State, Vis, Keys, U, Decay, Work, Out, n, tl.program_id(0), tl.program_id(1), HEADS, DK, DV,
+                    SLICE, BLOCK, TILE, CHUNK, PRECISION)
+
+    @triton.jit
+    def _varlen_prep_kernel(Proj, ConvPool, ConvW, ALog, DtBias, Inputs, Sources, Keys, Work, SeqSlots, RowOffsets,
+                            scale, stride_p, ROW_WORK: tl.constexpr, SEQ_WORK: tl.constexpr,
+                            CONV_DIM: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                            HEADS: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                            TAPS: tl.constexpr):
+        """Sequence b = program 2 of a batch, its node i = program 0 (past its rows: nothing), value head h =
+        program 1: `_tree_prep` on the sequence's rows, pool slot and segments of the record and of Work (its
+        own tree's Work at row_offsets[b] * ROW_WORK + b * SEQ_WORK)."""
+        i, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        lo = tl.load(RowOffsets + b)
+        n = tl.load(RowOffsets + b + 1) - lo
+        if i >= n:
+            return
+        slot = tl.load(SeqSlots + b).to(tl.int64)
+        _tree_prep(Proj + lo * stride_p, ConvPool + slot * ((TAPS - 1) * CONV_DIM), ConvW, ALog, DtBias,
+                   Inputs + (lo + b * (TAPS - 1)) * CONV_DIM, Sources + lo * TAPS, Keys + lo * (HEADS * DK),
+                   Work + lo * ROW_WORK + b * SEQ_WORK, scale, i, h, n, stride_p, CONV_DIM, KEY_DIM, VALUE_DIM, HEADS,
+                   GROUPS, DK, DV, TAPS)
+
+    @triton.jit
+    def _varlen_delta_kernel(StatePool, Vis, Keys, U, Decay, Work, Out, SeqSlots, RowOffsets, VisOffsets,
+                             ROW_WORK: tl.constexpr, SEQ_WORK: tl.constexpr, HEADS: tl.constexpr, DK: tl.constexpr,
+                             DV: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                             CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+        """Sequence b = program 2 of a batch (no rows: nothing), value head h = program 0, d_v slice c = program
+        1: `_tree_delta` on the sequence's pool slot, mask and segments."""
+        h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        lo = tl.load(RowOffsets + b)
+        n = tl.load(RowOffsets + b + 1) - lo
+        if n == 0:
+            return
+        slot = tl.load(SeqSlots + b).to(tl.int64)
+        _tree_delta(StatePool + slot * (HEADS * DK * DV), Vis + tl.load(VisOffsets + b), Keys + lo * (HEADS * DK),
+                    U + lo * (HEADS * DV), Decay + lo * HEADS, Work + lo * ROW_WORK + b * SEQ_WORK,
+                    Out + lo * (HEADS * DV), n, h, c, HEADS, DK, DV, SLICE, BLOCK, TILE, CHUNK, PRECISION)
