@@ -247,7 +247,8 @@ def test_drafts_with_layer_rules_batch_and_others_fall_back_to_the_reference(fas
     ("qwen3", "draft_swa", None),
     ("qwen3", "draft_dflash2", "DFlash2 drafters"),
     ("qwen3", "draft_sinks", "attention sinks"),
-    ("hybrid", "draft", "hybrid targets"),
+    ("qwen3_5", "draft", None),
+    ("qwen3_next", "draft", "Qwen3-Next"),
 ])
 def test_pairs_the_paged_path_cannot_batch_are_named(fast_ckpt, tmp_path, target, draft, reason):
     """What the paged fast path would hand to the eager reference path is known before any request comes, so a
@@ -255,10 +256,10 @@ def test_pairs_the_paged_path_cannot_batch_are_named(fast_ckpt, tmp_path, target
     from ddtree.engine import Engine
     from tiny import make_hybrid_target
 
-    if target == "hybrid":
-        make_hybrid_target(tmp_path / "hybrid", "qwen3_5")
+    if target.startswith("qwen3_"):  # hybrids: Qwen3.5's Gated DeltaNet layers batch in the varlen kernels
+        make_hybrid_target(tmp_path / target, target)
         make_draft(tmp_path / "draft", taps=[1, 2])
-        engine = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cpu")
+        engine = Engine.from_pretrained(tmp_path / target, tmp_path / "draft", device="cpu")
     else:
         engine = Engine.from_pretrained(fast_ckpt / target, fast_ckpt / draft, device="cpu")
     said = PagedBackend.declines(engine.target, engine.draft)

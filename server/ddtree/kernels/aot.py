@@ -143,12 +143,47 @@ def cases(pdl: int) -> list[Case]:
         ROWS=triton.next_power_of_2(paged_attention.BLOCK_M * 4), IEEE=False),
         {"Starts": "i32", "Offsets": "i32", "Tables": "i32", "Vis": "i8", "VisOffsets": "i32", "Tiles": "i32"},
         {"scale": "fp32"}, num_stages=2))
+    out += gdn_cases()
     for name, fn, k in (("experts gate/up", moe._up_kernel, 2048), ("experts down", moe._down_kernel, 768)):
         out.append(Case(name, fn, dict(
             K=k, PAIRS=8, EXPERTS=128, TOP_K=8, BY_EXPERT=False, BLOCK_P=8, BLOCK_M=16, SORTED=True,
             BLOCK_N=moe.UP_CONFIG["block_n"], BLOCK_K=moe._block_k(k), PRECISION="tf32"),
             {"Owners": "i32", "Order": "i32"}, {"N": "i32"}, num_stages=moe.UP_CONFIG["num_stages"],
             shrink=("BLOCK_N", 16)))
+    return out
+
+
+def gdn_cases() -> list[Case]:
+    """The Gated DeltaNet kernels at the Qwen3.6-27B shape (48 value heads over 16 key heads, d_k = d_v = 128,
+    conv width 4): the AR step's, a tree's (one sequence) and a batch's (varlen), at each padded tree width, with
+    Triton's default pipeline depth (3), as they are launched."""
+    from ddtree.kernels import gdn
+
+    heads, key_heads, d = 48, 16, 128
+    shape = dict(CONV_DIM=2 * key_heads * d + heads * d, KEY_DIM=key_heads * d, VALUE_DIM=heads * d, HEADS=heads,
+                 GROUPS=heads // key_heads, DK=d, DV=d, TAPS=4)
+    pointers = {"State": "fp32", "StatePool": "fp32", "Keys": "fp32", "U": "fp32", "Decay": "fp32",
+                "Work": "fp32", "Sources": "i64", "Vis": "i8", "SeqSlots": "i32", "RowOffsets": "i32",
+                "VisOffsets": "i32"}
+    scalars = {"eps": "fp32", "scale": "fp32"}
+    slice_v = min(d, gdn.TREE_SLICE)
+    stages = 3
+    out = [Case("Gated DeltaNet AR step", gdn._row_kernel, shape, pointers, scalars, num_warps=gdn.ROW_WARPS,
+                num_stages=stages),
+           Case("Gated DeltaNet tree prep", gdn._tree_prep_kernel, shape, pointers, scalars, num_warps=1,
+                num_stages=stages)]
+    for block in (16, 32, 64):  # trees of up to gdn.TREE_MAX rows
+        warps, tile = gdn.TREE_CONFIGS[block]
+        delta = dict(HEADS=heads, DK=d, DV=d, SLICE=slice_v, BLOCK=block, TILE=min(block, tile),
+                     CHUNK=min(d, gdn.TREE_CHUNK), PRECISION=gdn.TREE_PRECISION)
+        work = dict(ROW_WORK=heads * (2 * d + 2 + d // slice_v * block), SEQ_WORK=heads * d // slice_v * block)
+        out.append(Case(f"Gated DeltaNet tree delta {block}", gdn._tree_delta_kernel, delta, pointers,
+                        num_warps=warps, num_stages=stages))
+        out.append(Case(f"Gated DeltaNet varlen delta {block}", gdn._varlen_delta_kernel, dict(delta, **work),
+                        pointers, num_warps=warps, num_stages=stages))
+        if block == 64:
+            out.append(Case("Gated DeltaNet varlen prep", gdn._varlen_prep_kernel, dict(shape, **work), pointers,
+                            scalars, num_warps=1, num_stages=stages))
     return out
 
 

@@ -58,10 +58,11 @@ GATED_NORMS = {"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated"}  # weight * norm
 
 
 def takes(module: torch.nn.Module) -> bool:
-    """Whether the kernel computes this Gated DeltaNet module's step: one fused input projection (qkv, z, b,
-    a), a SiLU conv and Qwen3.5's gated norm, with power-of-two head dims."""
+    """Whether the kernel computes this Gated DeltaNet module's step: Qwen3.5's input projections (qkv, z, b,
+    a: the fast path fuses them into one, `ddtree_in_proj`, which the kernels read), a SiLU conv and Qwen3.5's
+    gated norm, with power-of-two head dims."""
     dims = (getattr(module, "head_k_dim", 0), getattr(module, "head_v_dim", 0))
-    return (hasattr(module, "ddtree_in_proj") and getattr(module, "activation", None) == "silu"
+    return (hasattr(module, "in_proj_qkv") and getattr(module, "activation", None) == "silu"
             and type(module.norm).__name__ in GATED_NORMS and all(d >= 16 and d & (d - 1) == 0 for d in dims))
 
 
