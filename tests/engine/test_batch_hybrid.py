@@ -183,3 +183,19 @@ def test_the_cost_model_of_a_hybrid_is_measured_within_its_trees_rows_and_leaves
     rows = [r for r, _ in cost.points]
     assert rows and max(rows) <= 2 * gdn.TREE_MAX
     assert not backend.hybrid.pool.state.any() and not backend.hybrid.pool.conv.any()
+
+
+def test_the_memory_the_server_budgets_for_a_hybrid_is_what_the_pools_take(hybrids):
+    """The server sizes the KV cache from what is left after the states (pool_tokens): a state slot's bytes are
+    what the pool allocates per sequence, and a cache slot counts the attention layers' K/V only."""
+    from ddtree.fast.batch import slot_bytes
+    from ddtree.fast.paged_hybrid import RecurrentPool
+
+    engine = hybrids["qwen3_5"]
+    backend = batch_of(engine).backends[0]
+    pool = backend.hybrid.pool
+    per_sequence = pool.conv[:, 0].numel() * pool.conv.element_size() + pool.state[:, 0].numel() * 4
+    assert RecurrentPool.bytes_per_sequence(engine.target) == per_sequence
+    kv = backend.kv
+    assert slot_bytes(engine.target, None) == kv[:, :, :, 0].numel() * kv.element_size()
+    assert kv.shape[0] == len(backend.hybrid.hybrid.attention_index) < len(engine.target.layers)
