@@ -4,24 +4,7 @@ import pytest
 import torch
 from ddtree.fast.delta import conv_sources, l2_normed, path_state, tree_delta_rule
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
-
-
-def random_tree(n: int, generator: torch.Generator) -> list[int]:
-    """Parent per node (-1 for the root), each parent before its child."""
-    return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
-
-
-def ancestry(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(parents)
-    visible = torch.zeros(n, n, dtype=torch.bool)
-    depths = torch.zeros(n, dtype=torch.long)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            visible[i, j] = True
-            j = parents[j]
-        depths[i] = visible[i].sum() - 1
-    return visible, depths
+from trees import ancestry, random_tree
 
 
 def recurrence(q, k, v, g, beta, state, path):

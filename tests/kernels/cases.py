@@ -221,9 +221,9 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, 
     from ddtree.fast.layers import fuse
     from ddtree.kernels import gdn
     from ddtree.models.hybrid import split_heads
-    from test_delta import ancestry, random_tree
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    from trees import ancestry, random_tree
 
     torch.manual_seed(heads + d + nodes)
     config = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=k_heads, linear_num_value_heads=heads,

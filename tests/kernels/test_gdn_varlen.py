@@ -3,21 +3,12 @@
 import pytest
 import torch
 from marks import gpu, interpreted
+from trees import ancestry
 
 # (parents per node: -1 for the root, parents first; pool slot) per sequence: a small tree, an AR step, a padding
 # sequence without rows, a causal chain; slots out of order
 SEQUENCES = [([-1, 0, 0, 1, 1, 2, 5], 4), ([-1], 0), ([], 5), ([-1, *range(19)], 2)]
 SLOTS, PADDING = 6, 3  # pool size; rows after the last sequence's
-
-
-def ancestry(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The [n, n] ancestor-or-self mask and the depths of a tree given by its parents."""
-    n = len(parents)
-    visible = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            visible[i] |= visible[p]
-    return visible, visible.sum(1) - 1
 
 
 def varlen_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, max_rows: int) -> None:
