@@ -5,6 +5,7 @@ A hybrid's Gated DeltaNet layers keep one state per sequence (fast/paged_hybrid.
 preemption and chunked prefill, so states are built over several steps, dropped and rebuilt.
 """
 
+import numpy as np
 import pytest
 import torch
 from ddtree.core.blocks import BlockManager
@@ -136,7 +137,7 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
         positions += [state.start, *(state.start + d for d in tree.depths)]
         slots += backend.blocks.slots(seq_id, state.start, tree.size + 1)
         backend._describe(layout, seq_id, state.start, visibility(tree))
-    rows = backend._seq_rows(seq_ids, layout)
+    rows = backend._seq_rows(seq_ids, layout, trees)
     record = backend.hybrid.record(rows)
     backend._run("verify", ids, positions, slots, layout, rows, record)
     lasts = [max(range(tree.size + 1), key=lambda i: (tree.depths[i - 1] if i else 0, i)) for tree in trees]
@@ -199,3 +200,22 @@ def test_the_memory_the_server_budgets_for_a_hybrid_is_what_the_pools_take(hybri
     kv = backend.kv
     assert slot_bytes(engine.target, None) == kv[:, :, :, 0].numel() * kv.element_size()
     assert kv.shape[0] == len(backend.hybrid.hybrid.attention_index) < len(engine.target.layers)
+
+
+def test_the_batchs_conv_windows_are_each_sequences_own():
+    """conv_windows (every row of a batch at once, on the host) equals fast.delta.conv_sources per sequence:
+    trees, a chain, a lone root, at a conv width of 4 and of 2."""
+    from ddtree.fast.delta import conv_sources
+    from ddtree.fast.paged_hybrid import SeqRows, conv_windows
+    from trees import ancestry, random_tree
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [random_tree(9, gen), [-1], [-1, *range(11)], random_tree(30, gen)]
+    seqs, lo = [], 0
+    for parents in shapes:
+        visible, depths = ancestry(parents)
+        seqs.append(SeqRows(0, lo, lo + len(parents), visible, np.array(parents), depths.numpy()))
+        lo += len(parents)
+    for width in (4, 2):
+        want = torch.cat([conv_sources(s.visible, torch.from_numpy(s.depths), width) for s in seqs])
+        assert torch.equal(conv_windows(seqs, width), want)

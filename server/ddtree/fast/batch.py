@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ddtree.core import grammar
@@ -119,14 +120,12 @@ class StaticRows:
             self.visible[:visible.numel()].copy_(visible, non_blocking=True)
         self.tiles.copy_(tiles, non_blocking=True)
 
-    def fill_recurrent(self, seqs: list[SeqRows], sources: list[torch.Tensor]) -> None:
-        """A hybrid verify's sequences: their state slots and their rows' conv windows."""
+    def fill_recurrent(self, seqs: list[SeqRows], sources: torch.Tensor) -> None:
+        """A hybrid verify's sequences: their state slots and their rows' conv windows (sources [R, W])."""
         slots = torch.zeros(self.seqs, dtype=torch.int32)
         slots[:len(seqs)] = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
         self.state_slots.copy_(slots, non_blocking=True)
-        if sources:
-            rows = torch.cat(sources)
-            self.sources[:rows.shape[0]].copy_(rows, non_blocking=True)
+        self.sources[:sources.shape[0]].copy_(sources, non_blocking=True)
 
     def mask(self, page: int, window: int | None = None, visible: torch.Tensor | None = None) -> PagedMask:
         """The layout as the kernel reads it (`visible`: another visibility buffer at the same offsets)."""
@@ -346,7 +345,7 @@ class PagedBackend:
             positions += [state.start, *(state.start + d for d in tree.depths)]
             slots += self.blocks.slots(seq_id, state.start, n)
             self._describe(layout, seq_id, state.start, visibility(tree))
-        seqs = self._seq_rows(seq_ids, layout)
+        seqs = self._seq_rows(seq_ids, layout, trees)
         record = self.hybrid.record(seqs) if self.hybrid else None
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
         phases["verify"], t = self._lap(t)
@@ -617,17 +616,23 @@ class PagedBackend:
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
 
-    def _seq_rows(self, seq_ids: list[int], layout: PagedLayout) -> list[SeqRows] | None:
-        """A hybrid forward's sequences: each one's state slot, rows and their visibility (None for a dense
-        target). Before any sequence runs (measuring the cost model) the forward reads the slots in order."""
+    def _seq_rows(self, seq_ids: list[int], layout: PagedLayout,
+                  trees: list[DraftTree] | None = None) -> list[SeqRows] | None:
+        """A hybrid forward's sequences (None for a dense target): each one's state slot, rows, their visibility,
+        and their tree (each sequence's root and `trees`' nodes; without trees, causal chains: prompt chunks).
+        Before any sequence runs (measuring the cost model) the forward reads the slots in order."""
         if not self.hybrid:
             return None
         slots = self.hybrid.pool.slots
         out = []
         for b, visible in enumerate(layout.visible):
-            depths = visible.sum(dim=1) - 1  # ancestors above each row
+            n = visible.shape[0]
+            if trees is None:
+                parents, depths = np.arange(-1, n - 1), np.arange(n)
+            else:
+                parents, depths = np.array(trees[b].parents), np.array([0, *trees[b].depths])
             out.append(SeqRows(slots.get(seq_ids[b], b) if b < len(seq_ids) else b, layout.row_offsets[b],
-                               layout.row_offsets[b + 1], visible, depths))
+                               layout.row_offsets[b + 1], visible, parents, depths))
         return out
 
     def _block_rule(self, layout: PagedLayout, visible: torch.Tensor) -> PagedLayout:

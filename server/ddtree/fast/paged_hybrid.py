@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ddtree.fast.delta import conv_sources, path_state
@@ -37,13 +38,33 @@ from ddtree.models.target import HybridTarget
 
 @dataclass(frozen=True)
 class SeqRows:
-    """One sequence's share of a hybrid forward: its pool slot, its rows lo..hi-1 and their visibility."""
+    """One sequence's share of a hybrid forward: its pool slot, its rows lo..hi-1, their visibility and tree."""
 
     slot: int
     lo: int
     hi: int
     visible: torch.Tensor  # [n, n] bool, on the host: ancestors and self (a causal chain for a prompt chunk)
-    depths: torch.Tensor  # [n], on the host: each row's position less the sequence's committed length
+    parents: np.ndarray  # [n]: each row's parent among the sequence's rows, -1 for the first (the root)
+    depths: np.ndarray  # [n]: each row's position less the sequence's committed length
+
+
+def conv_windows(seqs: list[SeqRows], width: int) -> torch.Tensor:
+    """fast/delta.conv_sources for every sequence's rows at once, on the host: [R, width] indices into each
+    sequence's own [width - 1 committed columns ; its rows], oldest tap first. Tap t of a row is its ancestor t
+    steps up, or a committed column once its path runs out above the root."""
+    if not seqs:
+        return torch.zeros((0, width), dtype=torch.long)
+    past, base = width - 1, seqs[0].lo  # the sequences' rows follow one another from `base`
+    lo = np.repeat([s.lo - base for s in seqs], [s.hi - s.lo for s in seqs])
+    parents = np.concatenate([np.where(s.parents >= 0, s.parents + s.lo - base, -1) for s in seqs])
+    depths = np.concatenate([s.depths for s in seqs])
+    out = np.empty((len(lo), width), dtype=np.int64)
+    ancestor = np.arange(len(lo))
+    out[:, past] = past + ancestor - lo
+    for t in range(1, width):
+        ancestor = np.where(ancestor >= 0, parents[np.maximum(ancestor, 0)], -1)
+        out[:, past - t] = np.where(depths >= t, past + ancestor - lo, past - (t - depths))
+    return torch.from_numpy(out)
 
 
 @dataclass(frozen=True)
@@ -64,14 +85,14 @@ class BatchRecord:
     keys: torch.Tensor  # [L, R, H, d_k]
     u: torch.Tensor  # [L, R, H, d_v]
     decay: torch.Tensor  # [L, R, H]
-    sources: list[torch.Tensor]  # per sequence [n, W], on the host: conv window rows in its segment of `inputs`
+    sources: torch.Tensor  # [R, W] on the host: each row's conv window in its sequence's segment of `inputs`
 
     def of(self, index: int, b: int, seq: SeqRows, past: int) -> Recurrent:
         """Sequence b's record in recurrent layer `index` (views)."""
         seg, device = seq.lo + b * past, self.keys.device
         return Recurrent(self.inputs[index, seg:seg + past + seq.hi - seq.lo], self.keys[index, seq.lo:seq.hi],
                          self.u[index, seq.lo:seq.hi], self.decay[index, seq.lo:seq.hi], seq.visible.to(device),
-                         self.sources[b].to(device))
+                         self.sources[seq.lo:seq.hi].to(device))
 
 
 class RecurrentPool:
@@ -138,8 +159,7 @@ class HybridRows:
 
     def record(self, seqs: list[SeqRows]) -> BatchRecord:
         """The record a verify of these sequences fills (its buffers, and each sequence's conv window sources)."""
-        width = self.hybrid.conv_width
-        return BatchRecord(*self.buffers, [conv_sources(s.visible, s.depths, width) for s in seqs])
+        return BatchRecord(*self.buffers, conv_windows(seqs, self.hybrid.conv_width))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: PagedMask,
                 kv: torch.Tensor, rope, seqs: list[SeqRows] | None, record: BatchRecord | None,
@@ -217,21 +237,23 @@ class HybridRows:
         """Each sequence's states become those after its node `lasts[b]` (an index into its rows), in every
         recurrent layer: exp(G_last) S0 + the path's k uᵀ weighted by their decay, as fast/delta.path_state."""
         device = record.keys.device
-        paths = [torch.nonzero(seq.visible[last])[:, 0] + seq.lo for seq, last in zip(seqs, lasts, strict=True)]
-        longest = max(len(p) for p in paths)
-        rows = torch.zeros((len(seqs), longest), dtype=torch.long)
-        on_path = torch.zeros((len(seqs), longest), dtype=torch.bool)
-        for b, path in enumerate(paths):
-            rows[b, :len(path)], on_path[b, :len(path)] = path, True
-        rows, on_path = rows.to(device), on_path.to(device)
-        last_rows = torch.tensor([seq.lo + last for seq, last in zip(seqs, lasts, strict=True)], device=device)
+        last_rows = np.array([seq.lo + last for seq, last in zip(seqs, lasts, strict=True)])
+        longest = int(max(seq.depths[last] for seq, last in zip(seqs, lasts, strict=True))) + 1
+        rows = np.zeros((len(seqs), longest), dtype=np.int64)  # each path's rows, root first, padded with row 0
+        on_path = np.zeros((len(seqs), longest), dtype=np.bool_)
+        for b, (seq, last) in enumerate(zip(seqs, lasts, strict=True)):
+            node, depth = last, seq.depths[last]
+            while node >= 0:
+                rows[b, depth], on_path[b, depth] = seq.lo + node, True
+                node, depth = seq.parents[node], depth - 1
+        rows, on_path = torch.from_numpy(rows).to(device), torch.from_numpy(on_path).to(device)
         slots = torch.tensor([seq.slot for seq in seqs], device=device)
-        g_last = record.decay[:, last_rows]  # [L, B, H]
+        g_last = record.decay[:, torch.from_numpy(last_rows).to(device)]  # [L, B, H]
         w = (g_last[:, :, None] - record.decay[:, rows]).masked_fill(~on_path[None, :, :, None], float("-inf")).exp()
         state = self.pool.state.index_select(1, slots)
         state = g_last.exp()[..., None, None] * state + torch.einsum(
             "lbphk,lbph,lbphv->lbhkv", record.keys[:, rows], w, record.u[:, rows])
         self.pool.state.index_copy_(1, slots, state)
-        window = torch.stack([record.sources[b][last, 1:] + seq.lo + b * self.past
-                              for b, (seq, last) in enumerate(zip(seqs, lasts, strict=True))])  # [B, W-1]
+        segments = torch.tensor([seq.lo + b * self.past for b, seq in enumerate(seqs)])
+        window = record.sources[torch.from_numpy(last_rows), 1:] + segments[:, None]  # [B, W-1] rows of `inputs`
         self.pool.conv.index_copy_(1, slots, record.inputs[:, window.to(device)])
