@@ -11,6 +11,8 @@ from ddtree.core.tree import (
     build_tree,
     chain_tree,
     selector_chain,
+    selector_chain_tree,
+    selector_tree_from_sorted,
     top_candidates,
     visibility,
     walk,
@@ -181,6 +183,26 @@ def test_selector_chain_takes_each_depths_best_successor_of_the_previous_pick():
         assert token == int(model.tokens[d, j]) and len(set(model.tokens[d].tolist())) == 4
         prev = j
     assert build_selector_tree(model, 1).tokens == chain[:1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_selector_chain_as_a_tree_carries_its_prefixes_transition_log_probabilities(seed):
+    """A batched round's DFlash2 chain (from sorted transitions): the selector's chain, each node scored by its
+    prefix's log-probability under the transitions (what the batch budget weighs); and the selector tree built
+    from sorted transitions is build_selector_tree's."""
+    model = random_transitions(5, 4, seed=seed)
+    ordered, order = torch.sort(model.logp.double(), dim=-1, descending=True, stable=True)
+    rows = ordered.tolist(), order.tolist(), model.tokens.tolist()
+    chain = selector_chain_tree(*rows)
+    assert chain.tokens == selector_chain(model) and chain.parents == list(range(-1, 5))
+    prev, score = 0, 0.0
+    for d, node_score in enumerate(chain.scores):
+        j = int(model.logp[d, prev].argmax())
+        score += float(model.logp[d, prev, j])
+        assert node_score == pytest.approx(score, abs=1e-9)
+        prev = j
+    for budget in (1, 7, 20):
+        assert selector_tree_from_sorted(*rows, budget).tokens == build_selector_tree(model, budget).tokens
 
 
 def test_selector_tree_differs_from_the_marginal_tree_when_transitions_matter():

@@ -7,6 +7,7 @@ small pools force preemption, small token budgets chunked prefill.
 """
 
 import pytest
+import torch
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import CostModel
 from ddtree.core.grammar import json_schema_grammar
@@ -226,26 +227,69 @@ def test_the_interpreted_kernels_batch_as_the_gpu_replays(engines, kernels_on_cp
         assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
 
 
-@pytest.mark.parametrize("draft", ["draft_swa", "draft_dflash2"])
-def test_drafts_with_layer_rules_batch_and_others_fall_back_to_the_reference(fast_ckpt, draft):
+@pytest.mark.parametrize("draft", ["draft_swa", "draft_dflash2", "draft_sinks"])
+def test_drafts_with_layer_rules_and_dflash2_batch_and_others_fall_back_to_the_reference(fast_ckpt, draft):
     """A sliding-window drafter (causal inside the block by the checkpoint rule) batches on the paged path with
-    each layer's own block mask; a DFlash2 drafter's requests take the reference path, one after another, in the
-    same batch engine. Both decode the target's tokens."""
+    each layer's own block mask; a DFlash2 drafter with its convolutions (each block on its own) and its
+    selector's chain and trees; a drafter with attention sinks takes the reference path, one request after
+    another, in the same batch engine. All decode the target's tokens."""
     from ddtree.engine import Engine
 
     engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cpu")
     requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS[:4], METHODS[:4], strict=True)]
     seqs = run(paged(engine), requests)
     drafting = [seq for seq, (_, _, method, _) in zip(seqs, requests, strict=True) if method != "ar"]
-    assert {seq.backend.name for seq in drafting} == {"fast" if draft == "draft_swa" else "reference"}
+    assert {seq.backend.name for seq in drafting} == {"reference" if draft == "draft_sinks" else "fast"}
     for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+
+
+def test_a_dflash2_batch_drafts_what_each_request_drafts_alone(fast_ckpt):
+    """The batched DFlash2 block pass (one pass for every request's block, each block convolved on its own) gives
+    each request the transition model, and so the selector tree, its block gives in a pass of its own."""
+    from ddtree.core.tree import selector_tree_from_sorted
+    from ddtree.engine import Engine
+
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_dflash2", device="cpu")
+    batch = paged(engine)
+    backend = batch.backends[0]
+    seqs = [batch.add(p, GREEDY, method="ddtree", budget=12) for p in PROMPTS[:3]]
+    batch.step()  # the prompts go in whole
+    ids = [seq.seq_id for seq in seqs]
+    states = [backend.states[i] for i in ids]
+    for i, state in zip(ids, states, strict=True):
+        backend.blocks.ensure(i, state.start + backend.block)
+    together = backend._draft(ids, states, list(range(len(ids))))
+    for b, (i, state) in enumerate(zip(ids, states, strict=True)):
+        alone = backend._draft([i], [state], [0])
+        for got, want in zip(together, alone, strict=True):
+            torch.testing.assert_close(got[b], want[0], rtol=1e-5, atol=1e-5)
+        trees = [selector_tree_from_sorted(o[0].double().tolist(), r[0].tolist(), t[0].tolist(), 12)
+                 for o, r, t in ((alone[0], alone[1], alone[2]),
+                                 (together[0][b:b + 1], together[1][b:b + 1], together[2][b:b + 1]))]
+        assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+
+
+def test_the_interpreted_kernels_batch_a_dflash2_drafter_as_the_gpu_replays(fast_ckpt, kernels_on_cpu):
+    """The DFlash2 block pass on static buffers (its convolutions per block, the selector's transitions from the
+    pass's normed rows) with the paged attention kernel interpreted, as a GPU's draft graphs run it."""
+    from ddtree.engine import Engine
+
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_dflash2", device="cpu")
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "dflash", None)]
+    batch = paged(engine, blocks=24)
+    assert batch.backends[0].static and batch.backends[0].selector
+    seqs = run(batch, requests)
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.backend.name == "fast"
         assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
 
 
 @pytest.mark.parametrize(("target", "draft", "reason"), [
     ("qwen3", "draft", None),
     ("qwen3", "draft_swa", None),
-    ("qwen3", "draft_dflash2", "DFlash2 drafters"),
+    ("qwen3", "draft_dflash2", None),
     ("qwen3", "draft_sinks", "attention sinks"),
     ("qwen3_5", "draft", None),
     ("qwen3_next", "draft", "Qwen3-Next"),

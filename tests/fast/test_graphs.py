@@ -401,14 +401,16 @@ def test_dflash2_and_2026_field_drafts_replay_as_graphs_and_give_the_targets_tok
 
 
 @gpu
+@pytest.mark.parametrize("draft", ["draft", "draft_dflash2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batched_rounds_replay_as_graphs_and_give_each_requests_tokens(fast_ckpt, dtype):
+def test_batched_rounds_replay_as_graphs_and_give_each_requests_tokens(fast_ckpt, dtype, draft):
     """The batch engine on the GPU: prompt chunks, every drafter block and every tree of a mixed batch, replayed
     from its bucketed CUDA graphs over the paged caches, give each request the tokens it gets alone (float32:
-    exactly; bf16: parting only at a near-tie of the reference's own logits), and every block comes back."""
+    exactly; bf16: parting only at a near-tie of the reference's own logits), and every block comes back. A
+    DFlash2 drafter's block pass convolves each block on its own and its selector drafts every request's tree."""
     from ddtree.engine.batch import BatchOptions
 
-    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype=dtype, fast=True,
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cuda", dtype=dtype, fast=True,
                                   fast_capacity=512)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     batch = fast.batch(BatchOptions(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_tokens=4096))
@@ -472,11 +474,11 @@ def test_batched_hybrid_rounds_replay_as_graphs_and_give_each_requests_tokens(tm
 
 @gpu
 def test_a_pair_the_paged_path_cannot_batch_runs_one_at_a_time_on_the_fast_path(fast_ckpt):
-    """A DFlash2 drafter does not batch on the paged path yet: the server decodes its requests one at a time on
-    the single-sequence fast path (graphs and all), not many at a time on the eager reference path."""
+    """A drafter with attention sinks does not batch on the paged path yet: the server decodes its requests one at
+    a time on the single-sequence fast path (graphs and all), not many at a time on the eager reference path."""
     from ddtree.engine.batch import BatchOptions
 
-    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_dflash2", device="cuda", fast=True)
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_sinks", device="cuda", fast=True)
     batch = fast.batch(BatchOptions(max_num_seqs=8))
     assert batch.max_num_seqs == 1 and batch.backends[0].name == "fast"
     seq = batch.add([1, 2, 3, 4, 5], GREEDY, method="ddtree", budget=8)

@@ -129,11 +129,35 @@ def build_selector_tree(transitions: Transitions, budget: int) -> DraftTree:
     order and tie rules as build_tree."""
     if budget <= 0 or transitions.logp.shape[0] == 0:
         return DraftTree()
-    k = min(budget, transitions.logp.shape[-1])
     logp, order = torch.sort(transitions.logp.double(), dim=-1, descending=True, stable=True)
-    order = order[..., :k]
-    tokens = transitions.tokens[:, None, :].expand_as(transitions.logp).gather(2, order)
-    return _best_first(logp[..., :k].tolist(), tokens.tolist(), order.tolist(), budget, False)
+    return selector_tree_from_sorted(logp.tolist(), order.tolist(), transitions.tokens.tolist(), budget)
+
+
+def selector_tree_from_sorted(logp: list[list[list[float]]], order: list[list[list[int]]],
+                              tokens: list[list[int]], budget: int) -> DraftTree:
+    """`build_selector_tree` over transitions already sorted (each row best first) and on the host: logp[d][i]
+    the sorted log-probs after candidate i, order[d][i] which candidates they are, tokens[d] the candidates' ids.
+    A batched round sorts every request's transitions in one call and builds each tree from them."""
+    if budget <= 0 or not logp:
+        return DraftTree()
+    k = min(budget, len(tokens[0]))
+    logp = [[row[:k] for row in depth] for depth in logp]
+    order = [[row[:k] for row in depth] for depth in order]
+    ids = [[[candidates[j] for j in row] for row in depth] for depth, candidates in zip(order, tokens, strict=True)]
+    return _best_first(logp, ids, order, budget, False)
+
+
+def selector_chain_tree(logp: list[list[list[float]]], order: list[list[list[int]]],
+                        tokens: list[list[int]]) -> DraftTree:
+    """DFlash2's chain (`selector_chain`: at each depth the best candidate after the previous pick) as a tree whose
+    nodes carry their prefixes' log-probabilities under the transition model, from sorted transitions as
+    `selector_tree_from_sorted` takes them (the batch budget weighs the chain's nodes by those scores)."""
+    tree, state, score = DraftTree(), 0, 0.0
+    for depth, (rows, ranks, candidates) in enumerate(zip(logp, order, tokens, strict=True), start=1):
+        score += rows[state][0]
+        state = ranks[state][0]
+        tree.add(depth - 1, candidates[state], depth, score)
+    return tree
 
 
 def selector_chain(transitions: Transitions) -> list[int]:

@@ -36,7 +36,16 @@ from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import FLAT, CostModel, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens, process_logits, token_logprobs
-from ddtree.core.tree import DraftTree, chain_tree, tree_from_candidates, visibility, walk
+from ddtree.core.tree import (
+    DraftTree,
+    chain_tree,
+    selector_chain_tree,
+    selector_tree_from_sorted,
+    tree_from_candidates,
+    visibility,
+    walk,
+)
+from ddtree.fast.dflash2 import SelectorDraft
 from ddtree.fast.layers import Draft, Ops, TargetLayer
 from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, RecurrentPool, SeqRows, VarlenRows
 from ddtree.fast.rope import RopeTable
@@ -183,8 +192,6 @@ class PagedBackend:
         if isinstance(target, HybridTarget) and not all(
                 gdn.takes(layer.linear_attn) for layer in target.layers if hasattr(layer, "linear_attn")):
             return "hybrids whose Gated DeltaNet layers the varlen kernels do not take (Qwen3-Next's) do not batch yet"
-        if draft is not None and draft.config.selector is not None:
-            return "DFlash2 drafters do not batch on the fast path yet"
         if draft is not None and draft.config.attention_sinks:
             return "drafters with attention sinks do not batch on the fast path yet"
         if not all(kernel_works(target.device, d) for d in _head_dims(target, draft)):
@@ -221,13 +228,15 @@ class PagedBackend:
         self.taps: tuple[int, ...] = ()
         self.block = 1
         self.drafts = False  # this backend drafts (a DFlash drafter it batches)
+        self.selector = False  # a DFlash2 drafter: its selector's transitions
         if draft is not None:
             dc = draft.config
             self.taps, self.block = dc.target_layer_ids, dc.block_size
-            # DFlash2's selector and attention sinks draft on the single-sequence paths only (for now)
-            self.drafts = dc.selector is None
-            self.fused_draft = Draft.of(draft) if self.drafts else None
-            self.drafts = self.drafts and all(sinks is None for sinks in self.fused_draft.sinks)
+            # a DFlash2 drafter drafts its selector's transition model (fast/dflash2.py); attention sinks draft on
+            # the single-sequence paths only (for now)
+            self.selector = dc.selector is not None
+            self.fused_draft = (SelectorDraft if self.selector else Draft).of(draft)
+            self.drafts = all(sinks is None for sinks in self.fused_draft.sinks)
             # a draft block near the context's end reaches past it (those rows draft nothing that is kept)
             self.draft_rope = RopeTable(draft.rotary, self.max_context + self.block, self.dtype, self.device)
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, slots, dc.head_dim), dtype=self.dtype,
@@ -391,9 +400,11 @@ class PagedBackend:
         """Draft depth this round: the block's, less what the context has left."""
         return max(0, min(self.block - 1, self.max_context - 1 - state.start))
 
-    def _draft(self, seq_ids: list[int], states: list[SeqState], drafting: list[int]) -> torch.Tensor:
+    def _draft(self, seq_ids: list[int], states: list[SeqState],
+               drafting: list[int]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block pass of every drafting sequence: [root, mask x D] at start.. over its context rows ->
-        logits [S, D, V] over the draft head's tokens."""
+        logits [S, D, V] over the draft head's tokens; for a DFlash2 drafter, its selector's transition models
+        (SelectorDraft.batch_transitions)."""
         mask_id = self.draft.config.mask_token_id
         ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
         block_visible = torch.ones(self.block, self.block, dtype=torch.bool)  # each layer's rule: _draft_rows
@@ -403,18 +414,32 @@ class PagedBackend:
             positions += range(state.start, state.start + self.block)
             slots += self.blocks.slots(seq_ids[i], state.start, self.block)
             self._describe(layout, seq_ids[i], state.start, block_visible)
-        logits = self._run("draft", ids, positions, slots, layout)
-        return logits.view(len(drafting), self.block, -1)[:, 1:]
+        out = self._run("draft", ids, positions, slots, layout)
+        if not self.selector:
+            return out.view(len(drafting), self.block, -1)[:, 1:]
+        logits, h = (o.view(len(drafting), self.block, -1)[:, 1:] for o in out)
+        roots = self._tensor([states[i].root for i in drafting])
+        return self.fused_draft.batch_transitions(h, logits, self.draft_head, roots)
 
-    def _trees(self, states: list[SeqState], drafting: list[int], logits: torch.Tensor | None,
+    def _trees(self, states: list[SeqState], drafting: list[int],
+               drafted: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                node_limit: int | None) -> list[DraftTree]:
-        """Each drafting sequence's best-first tree (a chain for `dflash`) at its own budget, cut to the nodes the
-        batch budget keeps."""
+        """Each drafting sequence's best-first tree (a chain for `dflash`) at its own budget, over its draft logits
+        or its DFlash2 transition model, cut to the nodes the batch budget keeps."""
         trees = [DraftTree() for _ in states]
-        if logits is None:
+        if drafted is None:
             return trees
-        k = max(1, min(max((states[i].request.budget for i in drafting), default=1), logits.shape[-1]))
-        logp, columns = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+        if self.selector:
+            ordered, order, tokens = drafted
+            ordered, order, tokens = ordered.cpu().double().tolist(), order.cpu().tolist(), tokens.cpu().tolist()
+            for slot, i in enumerate(drafting):
+                state, depth = states[i], self._depth(states[i])
+                model = ordered[slot][:depth], order[slot][:depth], tokens[slot][:depth]
+                trees[i] = (selector_chain_tree(*model) if state.request.method == "dflash" else
+                            selector_tree_from_sorted(*model, min(state.request.budget, self.max_tree)))
+            return self._batch_budget(trees, node_limit)
+        k = max(1, min(max((states[i].request.budget for i in drafting), default=1), drafted.shape[-1]))
+        logp, columns = torch.topk(torch.log_softmax(drafted.float(), dim=-1), k, dim=-1)
         tokens = self.draft_head.tokens(columns)
         logp, tokens = logp.cpu().double().tolist(), tokens.cpu().tolist()
         for slot, i in enumerate(drafting):
@@ -424,6 +449,10 @@ class PagedBackend:
             else:
                 trees[i] = tree_from_candidates(logp[slot][:depth], tokens[slot][:depth],
                                                 min(state.request.budget, self.max_tree))
+        return self._batch_budget(trees, node_limit)
+
+    def _batch_budget(self, trees: list[DraftTree], node_limit: int | None) -> list[DraftTree]:
+        """The trees cut to the round's most probable prefixes across all of them (core/budget.py)."""
         scores = [tree.scores for tree in trees]
         limit = sum(len(s) for s in scores) if node_limit is None else node_limit
         counts = choose_nodes(scores, self.cost, range(min(limit, sum(len(s) for s in scores)) + 1))
@@ -566,7 +595,7 @@ class PagedBackend:
         out = forward()
         if kind == "verify":
             return out[0][:n], (out[1][:n] if out[1] is not None else None)
-        return out[:n]
+        return tuple(o[:n] for o in out) if self.selector else out[:n]
 
     def _capture(self, kind: str, bucket: int) -> Captured:
         per_seq = MAX_BUDGET + 1 if kind == "verify" else self.block
@@ -640,20 +669,22 @@ class PagedBackend:
         return PagedLayout(layout.starts, layout.row_offsets, layout.tables, [visible.cpu()] * len(layout.starts))
 
     def _draft_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                    masks: dict[tuple[int | None, bool], PagedMask]) -> torch.Tensor:
+                    masks: dict[tuple[int | None, bool], PagedMask]) -> object:
         """The drafter over block rows (each block's rows see its sequence's context and the block rows its
         layer's causality rule shows) -> logits [N, V] over the draft head's tokens (a block's first row's are
-        never read)."""
+        never read); a DFlash2 drafter's also its normed rows [N, H], which its selector reads."""
         dc, fused, ops = self.draft.config, self.fused_draft, self.ops
         x = fused.embed(embed(self.target.embed_tokens, ids))
         cos, sin = self.draft_rope(positions)
         delta = None
+        step = fused.layer_step or decoder_layer  # a DFlash2 layer convolves each block's rows
         for i, layer in enumerate(fused.layers):
-            _, x, delta = decoder_layer(ops, layer, x, delta, self.draft_kv[i], masks[fused.rules[i]], slots,
-                                        cos, sin, dc.rms_norm_eps)
-        fp8 = isinstance(self.draft_head.weight, Fp8Weight)
+            _, x, delta = step(ops, layer, x, delta, self.draft_kv[i], masks[fused.rules[i]], slots, cos, sin,
+                               dc.rms_norm_eps)
+        fp8 = isinstance(self.draft_head.weight, Fp8Weight) and not self.selector  # the selector reads plain rows
         h, _ = ops.normed(x, delta, fused.norm, fused.eps, fp8)
-        return fused.finish_logits(linear(h, self.draft_head.weight, self.draft_head.bias))
+        logits = fused.finish_logits(linear(h, self.draft_head.weight, self.draft_head.bias))
+        return (logits, h) if self.selector else logits
 
     def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of committed rows (their tap features at their positions) into the drafter's pool."""

@@ -36,24 +36,30 @@ class ConvLayer(DraftLayer):
     mlp_taps: Proj | None = None
     mlp_base: torch.Tensor | None = None
     taps_shape: tuple[int, int, int] = (2, 1, 1)  # (2, K, H/G): a row of projected taps
+    block: int = 1  # rows of one block: a batched pass's rows are whole blocks, each convolved on its own
+
+
+def _block_conv(ops: Ops, layer: ConvLayer, x: torch.Tensor, taps: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The dynamic convolution of rows x [N, H] that are whole blocks (one, or a batch's), each block on its own."""
+    return ops.dynamic_conv(x.unflatten(0, (-1, layer.block)), taps.unflatten(0, (-1, layer.block)), base).flatten(0, 1)
 
 
 def conv_layer(ops: Ops, layer: ConvLayer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
                mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """runner.decoder_layer for a DFlash2 layer over one block's rows (dflash2.md §3): the normed rows, convolved,
+    """runner.decoder_layer for a DFlash2 layer over blocks' rows (dflash2.md §3): the normed rows, convolved,
     go to q/k/v; the attention's output is convolved with the same rows' second taps; the same around the MLP.
     The norms hand over plain rows (the convolutions read them), which an fp8 projection quantizes itself."""
     h, x = ops.normed(x, delta, layer.input_norm, eps)
     entering = x
     taps = layer.attention_taps(h).unflatten(-1, layer.taps_shape)
-    q = ops.attention_heads(*layer.project(ops.dynamic_conv(h, taps[:, 0], layer.attention_base[0])), layer.q_norm,
-                            layer.k_norm, eps, cos, sin, layer.kv_heads, layer.head_dim, cache, slots)
-    attended = ops.dynamic_conv(layer.o(tree_attention(q, cache, mask)), taps[:, 1], layer.attention_base[1])
+    q = ops.attention_heads(*layer.project(_block_conv(ops, layer, h, taps[:, 0], layer.attention_base[0])),
+                            layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads, layer.head_dim, cache, slots)
+    attended = _block_conv(ops, layer, layer.o(tree_attention(q, cache, mask)), taps[:, 1], layer.attention_base[1])
     h, x = ops.normed(x, attended, layer.post_norm, eps)
     taps = layer.mlp_taps(h).unflatten(-1, layer.taps_shape)
-    out = layer.mlp(ops, ops.dynamic_conv(h, taps[:, 0], layer.mlp_base[0]))
-    return entering, x, ops.dynamic_conv(out, taps[:, 1], layer.mlp_base[1])
+    out = layer.mlp(ops, _block_conv(ops, layer, h, taps[:, 0], layer.mlp_base[0]))
+    return entering, x, _block_conv(ops, layer, out, taps[:, 1], layer.mlp_base[1])
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,8 @@ class SelectorDraft(Draft):
                 **{f: getattr(fused, f) for f in DraftLayer.__dataclass_fields__},
                 attention_taps=Proj(weight_of(attention.kernel_projection)),
                 attention_base=attention.base_kernel.detach(), mlp_taps=Proj(weight_of(mlp.kernel_projection)),
-                mlp_base=mlp.base_kernel.detach(), taps_shape=(2, attention.kernel_size, attention.groups)))
+                mlp_base=mlp.base_kernel.detach(), taps_shape=(2, attention.kernel_size, attention.groups),
+                block=draft.config.block_size))
         fields = {f: getattr(base, f) for f in Draft.__dataclass_fields__ if f not in ("layers", "layer_step")}
         return cls(layers=layers, layer_step=conv_layer, selector=draft.candidate_selector, **fields, **more)
 
@@ -89,6 +96,18 @@ class SelectorDraft(Draft):
         logits = self.finish_logits(linear(h, head.weight, head.bias))
         unary, tokens = vocab_top(logits, self.branching(head), head.token_ids)
         logp = self.selector.transition_logp(unary, tokens, h, root)
+        ordered, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+        return ordered, order, tokens
+
+    def batch_transitions(self, h: torch.Tensor, logits: torch.Tensor, head: DraftHead,
+                          roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`propose` for a batch of blocks, from their normed rows h [B, D, H] and logits [B, D, V] (each block's
+        first row dropped) and their roots [B]: (logp [B, D, k, k] and which candidate each rank is, each row
+        sorted best first; the candidates' tokens [B, D, k])."""
+        blocks, depth = logits.shape[:2]
+        unary, tokens = vocab_top(logits.flatten(0, 1), self.branching(head), head.token_ids)
+        unary, tokens = unary.unflatten(0, (blocks, depth)), tokens.unflatten(0, (blocks, depth))
+        logp = self.selector.transition_logp(unary, tokens, h, roots)
         ordered, order = torch.sort(logp, dim=-1, descending=True, stable=True)
         return ordered, order, tokens
 

@@ -124,8 +124,9 @@ class CandidateSelector(nn.Module):
                         anchor: torch.Tensor) -> torch.Tensor:
         """The block's transition model (dflash2.md §6): logp [D, k, k], logp[d, i, j] = log P(candidate j at
         depth d+1 | candidate i at depth d), softmax over the k candidates; depth 1 is conditioned on the
-        anchor, in every row. unary, candidates [D, k]; hidden [D, H]; anchor a token id (a 0-d tensor)."""
+        anchor, in every row. unary, candidates [D, k]; hidden [D, H]; anchor a token id (a 0-d tensor). With
+        leading dims (a batch of blocks: [B, D, k], [B, D, H], anchors [B]) each block's model, in one product."""
         k = candidates.shape[-1]
-        first = anchor.reshape(1, 1).expand(1, k).to(candidates.dtype)
-        previous = torch.cat([first, candidates[:-1]])
+        first = anchor.reshape(*anchor.shape, 1, 1).expand(*anchor.shape, 1, k).to(candidates.dtype)
+        previous = torch.cat([first, candidates[..., :-1, :]], dim=-2)
         return torch.log_softmax(self.scores(unary, candidates, previous, hidden), dim=-1)
