@@ -228,18 +228,18 @@ def test_the_interpreted_kernels_batch_as_the_gpu_replays(engines, kernels_on_cp
 
 
 @pytest.mark.parametrize("draft", ["draft_swa", "draft_dflash2", "draft_sinks"])
-def test_drafts_with_layer_rules_and_dflash2_batch_and_others_fall_back_to_the_reference(fast_ckpt, draft):
+def test_every_drafter_kind_batches_on_the_paged_path(fast_ckpt, draft):
     """A sliding-window drafter (causal inside the block by the checkpoint rule) batches on the paged path with
     each layer's own block mask; a DFlash2 drafter with its convolutions (each block on its own) and its
-    selector's chain and trees; a drafter with attention sinks takes the reference path, one request after
-    another, in the same batch engine. All decode the target's tokens."""
+    selector's chain and trees; a drafter with every 2026 field (attention sinks in each layer's softmax, the
+    embedding scale, the output multiplier and softcap). All decode the target's tokens."""
     from ddtree.engine import Engine
 
     engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cpu")
     requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS[:4], METHODS[:4], strict=True)]
     seqs = run(paged(engine), requests)
     drafting = [seq for seq, (_, _, method, _) in zip(seqs, requests, strict=True) if method != "ar"]
-    assert {seq.backend.name for seq in drafting} == {"reference" if draft == "draft_sinks" else "fast"}
+    assert {seq.backend.name for seq in drafting} == {"fast"}
     for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
         assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
 
@@ -270,16 +270,18 @@ def test_a_dflash2_batch_drafts_what_each_request_drafts_alone(fast_ckpt):
         assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
 
 
-def test_the_interpreted_kernels_batch_a_dflash2_drafter_as_the_gpu_replays(fast_ckpt, kernels_on_cpu):
+@pytest.mark.parametrize("draft", ["draft_dflash2", "draft_sinks"])
+def test_the_interpreted_kernels_batch_dflash2_and_sink_drafters_as_the_gpu_replays(fast_ckpt, kernels_on_cpu, draft):
     """The DFlash2 block pass on static buffers (its convolutions per block, the selector's transitions from the
-    pass's normed rows) with the paged attention kernel interpreted, as a GPU's draft graphs run it."""
+    pass's normed rows), and a drafter whose layers have attention sinks (the paged kernel's sink column), with
+    the paged attention kernel interpreted, as a GPU's draft graphs run them."""
     from ddtree.engine import Engine
 
-    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_dflash2", device="cpu")
+    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cpu")
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "dflash", None)]
     batch = paged(engine, blocks=24)
-    assert batch.backends[0].static and batch.backends[0].selector
+    assert batch.backends[0].static and batch.backends[0].selector == (draft == "draft_dflash2")
     seqs = run(batch, requests)
     for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
         assert seq.backend.name == "fast"
@@ -290,7 +292,7 @@ def test_the_interpreted_kernels_batch_a_dflash2_drafter_as_the_gpu_replays(fast
     ("qwen3", "draft", None),
     ("qwen3", "draft_swa", None),
     ("qwen3", "draft_dflash2", None),
-    ("qwen3", "draft_sinks", "attention sinks"),
+    ("qwen3", "draft_sinks", None),
     ("qwen3_5", "draft", None),
     ("qwen3_next", "draft", "Qwen3-Next"),
 ])

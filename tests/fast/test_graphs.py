@@ -473,12 +473,16 @@ def test_batched_hybrid_rounds_replay_as_graphs_and_give_each_requests_tokens(tm
 
 
 @gpu
-def test_a_pair_the_paged_path_cannot_batch_runs_one_at_a_time_on_the_fast_path(fast_ckpt):
-    """A drafter with attention sinks does not batch on the paged path yet: the server decodes its requests one at
-    a time on the single-sequence fast path (graphs and all), not many at a time on the eager reference path."""
+def test_a_pair_the_paged_path_cannot_batch_runs_one_at_a_time_on_the_fast_path(tmp_path):
+    """A Qwen3-Next target does not batch on the paged path yet (the varlen Gated DeltaNet kernels do not take its
+    layers): the server decodes its requests one at a time on the single-sequence fast path (graphs and all), not
+    many at a time eagerly."""
     from ddtree.engine.batch import BatchOptions
+    from tiny import make_draft, make_hybrid_target
 
-    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft_sinks", device="cuda", fast=True)
+    make_draft(tmp_path / "draft", taps=[1, 2])
+    make_hybrid_target(tmp_path / "next", "qwen3_next", seed=2)
+    fast = Engine.from_pretrained(tmp_path / "next", tmp_path / "draft", device="cuda", fast=True)
     batch = fast.batch(BatchOptions(max_num_seqs=8))
     assert batch.max_num_seqs == 1 and batch.backends[0].name == "fast"
     seq = batch.add([1, 2, 3, 4, 5], GREEDY, method="ddtree", budget=8)

@@ -36,12 +36,20 @@ def random_batch(page: int, shape: list[tuple[int, int]], groups: int, seed: int
     return layout, q, cache
 
 
-def check(device: str, dtype: torch.dtype, page, shape, groups, window) -> None:
+def check(device: str, dtype: torch.dtype, page, shape, groups, window, sinks: bool = False) -> None:
+    from dataclasses import replace
+
     from ddtree.kernels.paged_attention import _triton_paged
 
     layout, q, cache = random_batch(page, shape, groups, seed=page + len(shape))
-    want = paged_attention_sdpa(q.double(), cache.double(), paged_mask(layout, page, torch.device("cpu"), window))
+    sink = torch.randn(q.shape[0] * groups, generator=torch.Generator().manual_seed(1)) * 2 if sinks else None
+    reference = paged_mask(layout, page, torch.device("cpu"), window)
+    if sink is not None:
+        reference = replace(reference, sinks=sink.double())
+    want = paged_attention_sdpa(q.double(), cache.double(), reference)
     mask = paged_mask(layout, page, torch.device(device), window)
+    if sink is not None:
+        mask = replace(mask, sinks=sink.to(device))
     got = _triton_paged(q.to(device, dtype), cache.to(device, dtype), mask).double().cpu()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
@@ -61,11 +69,32 @@ def test_paged_kernel_matches_sdpa_interpreted(page, shape, groups, window):
     check("cpu", torch.float32, page, shape, groups, window)
 
 
-def test_a_row_sees_only_its_own_sequence_and_ancestors():
+@pytest.mark.parametrize(("page", "shape", "groups", "window"), CASES[1:3])
+@pytest.mark.parametrize("device", ["cuda", "interpreted"])
+def test_attention_sinks_join_each_query_heads_softmax(page, shape, groups, window, device, request):
+    """A drafter layer's sink logit per query head: a column in every row's softmax that no value reads, on the
+    GPU and interpreted, against the reference (itself held to the definition below)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        for dtype in (torch.float32, torch.bfloat16):
+            check("cuda", dtype, page, shape, groups, window, sinks=True)
+        return
+    request.getfixturevalue("kernels_on_cpu")
+    check("cpu", torch.float32, page, shape, groups, window, sinks=True)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_row_sees_only_its_own_sequence_and_ancestors(sinks):
     """The reference itself: a row's output is attention over its sequence's committed slots and its visible
-    new rows, computed here slot by slot from the block table."""
+    new rows, computed here slot by slot from the block table; with sinks, each query head's sink logit joins
+    the softmax as a column without a value."""
+    from dataclasses import replace
+
     layout, q, cache = random_batch(4, [(5, 3), (2, 4)], 2, seed=7)
-    got = paged_attention_sdpa(q, cache, paged_mask(layout, 4, torch.device("cpu")))
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0]) if sinks else None
+    mask = paged_mask(layout, 4, torch.device("cpu"))
+    got = paged_attention_sdpa(q, cache, mask if sink is None else replace(mask, sinks=sink))
     kv_heads, _, d = q.shape
     n = layout.row_offsets[-1]
     for b, start in enumerate(layout.starts):
@@ -76,7 +105,10 @@ def test_a_row_sees_only_its_own_sequence_and_ancestors():
             for head in range(kv_heads):
                 for group in range(2):
                     query = q[head, group * n + row]
-                    weights = torch.softmax(cache[0, head, slots] @ query / d ** 0.5, dim=0)
+                    scores = cache[0, head, slots] @ query / d ** 0.5
+                    if sink is not None:
+                        scores = torch.cat([scores, sink[head * 2 + group].view(1)])
+                    weights = torch.softmax(scores, dim=0)[:len(slots)]
                     want = weights @ cache[1, head, slots]
                     col = (head * 2 + group) * d
                     assert torch.allclose(got[row, col:col + d], want, atol=1e-5)

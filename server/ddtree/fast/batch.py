@@ -26,7 +26,7 @@ request's settings.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -192,8 +192,6 @@ class PagedBackend:
         if isinstance(target, HybridTarget) and not all(
                 gdn.takes(layer.linear_attn) for layer in target.layers if hasattr(layer, "linear_attn")):
             return "hybrids whose Gated DeltaNet layers the varlen kernels do not take (Qwen3-Next's) do not batch yet"
-        if draft is not None and draft.config.attention_sinks:
-            return "drafters with attention sinks do not batch on the fast path yet"
         if not all(kernel_works(target.device, d) for d in _head_dims(target, draft)):
             return "the paged attention kernel does not build on this device"
         return None
@@ -227,16 +225,13 @@ class PagedBackend:
                               device=self.device)
         self.taps: tuple[int, ...] = ()
         self.block = 1
-        self.drafts = False  # this backend drafts (a DFlash drafter it batches)
         self.selector = False  # a DFlash2 drafter: its selector's transitions
         if draft is not None:
             dc = draft.config
             self.taps, self.block = dc.target_layer_ids, dc.block_size
-            # a DFlash2 drafter drafts its selector's transition model (fast/dflash2.py); attention sinks draft on
-            # the single-sequence paths only (for now)
+            # a DFlash2 drafter drafts its selector's transition model (fast/dflash2.py)
             self.selector = dc.selector is not None
             self.fused_draft = (SelectorDraft if self.selector else Draft).of(draft)
-            self.drafts = all(sinks is None for sinks in self.fused_draft.sinks)
             # a draft block near the context's end reaches past it (those rows draft nothing that is kept)
             self.draft_rope = RopeTable(draft.rotary, self.max_context + self.block, self.dtype, self.device)
             self.draft_kv = torch.zeros((dc.num_layers, 2, dc.num_kv_heads, slots, dc.head_dim), dtype=self.dtype,
@@ -256,7 +251,7 @@ class PagedBackend:
     # -- the batch backend's interface ---------------------------------------------------------------------
 
     def accepts(self, request: DecodeRequest) -> bool:
-        if request.method != "ar" and (self.draft is None or not self.drafts):
+        if request.method != "ar" and self.draft is None:
             return False
         return request.method != "ddtree" or 1 <= request.budget <= MAX_BUDGET
 
@@ -310,7 +305,7 @@ class PagedBackend:
         seqs = self._seq_rows([chunk.seq_id for chunk in chunks], layout)
         logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
                                          self._tensor(logit_rows), seqs)
-        if self.drafts:
+        if self.draft is not None:
             self._extend_draft(taps, positions_t, slots_t)
         out: dict[int, Round] = {}
         for index, chunk in enumerate(chunks):
@@ -388,7 +383,7 @@ class PagedBackend:
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
         if record is not None:
             self.hybrid.commit(record, seqs, lasts)
-        if self.drafts and drafting:
+        if self.draft is not None and drafting:
             keep = self._tensor(accepted_rows)
             self._extend_draft(taps.index_select(0, keep), self._tensor(accepted_positions),
                                self._tensor(accepted_slots))
@@ -468,7 +463,7 @@ class PagedBackend:
         for bucket in self.buckets:
             self._capture("verify", bucket).rows.fill([0], [0], [self.scratch], dummy)
             self.captured[("verify", bucket)]()
-        if self.drafts:
+        if self.draft is not None:
             for bucket in self.buckets:
                 if bucket >= self.block and bucket < self.max_seqs * self.block + self.block:
                     self._capture("draft", bucket).rows.fill([0], [0], [self.scratch], dummy)
@@ -514,7 +509,7 @@ class PagedBackend:
             slowest = max(slowest, timed("verify", rows, seqs))
             points.append((rows, slowest))
         per_request = 0.0
-        if self.drafts and self.max_seqs >= 8 and 8 * self.block <= self.buckets[-1]:
+        if self.draft is not None and self.max_seqs >= 8 and 8 * self.block <= self.buckets[-1]:
             one, eight = timed("draft", self.block, 1), timed("draft", 8 * self.block, 8)
             per_request = max((eight - one) / 7, 0.0)
         return CostModel(tuple(points), per_request)
@@ -679,8 +674,10 @@ class PagedBackend:
         delta = None
         step = fused.layer_step or decoder_layer  # a DFlash2 layer convolves each block's rows
         for i, layer in enumerate(fused.layers):
-            _, x, delta = step(ops, layer, x, delta, self.draft_kv[i], masks[fused.rules[i]], slots, cos, sin,
-                               dc.rms_norm_eps)
+            mask = masks[fused.rules[i]]
+            if fused.sinks[i] is not None:  # the layer's sink logits join its softmax
+                mask = replace(mask, sinks=fused.sinks[i])
+            _, x, delta = step(ops, layer, x, delta, self.draft_kv[i], mask, slots, cos, sin, dc.rms_norm_eps)
         fp8 = isinstance(self.draft_head.weight, Fp8Weight) and not self.selector  # the selector reads plain rows
         h, _ = ops.normed(x, delta, fused.norm, fused.eps, fp8)
         logits = fused.finish_logits(linear(h, self.draft_head.weight, self.draft_head.bias))

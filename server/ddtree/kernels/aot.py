@@ -138,11 +138,12 @@ def cases(pdl: int) -> list[Case]:
     out.append(Case("tree attention merge", attention._merge_kernel, dict(
         HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, SPLITS=8, SINK=False, PDL=pdl),
         {"Acc": "fp32", "Stats": "fp32", "Sinks": "fp32"}))
-    out.append(Case("paged attention", paged_attention._paged_kernel, dict(
-        PAGE=16, WINDOW=0, GROUPS=4, HEAD_DIM=128, BLOCK_M=paged_attention.BLOCK_M, BLOCK_N=64,
-        ROWS=triton.next_power_of_2(paged_attention.BLOCK_M * 4), IEEE=False),
-        {"Starts": "i32", "Offsets": "i32", "Tables": "i32", "Vis": "i8", "VisOffsets": "i32", "Tiles": "i32"},
-        {"scale": "fp32"}, num_stages=2))
+    for sink in (False, True):  # a drafter layer's sink logits join its softmax
+        out.append(Case("paged attention" + (" with sinks" if sink else ""), paged_attention._paged_kernel, dict(
+            PAGE=16, WINDOW=0, GROUPS=4, HEAD_DIM=128, BLOCK_M=paged_attention.BLOCK_M, BLOCK_N=64,
+            ROWS=triton.next_power_of_2(paged_attention.BLOCK_M * 4), IEEE=False, SINK=sink),
+            {"Starts": "i32", "Offsets": "i32", "Tables": "i32", "Vis": "i8", "VisOffsets": "i32", "Tiles": "i32",
+             "Sinks": "fp32"}, {"scale": "fp32"}, num_stages=2))
     out += gdn_cases()
     for name, fn, k in (("experts gate/up", moe._up_kernel, 2048), ("experts down", moe._down_kernel, 768)):
         out.append(Case(name, fn, dict(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.kernels.jit import after_previous, launch_fitting, probe, triton_works
-from ddtree.kernels.paged_attention import PagedMask, paged_attention
+from ddtree.kernels.paged_attention import PagedMask, paged_attention, sink_attention
 from ddtree.kernels.wgmma import early_pdl
 
 try:
@@ -83,15 +83,8 @@ def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask | PagedM
     if mask.sinks is None:
         out = F.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None], attn_mask=mask.additive)[0]
     else:
-        out = _sink_attention(q, cache, mask.additive[0, 0], mask.sinks.view(kv_heads, -1).repeat_interleave(n, 1))
+        out = sink_attention(q, cache, mask.additive[0, 0], mask.sinks.view(kv_heads, -1).repeat_interleave(n, 1))
     return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)
-
-
-def _sink_attention(q: torch.Tensor, cache: torch.Tensor, additive: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """SDPA's result with a sink column: q [kv, rows, d], additive [rows, T], sinks [kv, rows] -> [kv, rows, d]."""
-    scores = (q @ cache[0].transpose(-1, -2)).float() / math.sqrt(q.shape[-1]) + additive.float()
-    weights = torch.softmax(torch.cat([scores, sinks[..., None]], dim=-1), dim=-1)[..., :-1]
-    return (weights.to(q.dtype) @ cache[1]).to(q.dtype)
 
 
 def launch_config(rows: int, capacity: int, kv_heads: int, sms: int, head_dim: int = 128) -> dict[str, int]:

@@ -49,6 +49,7 @@ class PagedMask:
     page: int
     window: int | None
     host: PagedLayout | None = None
+    sinks: torch.Tensor | None = None  # [H] float32: a layer's sink logit per query head (head * groups + group)
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,21 @@ def paged_attention_sdpa(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) 
         additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed,
                                                                                           torch.finfo(q.dtype).min)
         rows_q = grouped[:, :, lo:hi].reshape(kv_heads, groups * (hi - lo), d)
-        attended = F.scaled_dot_product_attention(rows_q[None], k[None], v[None],
-                                                  attn_mask=additive.repeat(groups, 1)[None, None])[0]
+        if mask.sinks is None:
+            attended = F.scaled_dot_product_attention(rows_q[None], k[None], v[None],
+                                                      attn_mask=additive.repeat(groups, 1)[None, None])[0]
+        else:
+            sinks = mask.sinks.view(kv_heads, groups).repeat_interleave(hi - lo, 1)  # [kv, groups * rows]
+            attended = sink_attention(rows_q, torch.stack([k, v]), additive.repeat(groups, 1), sinks)
         out[lo:hi] = attended.view(kv_heads, groups, hi - lo, d).permute(2, 0, 1, 3).reshape(hi - lo, -1)
     return out
+
+
+def sink_attention(q: torch.Tensor, cache: torch.Tensor, additive: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """SDPA's result with a sink column: q [kv, rows, d], additive [rows, T], sinks [kv, rows] -> [kv, rows, d]."""
+    scores = (q @ cache[0].transpose(-1, -2)).float() / math.sqrt(q.shape[-1]) + additive.float()
+    weights = torch.softmax(torch.cat([scores, sinks[..., None]], dim=-1), dim=-1)[..., :-1]
+    return (weights.to(q.dtype) @ cache[1]).to(q.dtype)
 
 
 def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:
@@ -156,11 +168,13 @@ def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torc
     k, v = cache[0], cache[1]
     # Columns look their page up one by one, so a tile may span pages; tl.dot needs K >= 16 on every Triton.
     block_n = min(max(mask.page, 16), 64) if mask.page & (mask.page - 1) == 0 else 16
+    sinks = mask.sinks if mask.sinks is not None else out  # (never read without SINK)
     _paged_kernel[(mask.tiles.shape[0], kv_heads)](
-        q, k, v, out, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets, mask.tiles,
+        q, k, v, out, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets, mask.tiles, sinks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), mask.tables.stride(0), mask.n, 1.0 / math.sqrt(d),
         PAGE=mask.page, WINDOW=mask.window or 0, GROUPS=groups, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        ROWS=triton.next_power_of_2(BLOCK_M * groups), IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        ROWS=triton.next_power_of_2(BLOCK_M * groups), IEEE=q.dtype == torch.float32, SINK=mask.sinks is not None,
+        num_warps=4, num_stages=2)
     return out
 
 
@@ -174,12 +188,13 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _paged_kernel(Q, K, V, Out, Starts, Offsets, Tables, Vis, VisOffsets, Tiles, stride_qh, stride_qr,
+    def _paged_kernel(Q, K, V, Out, Starts, Offsets, Tables, Vis, VisOffsets, Tiles, Sinks, stride_qh, stride_qr,
                       stride_kh, stride_kt, stride_table, n_total, scale, PAGE: tl.constexpr, WINDOW: tl.constexpr,
                       GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      ROWS: tl.constexpr, IEEE: tl.constexpr):
+                      ROWS: tl.constexpr, IEEE: tl.constexpr, SINK: tl.constexpr):
         """One tile of one sequence's query rows (every head that shares K/V head `head`), over the sequence's
-        committed slots and its visible new rows, in pages through its block table."""
+        committed slots and its visible new rows, in pages through its block table. SINK: each query head's sink
+        logit joins the softmax's normaliser (a column no value reads)."""
         tile, head = tl.program_id(0), tl.program_id(1)
         seq = tl.load(Tiles + 2 * tile)
         if seq >= 0:
@@ -225,6 +240,12 @@ if triton is not None:
                 acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
                 m_i = m_new
                 l_i = l_i * alpha + tl.sum(p, 1)
+            if SINK:
+                sink = tl.load(Sinks + head * GROUPS + group)
+                m_new = tl.maximum(m_i, sink)
+                alpha = tl.exp(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha + tl.exp(sink - m_new)
             heads = tl.num_programs(1)
             dst = (row0 + t) * (heads * GROUPS * HEAD_DIM) + (head * GROUPS + group) * HEAD_DIM
             l_safe = tl.where(l_i > 0, l_i, 1.0)
