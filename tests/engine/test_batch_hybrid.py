@@ -158,10 +158,12 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
         torch.testing.assert_close(pool.conv[:, slot], fast.conv_state, rtol=1e-4, atol=1e-5)
 
 
-def test_the_interpreted_kernels_batch_a_hybrid_as_the_gpu_replays(hybrids, kernels_on_cpu):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_the_interpreted_kernels_batch_a_hybrid_as_the_gpu_replays(hybrids, kernels_on_cpu, arch):
     """The static buffers, the paged attention kernel and the varlen Gated DeltaNet kernels (Triton's
-    interpreter), as a GPU's graphs run a hybrid's verify."""
-    engine = hybrids["qwen3_5"]
+    interpreter), as a GPU's graphs run a hybrid's verify: Qwen3.5's fused input projection, and Qwen3-Next's
+    two projections reordered into the rows the kernels read."""
+    engine = hybrids[arch]
     batch = batch_of(engine, blocks=48, max_num_batched_tokens=64)
     backend = batch.backends[0]
     assert backend.static and backend.hybrid.varlen

@@ -190,8 +190,8 @@ class PagedBackend:
         """Why this pair would not batch on the paged fast path (None when it would): what it declines would
         otherwise batch on the eager reference path, many times slower than one request at a time here."""
         if isinstance(target, HybridTarget) and not all(
-                gdn.takes(layer.linear_attn) for layer in target.layers if hasattr(layer, "linear_attn")):
-            return "hybrids whose Gated DeltaNet layers the varlen kernels do not take (Qwen3-Next's) do not batch yet"
+                gdn.varlen_takes(layer.linear_attn) for layer in target.layers if hasattr(layer, "linear_attn")):
+            return "hybrids whose Gated DeltaNet layers the varlen kernels do not take do not batch yet"
         if not all(kernel_works(target.device, d) for d in _head_dims(target, draft)):
             return "the paged attention kernel does not build on this device"
         return None

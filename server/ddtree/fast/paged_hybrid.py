@@ -32,7 +32,9 @@ from ddtree.fast.hybrid import PROMPT_CHUNK, HybridLayers, Recurrent
 from ddtree.kernels import gdn
 from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
+from ddtree.kernels.jit import triton_works
 from ddtree.kernels.paged_attention import PagedMask
+from ddtree.models.hybrid import project
 from ddtree.models.target import HybridTarget
 
 
@@ -135,7 +137,8 @@ class HybridRows:
         self.pool = RecurrentPool(hybrid, seqs, target.dtype, target.device)
         self.past = hybrid.conv_width - 1
         # every recurrent layer in the varlen kernels (else each sequence in turn, in PyTorch)
-        self.varlen = len(hybrid.gdn_rows) == len(hybrid.recurrent_index)
+        self.varlen = triton_works(target.device) and all(
+            gdn.varlen_takes(hybrid.decoder[i].linear_attn) for i in hybrid.recurrent_index)
         layers, (heads, d_k, d_v), device = len(hybrid.recurrent_index), hybrid.state_shape, target.device
         rows = self.record_rows(seqs, rows)
         self.buffers = (torch.empty((layers, seqs * self.past + rows, hybrid.conv_dim), dtype=target.dtype,
@@ -216,8 +219,12 @@ class HybridRows:
 
     def _varlen(self, module, index: int, h: torch.Tensor, mask: PagedMask, varlen: VarlenRows,
                 record: BatchRecord) -> torch.Tensor:
-        """A Gated DeltaNet layer over every sequence's tree in the varlen kernels (two launches)."""
-        proj = module.ddtree_in_proj(h)
+        """A Gated DeltaNet layer over every sequence's tree in the varlen kernels (two launches), from its input
+        projections as [qkv ; z ; b ; a] rows: Qwen3.5's fused weight, or Qwen3-Next's two projections reordered."""
+        if hasattr(module, "ddtree_in_proj"):
+            proj = module.ddtree_in_proj(h)
+        else:
+            proj = torch.cat([part.reshape(h.shape[0], -1) for part in project(module, h)], dim=-1)
         out = gdn.varlen_tree_step(module, proj, self.pool.conv[index], self.pool.state[index], varlen.slots,
                                    mask.row_offsets, varlen.sources, mask.visible, mask.vis_offsets,
                                    record.inputs[index], record.keys[index], record.u[index], record.decay[index],

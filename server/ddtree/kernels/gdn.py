@@ -61,9 +61,15 @@ def takes(module: torch.nn.Module) -> bool:
     """Whether the kernel computes this Gated DeltaNet module's step: Qwen3.5's input projections (qkv, z, b,
     a: the fast path fuses them into one, `ddtree_in_proj`, which the kernels read), a SiLU conv and Qwen3.5's
     gated norm, with power-of-two head dims."""
+    return (hasattr(module, "in_proj_qkv") and type(module.norm).__name__ in GATED_NORMS
+            and varlen_takes(module))
+
+
+def varlen_takes(module: torch.nn.Module) -> bool:
+    """Whether `varlen_tree_step` computes this module's delta rule: a SiLU conv and power-of-two head dims, in
+    any projection layout (the caller hands it the rows as [qkv ; z ; b ; a], and applies the gated norm)."""
     dims = (getattr(module, "head_k_dim", 0), getattr(module, "head_v_dim", 0))
-    return (hasattr(module, "in_proj_qkv") and getattr(module, "activation", None) == "silu"
-            and type(module.norm).__name__ in GATED_NORMS and all(d >= 16 and d & (d - 1) == 0 for d in dims))
+    return getattr(module, "activation", None) == "silu" and all(d >= 16 and d & (d - 1) == 0 for d in dims)
 
 
 def row_step(module: torch.nn.Module, proj: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
