@@ -416,21 +416,27 @@ def test_batched_rounds_replay_as_graphs_and_give_each_requests_tokens(fast_ckpt
     batch = fast.batch(BatchOptions(max_num_seqs=8, max_num_batched_tokens=256, kv_cache_tokens=4096))
     paged = batch.backends[0]
     assert paged.name == "fast" and paged.static and paged.captured
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 80)) * 4, list(range(30, 60)), [7] * 40]
+    batch_matches_ar(batch, reference, [[1, 2, 3, 4, 5], list(range(10, 80)) * 4, list(range(30, 60)), [7] * 40],
+                     dtype)
+    assert all(c.graph is not None for c in paged.captured.values())
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+def batch_matches_ar(batch, reference: Engine, prompts: list[list[int]], dtype: str) -> None:
+    """Every prompt under every method in one batch, all on the paged path: each request's tokens are the
+    reference's own greedy `ar` tokens (float32: exactly; bf16: parting only at a near-tie of its logits)."""
     runs = [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)]
     requests = [(p, r) for p in prompts for r in runs]
     seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests]
     while batch.has_work():
         batch.step()
-    assert all(seq.backend is paged for seq in seqs)
-    assert all(c.graph is not None for c in paged.captured.values())
+    assert all(seq.backend is batch.backends[0] for seq in seqs)
     for (prompt, (method, budget)), seq in zip(requests, seqs, strict=True):
         want = reference.generate(prompt, GREEDY, method="ar").token_ids
         got = seq.generation.token_ids
         if got != want:
             assert dtype != "float32", (method, budget)
             assert reference_margin(reference, prompt, want, got) < NEAR_TIE, (method, budget)
-    assert batch.blocks.free_blocks == batch.blocks.num_blocks
 
 
 @gpu
@@ -457,19 +463,8 @@ def test_batched_hybrid_rounds_replay_as_graphs_and_give_each_requests_tokens(tm
     assert paged.static and paged.hybrid.varlen and paged.captured
     batch = BatchEngine(fast, [paged, SerialBackend(fast.reference)], max_num_seqs=8, max_num_batched_tokens=256,
                         blocks=pool)
-    prompts = [[1, 2, 3, 4, 5], [(7 * i) % 90 + 3 for i in range(300)], list(range(30, 60))]
-    runs = [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)]
-    requests = [(p, r) for p in prompts for r in runs]
-    seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests]
-    while batch.has_work():
-        batch.step()
-    assert all(seq.backend is paged for seq in seqs)
-    for (prompt, (method, budget)), seq in zip(requests, seqs, strict=True):
-        want = reference.generate(prompt, GREEDY, method="ar").token_ids
-        got = seq.generation.token_ids
-        if got != want:
-            assert dtype != "float32", (method, budget)
-            assert reference_margin(reference, prompt, want, got) < NEAR_TIE, (method, budget)
+    batch_matches_ar(batch, reference, [[1, 2, 3, 4, 5], [(7 * i) % 90 + 3 for i in range(300)],
+                                        list(range(30, 60))], dtype)
     assert pool.free_blocks == pool.num_blocks and not paged.hybrid.pool.slots
 
 

@@ -212,20 +212,14 @@ def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> 
     same(rows.silu_mul_fp8(gate_up), rows.silu_mul(gate_up))
 
 
-def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, nodes: int = 1) -> tuple[tuple, tuple]:
-    """A random Qwen3.5 Gated DeltaNet layer over a random tree of `nodes` (one: an AR step): the kernel's
-    (output, conv window columns, keys, u, G) and the same from the PyTorch steps it replaces (the conv and
-    gates over each node's window, the closed-form delta rule, the gated norm)."""
-    from ddtree.fast.delta import conv_sources, tree_delta_rule
-    from ddtree.fast.hybrid import conv_and_gates, gated_rms_norm
+def gdn_module(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, seed: int) -> torch.nn.Module:
+    """A random Qwen3.5 Gated DeltaNet layer (hidden 64, conv width 4) with its input projections fused as the
+    fast path fuses them (`ddtree_in_proj`), and gates and norm weights away from zero."""
     from ddtree.fast.layers import fuse
-    from ddtree.kernels import gdn
-    from ddtree.models.hybrid import split_heads
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-    from trees import ancestry, random_tree
 
-    torch.manual_seed(heads + d + nodes)
+    torch.manual_seed(seed)
     config = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=k_heads, linear_num_value_heads=heads,
                                linear_key_head_dim=d, linear_value_head_dim=d, linear_conv_kernel_dim=4)
     module = Qwen3_5GatedDeltaNet(config, layer_idx=0)
@@ -234,6 +228,20 @@ def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, 
             p.uniform_(0.2, 1.2)
     module = module.to(device, dtype)
     fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a])
+    return module
+
+
+def gdn_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, nodes: int = 1) -> tuple[tuple, tuple]:
+    """A random Qwen3.5 Gated DeltaNet layer over a random tree of `nodes` (one: an AR step): the kernel's
+    (output, conv window columns, keys, u, G) and the same from the PyTorch steps it replaces (the conv and
+    gates over each node's window, the closed-form delta rule, the gated norm)."""
+    from ddtree.fast.delta import conv_sources, tree_delta_rule
+    from ddtree.fast.hybrid import conv_and_gates, gated_rms_norm
+    from ddtree.kernels import gdn
+    from ddtree.models.hybrid import split_heads
+    from trees import ancestry, random_tree
+
+    module = gdn_module(heads, k_heads, d, dtype, device, heads + d + nodes)
     assert gdn.takes(module)
     conv_dim, taps = module.conv_dim, module.conv_kernel_size
     visible, depths = ancestry(random_tree(nodes, torch.default_generator))  # (the seed above draws it)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from cases import gdn_module
 from marks import gpu, interpreted
 from trees import ancestry
 
@@ -22,21 +23,10 @@ def varlen_case(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: st
     layouts, so float32 round-off may differ: checked to the tolerance there."""
     from ddtree.fast.delta import conv_sources, tree_delta_rule
     from ddtree.fast.hybrid import conv_and_gates
-    from ddtree.fast.layers import fuse
     from ddtree.kernels import gdn
     from ddtree.models.hybrid import split_heads
-    from transformers import Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    torch.manual_seed(heads + d)
-    config = Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=k_heads, linear_num_value_heads=heads,
-                               linear_key_head_dim=d, linear_value_head_dim=d, linear_conv_kernel_dim=4)
-    module = Qwen3_5GatedDeltaNet(config, layer_idx=0)
-    with torch.no_grad():
-        for p in (module.A_log, module.dt_bias, module.norm.weight):
-            p.uniform_(0.2, 1.2)
-    module = module.to(device, dtype)
-    fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b, module.in_proj_a])
+    module = gdn_module(heads, k_heads, d, dtype, device, heads + d)
     conv_dim, taps = module.conv_dim, module.conv_kernel_size
     sizes = [len(parents) for parents, _ in SEQUENCES]
     rows, batch = sum(sizes) + PADDING, len(SEQUENCES)
