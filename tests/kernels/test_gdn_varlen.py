@@ -101,3 +101,43 @@ def test_varlen_tree_step_equals_each_sequence_alone_interpreted(heads, k_heads,
     monkeypatch.setattr(gdn, "TREE_SLICE", 16)  # at d 32: two d_v slices
     monkeypatch.setattr(gdn, "TREE_CONFIGS", dict.fromkeys(gdn.TREE_CONFIGS, (4, 16)))  # 20 rows: two row tiles
     varlen_case(heads, k_heads, d, torch.float32, "cpu", max_rows)
+
+
+def commit_case(device: str) -> None:
+    """Random states in a pool, a verify's record and three sequences' accepted paths (a root alone, a path of
+    three rows, one of five; slots out of order, one slot untouched): the kernel's in-place commit equals
+    fast/delta.path_state per sequence and layer, to float32 round-off (the kernel sums the path's outer
+    products in another order than the einsum)."""
+    from ddtree.fast.delta import path_state
+    from ddtree.kernels import gdn
+
+    gen = torch.Generator().manual_seed(11)
+    layers, pool, heads, d_k, d_v, rows = 2, 4, 3, 32, 16, 12
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    state = rand(layers, pool, heads, d_k, d_v)
+    keys, u, decay = rand(layers, rows, heads, d_k), rand(layers, rows, heads, d_v), -rand(layers, rows, heads).abs()
+    paths = [[0], [1, 2, 3], [4, 6, 7, 9, 11]]  # global rows, root first
+    slots = [2, 0, 3]
+    want = state.clone()
+    for path, slot in zip(paths, slots, strict=True):
+        visible = torch.zeros(rows, rows, dtype=torch.bool, device=device)
+        visible[path[-1], path] = True
+        want[:, slot] = path_state(keys, u, decay, visible, state[:, slot], torch.tensor(path[-1], device=device))
+    padded = torch.tensor([p + [-1] * (5 - len(p)) for p in paths], dtype=torch.int32, device=device)
+    gdn.commit_states(state, torch.tensor(slots, dtype=torch.int32, device=device), keys, u, decay, padded,
+                      torch.tensor([p[-1] for p in paths], dtype=torch.int32, device=device))
+    torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state[:, 1], want[:, 1])  # a slot no sequence holds is left as it was
+
+
+@interpreted
+def test_the_commit_kernel_installs_each_sequences_path_state_interpreted():
+    commit_case("cpu")
+
+
+@gpu
+def test_the_commit_kernel_installs_each_sequences_path_state_on_a_gpu():
+    commit_case("cuda")

@@ -136,7 +136,8 @@ class HybridRows:
         self.hybrid = hybrid = HybridLayers(self.model, ops, target.config, target.device)
         self.pool = RecurrentPool(hybrid, seqs, target.dtype, target.device)
         self.past = hybrid.conv_width - 1
-        # every recurrent layer in the varlen kernels (else each sequence in turn, in PyTorch)
+        # every recurrent layer in the varlen kernels, and the commit in one kernel (gdn.commit_states); else each
+        # sequence in turn, and the commit's steps, in PyTorch
         self.varlen = triton_works(target.device) and all(
             gdn.varlen_takes(hybrid.decoder[i].linear_attn) for i in hybrid.recurrent_index)
         layers, (heads, d_k, d_v), device = len(hybrid.recurrent_index), hybrid.state_shape, target.device
@@ -242,25 +243,29 @@ class HybridRows:
 
     def commit(self, record: BatchRecord, seqs: list[SeqRows], lasts: list[int]) -> None:
         """Each sequence's states become those after its node `lasts[b]` (an index into its rows), in every
-        recurrent layer: exp(G_last) S0 + the path's k uᵀ weighted by their decay, as fast/delta.path_state."""
+        recurrent layer: exp(G_last) S0 + the path's k uᵀ weighted by their decay, as fast/delta.path_state (in
+        place, one kernel for all, where the Triton kernels run)."""
         device = record.keys.device
         last_rows = np.array([seq.lo + last for seq, last in zip(seqs, lasts, strict=True)])
         longest = int(max(seq.depths[last] for seq, last in zip(seqs, lasts, strict=True))) + 1
-        rows = np.zeros((len(seqs), longest), dtype=np.int64)  # each path's rows, root first, padded with row 0
-        on_path = np.zeros((len(seqs), longest), dtype=np.bool_)
+        paths = np.full((len(seqs), longest), -1, dtype=np.int64)  # each path's rows, root first, padded with -1
         for b, (seq, last) in enumerate(zip(seqs, lasts, strict=True)):
             node, depth = last, seq.depths[last]
             while node >= 0:
-                rows[b, depth], on_path[b, depth] = seq.lo + node, True
+                paths[b, depth] = seq.lo + node
                 node, depth = seq.parents[node], depth - 1
-        rows, on_path = torch.from_numpy(rows).to(device), torch.from_numpy(on_path).to(device)
         slots = torch.tensor([seq.slot for seq in seqs], device=device)
-        g_last = record.decay[:, torch.from_numpy(last_rows).to(device)]  # [L, B, H]
-        w = (g_last[:, :, None] - record.decay[:, rows]).masked_fill(~on_path[None, :, :, None], float("-inf")).exp()
-        state = self.pool.state.index_select(1, slots)
-        state = g_last.exp()[..., None, None] * state + torch.einsum(
-            "lbphk,lbph,lbphv->lbhkv", record.keys[:, rows], w, record.u[:, rows])
-        self.pool.state.index_copy_(1, slots, state)
+        if self.varlen:
+            gdn.commit_states(self.pool.state, slots.int(), record.keys, record.u, record.decay,
+                              torch.from_numpy(paths).int().to(device), torch.from_numpy(last_rows).int().to(device))
+        else:
+            rows, on_path = torch.from_numpy(paths).clamp(min=0).to(device), torch.from_numpy(paths >= 0).to(device)
+            g_last = record.decay[:, torch.from_numpy(last_rows).to(device)]  # [L, B, H]
+            w = (g_last[:, :, None] - record.decay[:, rows]).masked_fill(~on_path[None, :, :, None],
+                                                                          float("-inf")).exp()
+            state = g_last.exp()[..., None, None] * self.pool.state.index_select(1, slots) + torch.einsum(
+                "lbphk,lbph,lbphv->lbhkv", record.keys[:, rows], w, record.u[:, rows])
+            self.pool.state.index_copy_(1, slots, state)
         segments = torch.tensor([seq.lo + b * self.past for b, seq in enumerate(seqs)])
         window = record.sources[torch.from_numpy(last_rows), 1:] + segments[:, None]  # [B, W-1] rows of `inputs`
         self.pool.conv.index_copy_(1, slots, record.inputs[:, window.to(device)])

@@ -185,6 +185,8 @@ def gdn_cases() -> list[Case]:
         if block == 64:
             out.append(Case("Gated DeltaNet varlen prep", gdn._varlen_prep_kernel, dict(shape, **work), pointers,
                             scalars, num_warps=1, num_stages=stages))
+    out.append(Case("Gated DeltaNet commit", gdn._commit_kernel, dict(HEADS=heads, DK=d, DV=d, TILE=gdn.COMMIT_TILE),
+                    dict(pointers, Slots="i32", Paths="i32", Lasts="i32"), num_warps=4, num_stages=stages))
     return out
 
 

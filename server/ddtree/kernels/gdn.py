@@ -173,7 +173,51 @@ def varlen_tree_step(module: torch.nn.Module, proj: torch.Tensor, conv_pool: tor
     return out
 
 
+COMMIT_TILE = 32  # d_k rows of a state a commit program updates: a [32, d_v] float32 tile in registers
+
+
+def commit_states(state_pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, u: torch.Tensor,
+                  decay: torch.Tensor, paths: torch.Tensor, lasts: torch.Tensor) -> None:
+    """Each sequence's recurrent state, in place in its pool slot, becomes the state after its accepted path's
+    last node, in every layer: S <- exp(G_last) S + Σ_{j on the path} exp(G_last - G_j) k_j u_jᵀ (fast/delta.py's
+    path_state). One launch reads and writes each state once, where the PyTorch steps gather, scale, add and
+    scatter it (several passes over what, for a 27B hybrid, is 150 MB a sequence).
+
+    state_pool [L, S, H, d_k, d_v] float32; slots [B] int32 (each sequence's slot); keys [L, R, H, d_k], u [L, R,
+    H, d_v] and decay [L, R, H] (float32, the verify's record by row); paths [B, P] int32, each sequence's rows
+    root first, padded with -1; lasts [B] int32, each path's last row."""
+    layers, pool, heads, d_k, d_v = state_pool.shape
+    batch, longest = paths.shape
+    tile = min(COMMIT_TILE, d_k)
+    _commit_kernel[(batch, layers * heads, d_k // tile)](
+        state_pool, slots, keys, u, decay, paths, lasts, longest, keys.shape[1], pool, HEADS=heads, DK=d_k, DV=d_v,
+        TILE=tile, num_warps=4)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _commit_kernel(StatePool, Slots, Keys, U, Decay, Paths, Lasts, longest, rows, pool, HEADS: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, TILE: tl.constexpr):
+        """Sequence b, (layer, value head) lh, d_k tile t: its state tile scaled by the decay down the path, plus
+        each path node's k uᵀ weighted by its decay to the last node."""
+        b, lh, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        layer, h = lh // HEADS, lh % HEADS
+        dk, dv = t * TILE + tl.arange(0, TILE), tl.arange(0, DV)
+        slot = tl.load(Slots + b).to(tl.int64)
+        state = StatePool + ((layer * pool + slot) * HEADS + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+        record = layer.to(tl.int64) * rows
+        g_last = tl.load(Decay + (record + tl.load(Lasts + b)) * HEADS + h)
+        acc = tl.load(state) * tl.exp(g_last)
+        for p in range(longest):
+            row = tl.load(Paths + b * longest + p)
+            if row >= 0:
+                node = (record + row) * HEADS + h
+                w = tl.exp(g_last - tl.load(Decay + node))
+                k = tl.load(Keys + node * DK + dk)
+                v = tl.load(U + node * DV + dv)
+                acc += (w * k)[:, None] * v[None, :]
+        tl.store(state, acc)
 
     @triton.jit
     def _conv(Proj, ConvState, ConvW, Inputs, ch, WRITE: tl.constexpr, CONV_DIM: tl.constexpr,
