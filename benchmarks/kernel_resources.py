@@ -8,8 +8,9 @@ fast path launches (and a few alternatives) with Triton's own ptxas and reads `c
 with the Triton the GPU machine has: register allocation changes between versions.
 
 The kernels that pipeline `tl.dot` tiles (tree attention, the few-row GEMM, the MoE experts, the Gated
-DeltaNet tree) are compiled again, for sm_86 (RTX 30-class; sm_89 allows the same 99 KB a block) and sm_90,
-at the configs the fast path launches on real shapes, in bf16 and float32. Their tiles are tuned on an H200
+DeltaNet tree) are compiled again, for sm_86 (RTX 30-class; sm_89 allows the same 99 KB a block, and takes the
+fp8 experts' column) and sm_90, at the configs the fast path launches on real shapes, in bf16 and float32 (and
+the experts in fp8). Their tiles are tuned on an H200
 (227 KB a block); a config over a GPU's limit fails to launch (OutOfResources), so each kernel that can
 exceed 99 KB shrinks its tiles until it fits (`jit.launch_fitting`).
 
@@ -109,24 +110,29 @@ def gemm_build(rows: int, n: int, k: int, dtype: str) -> tuple[Callable, dict[st
     cfg = gemm_module.launch_config(n, k)
     args = {"X": f"*{dtype}", "XS": "*fp32", "W": f"*{dtype}", "WS": "*fp32", "W2": f"*{dtype}", "WS2": "*fp32",
             "Y": f"*{dtype}", "Part": "*fp32", "Count": "*i32", "M": "i32", "N1": "i32", "N": "i32", "stride_x": "i32",
-            "stride_w": "i32"}
+            "stride_w": "i32", "stride_s": "i32"}
     consts = dict(K=k, PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=max(16, triton.next_power_of_2(rows)),
-                  BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=cfg["split_k"], FP8=False)
+                  BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=cfg["split_k"], FP8=False, SCALE_ROWS=0,
+                  SCALE_COLS=1)
     return gemm_module._skinny_kernel, args, consts, cfg
 
 
-def experts_build(part: str, pairs: int, hidden: int, inter: int, experts: int, top_k: int,
-                  dtype: str) -> tuple[Callable, dict[str, str], dict, dict[str, int]]:
-    """An MoE expert kernel (gate/up or down) at its tuned tiles, for `pairs` (row, expert) pairs."""
+def experts_build(part: str, pairs: int, hidden: int, inter: int, experts: int, top_k: int, dtype: str,
+                  fp8: bool = False, block: tuple[int, int] | None = None
+                  ) -> tuple[Callable, dict[str, str], dict, dict[str, int]]:
+    """An MoE expert kernel (gate/up or down) at its tuned tiles, for `pairs` (row, expert) pairs; `fp8`: e4m3
+    weights (and gate/up's rows) with channel scales, or `block` scales."""
     up = part == "up"
     cfg = moe_module.UP_CONFIG if up else moe_module.DOWN_CONFIG
     first, out = ("X", "Act") if up else ("A", "Out")
-    args = {first: f"*{dtype}", "W": f"*{dtype}", "Owners": "*i32", "Order": "*i64", out: f"*{dtype}", "N": "i32",
-            "stride_we": "i32"}
-    k = hidden if up else inter
+    operand = "fp8e4nv" if fp8 else dtype
+    args = {first: f"*{operand if up else dtype}", "W": f"*{operand}", "Owners": "*i32", "Order": "*i64",
+            out: f"*{dtype}", "WS": "*fp32", "N": "i32", "stride_we": "i32", "stride_se": "i32", "stride_s": "i32",
+            **({"XS": "*fp32"} if up else {})}
+    n, k = (2 * inter, hidden) if up else (hidden, inter)
     consts = dict(K=k, PAIRS=pairs, EXPERTS=experts, TOP_K=top_k, BY_EXPERT=pairs > experts,
                   BLOCK_P=triton.next_power_of_2(pairs), BLOCK_M=16, SORTED=pairs == top_k, BLOCK_N=cfg["block_n"],
-                  BLOCK_K=moe_module._block_k(k), PRECISION="ieee" if dtype == "fp32" else "tf32")
+                  PRECISION="ieee" if dtype == "fp32" else "tf32", **moe_module.k_loop(n, k, fp8, block))
     return (moe_module._up_kernel if up else moe_module._down_kernel), args, consts, cfg
 
 
@@ -152,6 +158,11 @@ def shared_table() -> None:
             for pairs, what in ((8, "AR step"), (520, "B = 64 tree")):
                 fn, args, consts, cfg = experts_build(part, pairs, 2048, 768, 128, 8, dtype)
                 builds.append((f"MoE {part}, 30B-A3B {what}", dtype, fn, args, consts, 4, cfg["num_stages"], True))
+                for block, scales in ((None, "channel"), ((128, 128), "128 x 128 blocks")):
+                    if dtype == "bf16":  # fp8 experts: bf16 rows and outputs
+                        fn, args, consts, cfg = experts_build(part, pairs, 2048, 768, 128, 8, dtype, True, block)
+                        builds.append((f"MoE {part} fp8 ({scales}), 30B-A3B {what}", "fp8", fn, args, consts, 4,
+                                       cfg["num_stages"], True))
         for block, (warps, tile) in gdn.TREE_CONFIGS.items():
             if block <= gdn.TREE_MAX:
                 fn, args, consts = gdn_tree_build(block, tile, dtype)
@@ -161,7 +172,8 @@ def shared_table() -> None:
           f"{SHARED_LIMITS[90] // 1024})\n")
     print("| kernel | dtype | sm_86 | sm_90 | over a consumer GPU's | shrinks to fit |\n|---|---|---|---|---|---|")
     for name, dtype, fn, args, consts, warps, stages, fits in builds:
-        kb = {arch: compiled(fn, args, consts, warps, stages, arch).metadata.shared / 1024 for arch in SHARED_LIMITS}
+        kb = {arch: compiled(fn, args, consts, warps, stages, 89 if dtype == "fp8" and arch == 86 else arch
+                             ).metadata.shared / 1024 for arch in SHARED_LIMITS}  # (fp8 from sm_89: the same 99 KB)
         over = "**yes**" if kb[CONSUMER] * 1024 > SHARED_LIMITS[CONSUMER] else "no"
         print(f"| {name} | {dtype} | {kb[86]:.1f} | {kb[90]:.1f} | {over} | {'yes' if fits else 'no'} |", flush=True)
 

@@ -25,7 +25,7 @@ SELECTOR = SelectorConfig(conv_kernel_size=2, conv_group_size=16, selector_rank=
 
 
 def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, sliding_window: int | None = None,
-                  hidden: int = HIDDEN, head_dim: int = 16):
+                  hidden: int = HIDDEN, head_dim: int = 16, moe_intermediate: int = 32):
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   eos_token_id=vocab - 2, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
@@ -40,8 +40,8 @@ def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, s
     if arch == "llama":
         return LlamaConfig(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(head_dim=head_dim, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                              decoder_sparse_step=1, mlp_only_layers=[], **common)
+        return Qwen3MoeConfig(head_dim=head_dim, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[],
+                              moe_intermediate_size=moe_intermediate, decoder_sparse_step=1, **common)
     raise ValueError(arch)
 
 

@@ -273,13 +273,19 @@ class Layer:
         """Whether the projections are fp8 (a quantized drafter's): then they read quantized rows (Ops.normed)."""
         return self.o.fp8
 
+    @property
+    def mlp_fp8(self) -> bool:
+        """Whether the MLP reads quantized rows: fp8 SwiGLU projections. Experts read the rows as they are (their
+        router is not quantized; fp8 experts quantize the rows as they route them: ddtree/kernels/moe.py)."""
+        return self.gate_up is not None and self.gate_up.fp8
+
     def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) of the normed rows h."""
         raise NotImplementedError
 
     def mlp(self, ops: Ops, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """The MLP's output for the normed rows h."""
-        return self.down(ops.silu_mul_fp8(self.gate_up(h)) if self.fp8 else ops.swiglu(h, self.gate_up))
+        return self.down(ops.silu_mul_fp8(self.gate_up(h)) if self.mlp_fp8 else ops.swiglu(h, self.gate_up))
 
 
 @dataclass(frozen=True)

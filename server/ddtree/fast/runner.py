@@ -73,8 +73,10 @@ def sparse_block(mlp: nn.Module) -> bool:
     over stacked expert weights; Qwen3.5-MoE and Qwen3-Next add a gated SwiGLU shared expert)."""
     experts, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
     shared = getattr(mlp, "shared_expert", None)
-    return (getattr(experts, "gate_up_proj", None) is not None and getattr(experts, "down_proj", None) is not None
-            and experts.gate_up_proj.dim() == 3 and hasattr(router, "top_k") and hasattr(router, "weight")
+    stacked = isinstance(experts, Fp8Experts) or (
+        getattr(experts, "gate_up_proj", None) is not None and getattr(experts, "down_proj", None) is not None
+        and experts.gate_up_proj.dim() == 3)
+    return (stacked and hasattr(router, "top_k") and hasattr(router, "weight")
             and (shared is None or (hasattr(mlp, "shared_expert_gate")
                                     and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))))
 
@@ -87,8 +89,6 @@ def unsupported(target: Target) -> str | None:
         return f"model type {cfg.model_type} is not one of {', '.join(ARCHITECTURES)}, nor a hybrid"
     if set(target.layer_types) - {"full_attention", "linear_attention"}:
         return "sliding-window layers use the reference path"
-    if any(isinstance(module, Fp8Experts) for module in target.model.modules()):
-        return "fp8 mixture-of-experts weights (the fast path's expert kernels are bf16 only)"
     if not all(hasattr(layer.mlp, "gate_proj") or sparse_block(layer.mlp) for layer in target.layers):
         return "mixture-of-experts blocks other than the Qwen3 families' (top-k experts, an optional shared expert)"
     if not hybrid and any(len({isinstance(m, Fp8Linear) for m in _projections(layer)}) > 1 for layer in target.layers):
@@ -562,7 +562,7 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
     entering = x
     q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
                             layer.head_dim, cache, slots)
-    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.fp8)
+    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.mlp_fp8)
     return entering, x, layer.mlp(ops, h)
 
 

@@ -89,7 +89,7 @@ def choices(capability: int) -> dict[str, str]:
 def cases(pdl: int) -> list[Case]:
     """The fast path's Triton kernels at launch configs of the Qwen3-8B and Qwen3.6-27B shapes (`pdl`: the PDL
     constexpr the capability gets)."""
-    from ddtree.kernels import attention, gemm, gemv, heads, moe, paged_attention, rows
+    from ddtree.kernels import attention, gemm, gemv, heads, paged_attention, rows
 
     fp8 = {"X": "fp8e4nv", "W": "fp8e4nv", "W2": "fp8e4nv", "XS": "fp32", "WS": "fp32", "WS2": "fp32",
            "Part": "fp32", "Count": "i32"}
@@ -145,12 +145,31 @@ def cases(pdl: int) -> list[Case]:
             {"Starts": "i32", "Offsets": "i32", "Tables": "i32", "Vis": "i8", "VisOffsets": "i32", "Tiles": "i32",
              "Sinks": "fp32"}, {"scale": "fp32"}, num_stages=2))
     out += gdn_cases()
-    for name, fn, k in (("experts gate/up", moe._up_kernel, 2048), ("experts down", moe._down_kernel, 768)):
-        out.append(Case(name, fn, dict(
-            K=k, PAIRS=8, EXPERTS=128, TOP_K=8, BY_EXPERT=False, BLOCK_P=8, BLOCK_M=16, SORTED=True,
-            BLOCK_N=moe.UP_CONFIG["block_n"], BLOCK_K=moe._block_k(k), PRECISION="tf32"),
-            {"Owners": "i32", "Order": "i32"}, {"N": "i32"}, num_stages=moe.UP_CONFIG["num_stages"],
-            shrink=("BLOCK_N", 16)))
+    out += moe_cases()
+    return out
+
+
+def moe_cases() -> list[Case]:
+    """The expert kernels at Qwen3-30B-A3B's shape (2048 -> 768, 128 experts, 8 a token) for an AR step's 8
+    pairs: bf16, fp8 with channel scales and fp8 with 128 x 128 block scales; the router's kernel, which
+    quantizes the rows for fp8 gate/up."""
+    from ddtree.kernels import moe
+
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    out = [Case(f"experts route{' fp8' if fp8 else ''}", moe._route_kernel, dict(
+        TOP_K=top_k, BLOCK_E=experts, RENORMALIZE=True, FP8=fp8, BLOCK_H=hidden if fp8 else 1),
+        {"Picks": "i32", "XQ": "fp8e4nv", "XS": "fp32"}, {"E": "i32", "H": "i32"}) for fp8 in (False, True)]
+    formats = ((False, None, ""), (True, None, " fp8 channel"), (True, (128, 128), " fp8 128x128 blocks"))
+    for fp8, block, label in formats:
+        for name, fn, n, k, config in (("experts gate/up", moe._up_kernel, 2 * inter, hidden, moe.UP_CONFIG),
+                                       ("experts down", moe._down_kernel, hidden, inter, moe.DOWN_CONFIG)):
+            operand = "fp8e4nv" if fp8 else "bf16"
+            out.append(Case(name + label, fn, dict(
+                K=k, PAIRS=top_k, EXPERTS=experts, TOP_K=top_k, BY_EXPERT=False, BLOCK_P=top_k, BLOCK_M=16,
+                SORTED=True, BLOCK_N=config["block_n"], PRECISION="tf32", **moe.k_loop(n, k, fp8, block)),
+                {"Owners": "i32", "Order": "i32", "W": operand, "XS": "fp32", "WS": "fp32",
+                 "X": operand if fn is moe._up_kernel else "bf16"}, {"N": "i32"}, num_stages=config["num_stages"],
+                shrink=("BLOCK_N", 16)))
     return out
 
 

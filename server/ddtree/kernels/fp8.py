@@ -29,7 +29,8 @@ class Fp8Weight:
     """A weight [N, K] as fp8 values `data` and float32 scales: one per output row (`block` None, scale [N]:
     weight ≈ data * scale[:, None]), or one per block of `block` = (rows, columns) (scale [ceil(N / rows),
     ceil(K / columns)]: weight ≈ data * scale repeated over each block). Rows 1 is a block format too: a fused
-    weight whose parts do not end on a 128-row block keeps each row's K-block scales (`expand_rows`)."""
+    weight whose parts do not end on a 128-row block keeps each row's K-block scales (`expand_rows`). A mixture-of-
+    experts block's experts stack as one: data [E, N, K] and each scale tensor with a leading E (`[e]`: expert e's)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -38,6 +39,10 @@ class Fp8Weight:
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    def __getitem__(self, expert: int) -> Fp8Weight:
+        """Expert `expert`'s weight of stacked experts."""
+        return Fp8Weight(self.data[expert], self.scale[expert], self.block)
 
     def rows(self, start: int, end: int) -> Fp8Weight:
         """Rows start..end-1 with their scales (block rows must start on a block)."""

@@ -261,6 +261,26 @@ def _kept_zeros(use: str, n: int, dtype: torch.dtype, device: torch.device, leas
 if triton is not None:
 
     @triton.jit
+    def fp8_tile(acc, w, x, s_ptrs, col_ok, BLOCKS: tl.constexpr):
+        """acc plus one K tile's float32 product of e4m3 tiles w [N, K] and x [K, M], each column's times its
+        block scale at s_ptrs (BLOCKS; channel scales apply after the sum: `fp8_scales`). Each tile's product is
+        added in float32: Hopper's fp8 MMA keeps fewer bits in its own accumulator, which over a long K strays
+        ~1e-3 from the float32 sum."""
+        if BLOCKS:
+            return acc + tl.dot(w, x) * tl.load(s_ptrs, mask=col_ok, other=0.0)[:, None]
+        return acc + tl.dot(w, x)
+
+    @triton.jit
+    def fp8_scales(x_scale, w_scale_ptrs, col_ok, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCKS: tl.constexpr):
+        """What an fp8 product's float32 sums [BLOCK_N, BLOCK_M] are multiplied by before the store: (channel
+        scale x row scale x_scale [BLOCK_M]), the channel scales at w_scale_ptrs [BLOCK_N]; with BLOCKS (in the
+        sums already) the row's alone."""
+        if BLOCKS:
+            return tl.zeros((BLOCK_N, BLOCK_M), tl.float32) + x_scale[None, :]
+        return tl.load(w_scale_ptrs, mask=col_ok, other=0.0)[:, None] * x_scale[None, :]
+
+    @triton.jit
     def _skinny_kernel(X, XS, W, WS, W2, WS2, Y, Part, Count, M, N1, N, stride_x, stride_w, stride_s,
                        K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
@@ -283,27 +303,22 @@ if triton is not None:
         w_ptrs = tl.where(second, W2 + (rn - N1)[:, None] * stride_w, W + rn[:, None] * stride_w) + rk[None, :]
         x_ptrs = X + rm[None, :] * stride_x + rk[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        s_ptrs = WS  # (unread without block scales)
         if SCALE_ROWS > 0:
             s_ptrs = tl.where(second, WS2 + ((rn - N1) // SCALE_ROWS) * stride_s,
                               WS + (rn // SCALE_ROWS) * stride_s) + (pid_k * span) // SCALE_COLS
         for kk in range(0, span, BLOCK_K):
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
-            if SCALE_ROWS > 0:  # this K tile's block scale per column, after its float32 product
-                acc += tl.dot(w, x) * tl.load(s_ptrs + kk // SCALE_COLS, mask=col_ok, other=0.0)[:, None]
-            elif FP8:  # each K tile's product added in float32: Hopper's fp8 MMA keeps fewer bits in its own
-                acc += tl.dot(w, x)  # accumulator, which over a long K strays ~1e-3 from the float32 sum
+            if FP8:
+                acc = fp8_tile(acc, w, x, s_ptrs + kk // SCALE_COLS, col_ok, SCALE_ROWS > 0)
             else:
                 acc = tl.dot(w, x, acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if FP8:  # (column scale x row scale), for the store; block scales are in acc already
-            x_scale = tl.load(XS + rm, mask=row_ok, other=0.0)[None, :]
-            if SCALE_ROWS > 0:
-                scale = tl.zeros((BLOCK_N, BLOCK_M), tl.float32) + x_scale
-            else:
-                w_scale = tl.load(tl.where(second, WS2 + (rn - N1), WS + rn), mask=col_ok, other=0.0)
-                scale = w_scale[:, None] * x_scale
+            scale = fp8_scales(tl.load(XS + rm, mask=row_ok, other=0.0), tl.where(second, WS2 + (rn - N1), WS + rn),
+                               col_ok, BLOCK_N, BLOCK_M, SCALE_ROWS > 0)
         out_ptrs = Y + rm[None, :] * N + rn[:, None]
         out_ok = col_ok[:, None] & row_ok[None, :]
         if SPLIT_K == 1:

@@ -130,15 +130,23 @@ if triton is not None:
     _TINY = tl.constexpr(TINY)
 
     @triton.jit
+    def e4m3_scale(largest):
+        """quantize_rows' scale of a row whose largest magnitude is `largest`: at least TINY, x float32(1 / FP8_MAX)."""
+        return tl.maximum(largest, _TINY) * _INV_MAX
+
+    @triton.jit
+    def to_e4m3(y, scale):
+        """float32 values y / scale (correctly rounded: div_rn) in e4m3, rounded to nearest even: quantize_rows'."""
+        return tl.math.div_rn(y, scale).to(tl.float8e4nv)
+
+    @triton.jit
     def _store_rows(Out, S, y, r, cols, ok, rows, K, FP8: tl.constexpr):
-        """Rows y [BLOCK_R, BLOCK] to Out as they are, or with FP8 as quantize_rows makes them: scale = largest
-        magnitude (at least TINY) x float32(1 / FP8_MAX), values / scale (correctly rounded: div_rn) in e4m3,
-        rounded to nearest even, the scales to S. Masked entries must be 0."""
+        """Rows y [BLOCK_R, BLOCK] to Out as they are, or with FP8 as quantize_rows makes them (`e4m3_scale`,
+        `to_e4m3`), the scales to S. Masked entries must be 0."""
         if FP8:
             yf = y.to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(yf), 1), _TINY) * _INV_MAX
-            tl.store(Out + r[:, None] * K + cols[None, :], tl.math.div_rn(yf, scale[:, None]).to(Out.dtype.element_ty),
-                     mask=ok)
+            scale = e4m3_scale(tl.max(tl.abs(yf), 1))
+            tl.store(Out + r[:, None] * K + cols[None, :], to_e4m3(yf, scale[:, None]), mask=ok)
             tl.store(S + r, scale, mask=r < rows)
         else:
             tl.store(Out + r[:, None] * K + cols[None, :], y, mask=ok)

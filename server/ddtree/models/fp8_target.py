@@ -16,7 +16,7 @@ a step in bf16) and fit a 27B target with its drafter on a 48 GB GPU. Two ways i
 Either way the rows are quantized per token on the fly (one scale per row), the embeddings, the LM head, the
 norms, the routers (`mlp.gate`, `shared_expert_gate`) and Gated DeltaNet's tiny b/a projections stay in the
 model's dtype, as in Qwen's own FP8 checkpoints. Mixture-of-experts weights become `Fp8Experts` (the reference
-path's experts; the fast path's expert kernels are bf16 only, so those targets decode on the reference path).
+path's experts; the fast path's expert kernels take their stacked weights, ddtree/kernels/moe.py).
 The output stays lossless in the speculative sense: `ddtree` emits exactly the FP8 target's own picks.
 """
 
@@ -78,7 +78,8 @@ class Fp8Experts(nn.Module):
     def __init__(self, gate_up: list[Fp8Weight], down: list[Fp8Weight], act: nn.Module) -> None:
         super().__init__()
         self.num_experts = len(gate_up)
-        self.block = gate_up[0].block
+        # gate/up's rows keep their own K-block scales where gate's do not end on a block (join_rows); down's not
+        self.gate_up_block, self.down_block = gate_up[0].block, down[0].block
         self.register_buffer("gate_up", torch.stack([w.data for w in gate_up]), persistent=False)
         self.register_buffer("gate_up_scale", torch.stack([w.scale for w in gate_up]), persistent=False)
         self.register_buffer("down", torch.stack([w.data for w in down]), persistent=False)
@@ -92,16 +93,18 @@ class Fp8Experts(nn.Module):
         down = [quantize(w.to(device)) for w in experts.down_proj.detach()]
         return cls(gate_up, down, experts.act_fn)
 
-    def weights(self, expert: int) -> tuple[Fp8Weight, Fp8Weight]:
-        return (Fp8Weight(self.gate_up[expert], self.gate_up_scale[expert], self.block),
-                Fp8Weight(self.down[expert], self.down_scale[expert], self.block))
+    def stacked(self) -> tuple[Fp8Weight, Fp8Weight]:
+        """Every expert's gate/up and down weights, stacked (the fast path's expert kernels read them so)."""
+        return (Fp8Weight(self.gate_up, self.gate_up_scale, self.gate_up_block),
+                Fp8Weight(self.down, self.down_scale, self.down_block))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
+        gate_ups, downs = self.stacked()
         for expert in top_k_index.unique().tolist():  # ascending ids, as transformers' loop adds them
             token, position = torch.where(top_k_index == expert)
-            gate_up, down = self.weights(expert)
+            gate_up, down = gate_ups[expert], downs[expert]
             gate, up = fp8_linear(hidden_states[token], gate_up).chunk(2, dim=-1)
             y = fp8_linear(self.act_fn(gate) * up, down) * top_k_weights[token, position, None]
             out.index_add_(0, token, y.to(out.dtype))
