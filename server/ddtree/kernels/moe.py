@@ -91,6 +91,7 @@ class Experts:
 
     @property
     def fp8(self) -> bool:
+        """Whether the experts' weights are fp8 (an FP8 target's): the kernels' FP8 form, or fp8_linear."""
         return isinstance(self.gate_up, Fp8Weight)
 
     def __call__(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,7 +205,7 @@ def _block_k(k: int) -> int:
     return next(b for b in (128, 64, 32, 16) if k % b == 0)
 
 
-def k_loop(n: int, k: int, fp8: bool = False, block: tuple[int, int] | None = None) -> dict:
+def k_loop(n: int, k: int, fp8: bool = False, block: tuple[int, int] | None = None) -> dict[str, int | bool]:
     """The K loop's constexprs of an expert kernel over weights [E, n, k]. fp8: the K tile and K slices
     gemm.launch_config gives one expert's weight, so that each pair's float32 sums are the few-row GEMM's at an
     AR step's rows (the reference's, Fp8Experts: bit for bit where the tensor cores' tile products are), with one
@@ -217,7 +218,8 @@ def k_loop(n: int, k: int, fp8: bool = False, block: tuple[int, int] | None = No
                 SCALE_ROWS=rows, SCALE_COLS=cols)
 
 
-def fp8_operands(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], dict]:
+def fp8_operands(weight: torch.Tensor | Fp8Weight
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], dict[str, int | bool]]:
     """A stacked weight [E, N, K] as an expert kernel reads it: (values, scales, the scales' expert and row strides,
     `k_loop`'s constexprs); in the model's dtype the weight stands in for the unread scales."""
     if not isinstance(weight, Fp8Weight):
