@@ -18,9 +18,9 @@ core/blocks.py (one table per sequence serves both pools). The layers are the si
 (fast/layers.py), so each row is computed as it is there. On CUDA the draft and verify forwards are replayed as
 CUDA graphs, one per bucket of rows (`BatchGraphs`); elsewhere they run eagerly.
 
-Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's) and Qwen3.5 / Qwen3.6 hybrids (their
-Gated DeltaNet layers keep a state per sequence: fast/paged_hybrid.py), greedy or sampled with any of the
-request's settings.
+Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's) and Qwen3.5 / Qwen3.6 / Qwen3-Next
+hybrids (their Gated DeltaNet layers keep a state per sequence: fast/paged_hybrid.py), with DFlash, DFlash2 and
+attention-sink drafters, greedy or sampled with any of the request's settings.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def buckets(largest: int) -> list[int]:
 
 
 class PagedBackend:
-    """Batched rounds over paged caches for a dense or hybrid target (+ its DFlash drafter)."""
+    """Batched rounds over paged caches for a dense or hybrid target (+ its drafter)."""
 
     name = "fast"
     chunked = True
