@@ -251,9 +251,9 @@ def warm_up(batch: BatchEngine, *settings: SamplingParams) -> list[str]:
 
 def batch_engine(engine, options: BatchOptions) -> BatchEngine:
     """The batch engine for a loaded engine: the batched fast path over paged caches where the target takes it
-    (dense and MoE Qwen3 / Llama targets, hybrids), with the reference path for requests it
-    declines; one request at a time on the single-sequence paths with --max-num-seqs 1, and on a GPU whose fast
-    path cannot batch this pair (a Qwen3-Next target: the reference path would batch it many times slower)."""
+    (dense and MoE Qwen3 / Llama targets, hybrids), with the reference path for requests it declines; one
+    request at a time on the single-sequence paths with --max-num-seqs 1, and on a GPU where the paged kernels do
+    not build (PagedBackend.declines: the reference path would batch them many times slower)."""
     import torch
 
     from ddtree.fast.batch import PagedBackend, pool_tokens
