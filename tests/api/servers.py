@@ -69,12 +69,13 @@ class Server:
 
 
 def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, api_key: str = "unused",
-                 name: str = "server") -> Server:
-    """`python -m ddtree.cli serve ARGS` on a free port, once /ready answers 200."""
+                 name: str = "server", python: tuple[str, ...] = (sys.executable,)) -> Server:
+    """`python -m ddtree.cli serve ARGS` on a free port, once /ready answers 200 (`python`: the interpreter's
+    command, e.g. through tests/without_packages.py)."""
     port = free_port()
     log = log_dir / f"{name}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ddtree.cli", "serve", "--port", str(port), *args],
+        proc = subprocess.Popen([*python, "-m", "ddtree.cli", "serve", "--port", str(port), *args],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(f"http://127.0.0.1:{port}", proc, log, api_key)
     deadline = time.monotonic() + 120

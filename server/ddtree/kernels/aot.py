@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import triton
-from triton.backends.compiler import GPUTarget
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+except ImportError:  # CPU-only installs: the module imports; building needs Triton (`require_triton`)
+    triton = None
 
 # The opt-in shared memory of one block (cudaDevAttrMaxSharedMemoryPerBlockOptin), by compute capability.
 SHARED_LIMIT = {89: 99 * 1024, 90: 227 * 1024, 120: 99 * 1024}
@@ -49,8 +52,15 @@ def signature(case: Case) -> dict[str, str]:
     return sig
 
 
+def require_triton() -> None:
+    """Ahead-of-time builds compile Triton kernels: say so in one line where Triton is not installed."""
+    if triton is None:
+        raise RuntimeError("ahead-of-time kernel builds need Triton (pip install triton)")
+
+
 def compile_case(case: Case, capability: int, constexprs: dict, num_stages: int) -> object:
     """The compiled kernel (cubin) of a case for `capability` (e.g. 90) at these constexprs and stages."""
+    require_triton()
     src = triton.compiler.ASTSource(fn=case.fn, signature=signature(case), constexprs={
         (case.fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
@@ -89,6 +99,7 @@ def choices(capability: int) -> dict[str, str]:
 def cases(pdl: int) -> list[Case]:
     """The fast path's Triton kernels at launch configs of the Qwen3-8B and Qwen3.6-27B shapes (`pdl`: the PDL
     constexpr the capability gets)."""
+    require_triton()
     from ddtree.kernels import attention, gemm, gemv, heads, paged_attention, rows
 
     fp8 = {"X": "fp8e4nv", "W": "fp8e4nv", "W2": "fp8e4nv", "XS": "fp32", "WS": "fp32", "WS2": "fp32",
@@ -153,6 +164,7 @@ def moe_cases() -> list[Case]:
     """The expert kernels at Qwen3-30B-A3B's shape (2048 -> 768, 128 experts, 8 a token) for an AR step's 8
     pairs: bf16, fp8 with channel scales and fp8 with 128 x 128 block scales; the router's kernel, which
     quantizes the rows for fp8 gate/up."""
+    require_triton()
     from ddtree.kernels import moe
 
     hidden, inter, experts, top_k = 2048, 768, 128, 8
@@ -177,6 +189,7 @@ def gdn_cases() -> list[Case]:
     """The Gated DeltaNet kernels at the Qwen3.6-27B shape (48 value heads over 16 key heads, d_k = d_v = 128,
     conv width 4): the AR step's, a tree's (one sequence) and a batch's (varlen), at each padded tree width, with
     Triton's default pipeline depth (3), as they are launched."""
+    require_triton()
     from ddtree.kernels import gdn
 
     heads, key_heads, d = 48, 16, 128

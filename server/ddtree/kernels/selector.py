@@ -11,16 +11,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.kernels.jit import attempt, triton_works
-from ddtree.kernels.tree import (
-    _ancestor_matrix,
-    _key,
-    _key_score,
-    _number_best_first,
-    _pow2,
-    _tree_warps,
-    ancestors,
-    tree_size,
-)
+from ddtree.kernels.tree import _pow2, _tree_warps, ancestors, tree_size
 
 try:
     import triton
@@ -139,6 +130,8 @@ def _chain_on_gpu(order: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    # The tree kernel's jit helpers, which exist only where Triton does.
+    from ddtree.kernels.tree import _ancestor_matrix, _key, _key_score, _number_best_first
 
     @triton.jit
     def _selector_tree_kernel(Logp, Order, Tok, Pairs, Scores, States, ParentSlot, NodeOf, Tokens, Parents, Depths,
