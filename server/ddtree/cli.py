@@ -172,6 +172,9 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-budget", action=argparse.BooleanOptionalAction, default=True,
                    help="choose each round's draft nodes across all requests by the round cost measured at "
                         "start-up (default on, on CUDA); --no-batch-budget: every request's own budget")
+    p.add_argument("--single-request-path", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request alone decodes on the single-request fast path (its whole round in CUDA graphs) "
+                        "and moves to the batched path when others arrive (default on, where the fast path runs)")
 
 
 def _batch_options(args: argparse.Namespace):
@@ -179,7 +182,7 @@ def _batch_options(args: argparse.Namespace):
 
     return BatchOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                        batch_budget=args.batch_budget)
+                        batch_budget=args.batch_budget, single_request_path=args.single_request_path)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -437,6 +440,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="continuous batching instead: output tok/s with C requests in flight, for ar, dflash, "
                         "ddtree at the first --budgets value and ddtree under the batch budget")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="with --concurrency: rows a step")
+    p.add_argument("--single-request-path", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --concurrency: a request alone takes the single-request path, as in the server "
+                        "(--no-single-request-path: the batched path at concurrency 1 too)")
     p.add_argument("--tau-curve", metavar="JSON", default=None,
                    help="with --concurrency on a --shape: a --json report of a real pair, whose tau by budget "
                         "projects the shape's tok/s (labelled a projection)")

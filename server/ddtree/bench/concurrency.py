@@ -44,12 +44,14 @@ def bench_concurrency(args: argparse.Namespace) -> int:
         raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
     budget = args.budgets[0] if args.budgets else 32
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
+    # the single-request path's static caches hold a whole request, as the server's do (a request alone runs there)
+    capacity = args.prompt_tokens + args.max_new_tokens + 2 * max(args.budgets or [budget]) + 64
     if args.shape:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        engine, _ = build_shape(args.shape, device, dtype, 256, args.draft_vocab, args.draft_quantization,
+        engine, _ = build_shape(args.shape, device, dtype, capacity, args.draft_vocab, args.draft_quantization,
                                 args.quantization)
     else:
-        engine, _ = build_pair(args.target, args.draft, str(device), args.dtype, 256, args.draft_vocab,
+        engine, _ = build_pair(args.target, args.draft, str(device), args.dtype, capacity, args.draft_vocab,
                                args.draft_quantization, args.quantization)
     prompts = _prompts(engine, args, 2 * max(levels))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
@@ -57,9 +59,11 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     top = max(levels)
     tokens = max(args.max_num_batched_tokens, top * (budget + 1))
     pool = top * (args.prompt_tokens + args.max_new_tokens + 2 * budget + 64)
+    solo = args.single_request_path
     fixed = engine.batch(BatchOptions(max_num_seqs=top, max_num_batched_tokens=tokens, kv_cache_tokens=pool,
-                                      batch_budget=False))
-    budgeted = engine.batch(BatchOptions(max_num_seqs=top, max_num_batched_tokens=tokens, kv_cache_tokens=pool))
+                                      batch_budget=False, single_request_path=solo))
+    budgeted = engine.batch(BatchOptions(max_num_seqs=top, max_num_batched_tokens=tokens, kv_cache_tokens=pool,
+                                         single_request_path=solo))
     cost = getattr(budgeted.backends[0], "cost", None)
     runs = [("ar", None, fixed), ("dflash", None, fixed), ("ddtree", budget, fixed), ("ddtree batch", budget, budgeted)]
     curve_runs = [("ddtree", b, fixed) for b in args.budgets[1:]]

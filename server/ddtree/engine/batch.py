@@ -9,6 +9,11 @@ KV blocks back at once.
 
 Backends that decode one request at a time (the reference path, the single-sequence fast path) take part
 through `SerialBackend`: each of their sequences runs its own rounds in turn within the step.
+
+A request alone in the engine decodes on the single-request fast path (`solo`), whose whole round runs on the
+device from CUDA graphs with the next round queued before this one is read: one user gets what `ddtree bench
+--paths fast` measures. When another request comes in, the lone one moves to the batched path, recomputed from
+its prompt and what it emitted, as a preempted request is (`_route`).
 """
 
 from __future__ import annotations
@@ -87,10 +92,12 @@ class BatchEngine:
     """Requests in, rounds out: `add` a request, call `step` until it finishes; `abort` frees it at once."""
 
     def __init__(self, engine, backends: Seq[BatchBackend], *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, blocks: BlockManager | None = None) -> None:
+                 max_num_batched_tokens: int = 2048, blocks: BlockManager | None = None,
+                 solo: SerialBackend | None = None) -> None:
+        """`solo`: the single-request path a request alone decodes on instead of the first (batched) backend."""
         if not backends:
             raise ValueError("a batch engine needs at least one backend")
-        self.engine, self.backends, self.blocks = engine, list(backends), blocks
+        self.engine, self.backends, self.blocks, self.solo = engine, list(backends), blocks, solo
         self.scheduler = Scheduler(blocks, max_num_seqs, max_num_batched_tokens)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -144,6 +151,7 @@ class BatchEngine:
         sequence's generation loop. Returns the outputs in the order the sequences run; a sequence whose round
         failed gets the exception and is finished (a batched backend's failure fails every sequence it ran)."""
         started = time.perf_counter()
+        self._route()
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             seq.backend.close(seq.seq_id)
@@ -155,7 +163,7 @@ class BatchEngine:
         outputs: list[tuple[Sequence, RoundOutput | Exception]] = []
         stats = StepStats(preempted=len(plan.preempted))
         counted: list[dict[str, float]] = []
-        for backend in self.backends:
+        for backend in self.backends if self.solo is None else [self.solo, *self.backends]:
             prefills = [self._prefill(seq, lo, hi) for seq, lo, hi in plan.prefills if seq.backend is backend]
             decodes = [seq for seq in plan.decodes if seq.backend is backend]
             if not prefills and not decodes:
@@ -188,6 +196,29 @@ class BatchEngine:
         stats.seconds = time.perf_counter() - started
         self.last = stats
         return outputs
+
+    def _route(self) -> None:
+        """A request alone takes the single-request path, if it has not started elsewhere and that path takes it;
+        with company it moves to the batched path (`requeue`: recomputed there from its context). A sampled
+        request with a seed stays batched, so its samples never depend on what else runs."""
+        if self.solo is None:
+            return
+        live = [*self.scheduler.running, *self.scheduler.waiting]
+        if len(live) == 1:
+            seq = live[0]
+            params = seq.request.params
+            if (seq.backend is self.backends[0] and not seq.opened and not seq.generation.token_ids
+                    and (params.greedy or params.seed is None) and self.solo.accepts(seq.request)):
+                seq.backend = self.solo
+            return
+        for seq in live:
+            if seq.backend is self.solo:
+                if seq.opened:
+                    self.solo.close(seq.seq_id)
+                    seq.opened = False
+                if seq.status is Status.RUNNING:
+                    self.scheduler.requeue(seq)
+                seq.backend = self.backends[0]
 
     def _prefill(self, seq: Sequence, lo: int, hi: int) -> Prefill:
         context = seq.context
@@ -223,6 +254,7 @@ class BatchOptions:
     block_size: int = 16  # KV cache slots per block
     kv_cache_tokens: int | None = None  # the pool's size in slots; None: from the GPU's memory (CUDA), else a default
     batch_budget: bool = True  # choose the round's draft nodes across requests by the measured cost model
+    single_request_path: bool = True  # a request alone decodes on the single-request fast path (CUDA graphs)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -236,14 +268,22 @@ class BatchOptions:
 
 
 def warm_up(batch: BatchEngine, *settings: SamplingParams) -> list[str]:
-    """One short request per sampling setting through the batch engine, so the code paths its first requests
-    take are compiled now (its CUDA graphs were captured when it was built). Returns what was warmed up."""
+    """Short requests per sampling setting through the batch engine, so the code paths its first requests take
+    are compiled now (its CUDA graphs were captured when it was built): one alone (the single-request path's
+    graphs), then a second joining it (the move to the batched path, and a batched round). Returns what was
+    warmed up."""
     done = []
     engine = batch.engine
     prompt = [i % engine.vocab_size for i in range(1, 9)]
     for params in settings:
-        seq = batch.add(prompt, replace(params, max_new_tokens=2 * engine.block_size, ignore_eos=True))
-        while seq.status is not Status.FINISHED:
+        short = replace(params, max_new_tokens=2 * engine.block_size, ignore_eos=True)
+        first = batch.add(prompt, short)
+        while first.status is not Status.FINISHED:
+            batch.step()
+        first = batch.add(prompt, short)
+        batch.step()
+        second = batch.add(prompt[::-1], short)
+        while first.status is not Status.FINISHED or second.status is not Status.FINISHED:
             batch.step()
         done.append("greedy" if params.greedy else f"temperature {params.temperature:g}")
     return done
@@ -282,5 +322,6 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
             paged.capture_all()
             if options.batch_budget and engine.draft is not None:
                 paged.cost = paged.measure_cost()
+    solo = SerialBackend(engine.fast, capacity=1) if engine.fast is not None and options.single_request_path else None
     return BatchEngine(engine, [paged, reference], max_num_seqs=options.max_num_seqs,
-                       max_num_batched_tokens=options.max_num_batched_tokens, blocks=blocks)
+                       max_num_batched_tokens=options.max_num_batched_tokens, blocks=blocks, solo=solo)

@@ -67,12 +67,17 @@ class Scheduler:
         except OutOfBlocks:
             return False
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def requeue(self, seq: Sequence) -> None:
+        """The running sequence goes back to the head of the queue, its blocks and caches dropped: it is
+        recomputed from its prompt and what it already emitted, on whichever backend it then has."""
         self.running.remove(seq)
         self._free(seq)
         seq.status, seq.cached = Status.WAITING, 0
-        seq.preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.requeue(seq)
+        seq.preemptions += 1
         plan.preempted.append(seq)
 
     def schedule(self) -> StepPlan:

@@ -1,0 +1,89 @@
+"""A request alone in the batch engine decodes on the single-request fast path; when others arrive it moves to the
+batched path, and every request still decodes exactly what it decodes alone.
+
+The fast path runs eagerly on the CPU here (a GPU replays the same steps as CUDA graphs).
+"""
+
+import pytest
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine.batch import BatchEngine, BatchOptions
+from ddtree.engine.sequence import Status
+from ddtree.fast.batch import PagedBackend
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def batch_of(engine, **options) -> BatchEngine:
+    return engine.batch(BatchOptions(max_num_seqs=4, max_num_batched_tokens=128, kv_cache_tokens=1024, **options))
+
+
+def finish(batch: BatchEngine) -> None:
+    while batch.has_work():
+        batch.step()
+
+
+@pytest.mark.parametrize(("method", "budget"), [("ddtree", 8), ("dflash", None), ("ar", None)])
+def test_a_request_alone_decodes_on_the_single_request_path(pairs, method, budget):
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine)
+    seq = batch.add([5, 6, 7], GREEDY, method=method, budget=budget)
+    finish(batch)
+    assert seq.backend is batch.solo and seq.status is Status.FINISHED
+    assert seq.generation.token_ids == engine.generate([5, 6, 7], GREEDY, method=method, budget=budget).token_ids
+    assert seq.generation.stats.rounds < len(seq.generation.token_ids) or method == "ar"
+
+
+@pytest.mark.parametrize("steps_alone", [1, 2, 5])
+@pytest.mark.parametrize(("method", "budget"), [("ddtree", 8), ("dflash", None), ("ar", None)])
+def test_a_lone_request_joins_the_batch_when_others_arrive_and_its_output_is_unchanged(pairs, method, budget,
+                                                                                        steps_alone):
+    """After its prefill (1 step) or some rounds alone, a second and third request come in: the first moves to the
+    batched path (recomputed from its context there), and all three give their own output."""
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine)
+    first = batch.add(list(range(3, 20)), GREEDY, method=method, budget=budget)
+    for _ in range(steps_alone):
+        batch.step()
+    assert first.backend is batch.solo and first.generation.token_ids
+    others = [batch.add([9, 8, 7], GREEDY, method="ddtree", budget=4), batch.add([2], GREEDY, method="dflash")]
+    batch.step()
+    assert isinstance(first.backend, PagedBackend) and all(isinstance(s.backend, PagedBackend) for s in others)
+    finish(batch)
+    for seq, (prompt, m, b) in zip([first, *others], [(list(range(3, 20)), method, budget), ([9, 8, 7], "ddtree", 4),
+                                                      ([2], "dflash", None)], strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, GREEDY, method=m, budget=b).token_ids
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+def test_the_next_request_alone_takes_the_single_request_path_again(pairs):
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine)
+    together = [batch.add([4, 5], GREEDY), batch.add([6, 7], GREEDY)]
+    finish(batch)
+    assert all(isinstance(s.backend, PagedBackend) for s in together)
+    later = batch.add([4, 5], GREEDY)
+    finish(batch)
+    assert later.backend is batch.solo
+    assert later.generation.token_ids == together[0].generation.token_ids
+
+
+def test_a_seeded_sample_and_a_request_the_single_path_cannot_hold_stay_batched(pairs):
+    """A seed fixes a request's draws on the path it runs on: it stays on one path whatever else arrives. A
+    request longer than the single path's static caches (256 slots here) decodes batched too."""
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine)
+    seeded = batch.add([1, 2], SamplingParams(max_new_tokens=8, temperature=0.8, seed=3))
+    finish(batch)
+    assert isinstance(seeded.backend, PagedBackend)
+    long = batch.add([1, 2], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    batch.step()
+    assert isinstance(long.backend, PagedBackend)
+
+
+def test_the_single_request_path_can_be_turned_off(pairs):
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine, single_request_path=False)
+    seq = batch.add([5, 6, 7], GREEDY)
+    finish(batch)
+    assert batch.solo is None and isinstance(seq.backend, PagedBackend)
+    assert seq.generation.token_ids == engine.generate([5, 6, 7], GREEDY).token_ids
