@@ -110,6 +110,7 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
     what the single-sequence fast path's verify and commit give for that sequence and node: with each sequence's
     recurrent layers in PyTorch, and with all of them in the varlen kernels (interpreted) on static buffers."""
     from ddtree.core.tree import tree_from_candidates, visibility
+    from ddtree.fast.batch_trees import RoundTrees
     from ddtree.kernels.paged_attention import PagedLayout
 
     if kernels == "interpreted":
@@ -137,7 +138,7 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
         positions += [state.start, *(state.start + d for d in tree.depths)]
         slots += backend.blocks.slots(seq_id, state.start, tree.size + 1)
         backend._describe(layout, seq_id, state.start, visibility(tree))
-    rows = backend._seq_rows(seq_ids, layout, trees)
+    rows = backend._seq_rows(seq_ids, layout, RoundTrees.of(trees))
     record = backend.hybrid.record(rows)
     backend._run("verify", ids, positions, slots, layout, rows, record)
     lasts = [max(range(tree.size + 1), key=lambda i: (tree.depths[i - 1] if i else 0, i)) for tree in trees]

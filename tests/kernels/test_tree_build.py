@@ -102,3 +102,77 @@ def test_the_one_program_tree_build_equals_the_pytorch_loop(budget, vocab):
     got = _build_on_gpu(logp, tokens, _frontier(budget, k, logits.device), budget, tree_size(5, vocab, budget))
     for g, w in zip(got, want, strict=True):  # tokens, parents, depths, ancestor matrix
         assert torch.equal(g, w)
+
+
+def batch_case(blocks: int, depth: int, vocab: int, budget: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Draft blocks' vocabulary top-k, the last block allowed only its first 2 depths (-inf past them), as a block
+    near the end of its context is."""
+    from ddtree.kernels.tree import vocab_top
+
+    logits = distinct_logits(blocks * depth, vocab, seed=seed)
+    logp, tokens = vocab_top(logits, min(budget, vocab))
+    logp, tokens = logp.view(blocks, depth, -1).clone(), tokens.view(blocks, depth, -1)
+    logp[-1, 2:] = float("-inf")
+    return logits.view(blocks, depth, vocab), logp, tokens
+
+
+@pytest.mark.parametrize(("budget", "vocab"), [(1, 50), (5, 50), (16, 50), (32, 300)])
+def test_a_batch_of_trees_is_each_blocks_own_tree(budget, vocab):
+    """Each block of a batch gets the tree top_prefixes builds for it alone, its node scores are the log-probability
+    of each node's whole prefix, and a block cut to two depths keeps exactly its prefixes of depth <= 2."""
+    from ddtree.kernels.tree import batch_prefixes, top_prefixes
+
+    logits, logp, tokens = batch_case(3, 5, vocab, budget, seed=budget)
+    got_tokens, parents, depths, scores = batch_prefixes(logp, tokens, budget)
+    for b in range(2):
+        want = top_prefixes(logits[b], budget)
+        assert torch.equal(got_tokens[b], want[0]) and torch.equal(parents[b], want[1])
+        assert torch.equal(depths[b], want[2])
+    full = torch.log_softmax(logits.float(), dim=-1)
+    for b in range(3):
+        for node in range(1, got_tokens.shape[1] + 1):
+            if scores[b, node - 1] == float("-inf"):
+                continue
+            path, total = node, 0.0
+            while path:
+                total += full[b, depths[b, path] - 1, got_tokens[b, path - 1]].item()
+                path = parents[b, path].item()
+            assert scores[b, node - 1].item() == pytest.approx(total, abs=1e-4)
+    finite = scores[2] > float("-inf")
+    kept = int(finite.sum())
+    assert finite[:kept].all() and not finite[kept:].any()  # the cut block's real nodes come first
+    assert kept == min(budget, sum(min(budget, min(budget, vocab) ** d) for d in (1, 2)))
+    assert int(depths[2, 1:kept + 1].max()) <= 2
+
+
+@interpreted
+@pytest.mark.parametrize(("budget", "vocab"), [(3, 50), (16, 50)])
+def test_the_batched_tree_kernel_equals_the_pytorch_loop_interpreted(budget, vocab):
+    from ddtree.kernels.tree import _build_batch_on_gpu, _build_torch, _frontier, tree_size
+
+    _, logp, tokens = batch_case(3, 4, vocab, budget, seed=budget + 1)
+    n = tree_size(4, logp.shape[-1], budget)
+    pairs = _frontier(budget, logp.shape[-1], logp.device)
+    got = _build_batch_on_gpu(logp, tokens, pairs, budget, n)
+    want = _build_torch(logp, tokens, pairs, budget, n)
+    finite = want[3] > float("-inf")
+    assert torch.equal(got[4] > float("-inf"), finite)
+    for g, w in zip((got[0], got[1][:, 1:], got[2][:, 1:]), want[:3], strict=True):
+        w = w[:, 1:] if w.shape[1] > finite.shape[1] else w
+        assert torch.equal(g[finite], w[finite])
+    assert torch.equal(got[4][finite], want[3][finite])
+
+
+@gpu
+@pytest.mark.parametrize("budget", [1, 16, 32, 64])
+def test_the_batched_tree_kernel_equals_the_pytorch_loop_on_a_gpu(budget):
+    from ddtree.kernels.tree import batch_prefixes
+
+    _, logp, tokens = batch_case(8, 15, 8192, budget, seed=budget)
+    want = batch_prefixes(logp, tokens, budget)  # CPU: the PyTorch loop
+    got = batch_prefixes(logp.cuda(), tokens.cuda(), budget)
+    finite = want[3] > float("-inf")
+    assert torch.equal(got[3].cpu() > float("-inf"), finite)
+    for g, w in zip((got[0], got[1][:, 1:], got[2][:, 1:], got[3]), (want[0], want[1][:, 1:], want[2][:, 1:], want[3]),
+                    strict=True):
+        assert torch.equal(g.cpu()[finite], w[finite])

@@ -36,15 +36,9 @@ from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import FLAT, CostModel, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens, process_logits, token_logprobs
-from ddtree.core.tree import (
-    DraftTree,
-    chain_tree,
-    selector_chain_tree,
-    selector_tree_from_sorted,
-    tree_from_candidates,
-    visibility,
-    walk,
-)
+from ddtree.core.tree import DraftTree, selector_chain_tree, selector_tree_from_sorted
+from ddtree.fast.batch_rows import Captured, StaticRows, buckets
+from ddtree.fast.batch_trees import RoundTrees, accepted_paths, dflash_trees
 from ddtree.fast.dflash2 import SelectorDraft
 from ddtree.fast.layers import Draft, Ops, TargetLayer
 from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, RecurrentPool, SeqRows, VarlenRows
@@ -56,7 +50,8 @@ from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.jit import triton_works
-from ddtree.kernels.paged_attention import BLOCK_M, PagedLayout, PagedMask, kernel_works, paged_mask, tiles_for
+from ddtree.kernels.paged_attention import PagedLayout, PagedMask, kernel_works, paged_mask
+from ddtree.kernels.tree import vocab_argmax
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.target import HybridTarget, Target
@@ -72,110 +67,6 @@ class SeqState:
     generator: torch.Generator | None = None
     history: History | None = None
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks' raw logits, for prompt logprobs
-
-
-class StaticRows:
-    """The device buffers one captured batched forward reads: its rows (ids, positions, cache slots) and the
-    paged layout of its sequences, all at fixed sizes, filled before each replay. Rows past the batch's are
-    padding: they write the pools' scratch slot, and their outputs are never read."""
-
-    def __init__(self, rows: int, seqs: int, table_width: int, vis_capacity: int, scratch: int,
-                 device: torch.device, conv_width: int = 0) -> None:
-        self.rows, self.seqs, self.scratch = rows, seqs, scratch
-        long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
-        self.ids, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
-        self.slots = torch.full((rows,), scratch, **long)
-        self.starts, self.row_offsets = torch.zeros(seqs, **i32), torch.zeros(seqs + 1, **i32)
-        self.tables = torch.zeros((seqs, table_width), **i32)
-        self.visible = torch.zeros(vis_capacity, dtype=torch.int8, device=device)
-        self.vis_offsets = torch.zeros(seqs, **i32)
-        self.tiles = torch.full((rows // BLOCK_M + seqs, 2), -1, **i32)
-        self.rule_visible: dict[tuple[int | None, bool], torch.Tensor] = {}  # a draft forward's, per layer rule
-        # a hybrid verify's: each sequence's state slot and each row's conv window (fast/paged_hybrid.py)
-        self.state_slots = torch.zeros(seqs, **i32)
-        self.sources = torch.zeros((rows, conv_width), **long)
-
-    def fits(self, rows: int, layout: PagedLayout) -> bool:
-        tables = max((len(t) for t in layout.tables), default=0)
-        return (rows <= self.rows and len(layout.starts) <= self.seqs and tables <= self.tables.shape[1]
-                and sum(v.numel() for v in layout.visible) <= self.visible.numel())
-
-    def fill(self, ids: list[int], positions: list[int], slots: list[int], layout: PagedLayout) -> None:
-        pad = self.rows - len(ids)
-        rows = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch] * pad], dtype=torch.long)
-        seqs = len(layout.starts)
-        per_seq = torch.zeros((3, self.seqs + 1), dtype=torch.int32)
-        per_seq[0, :seqs] = torch.tensor(layout.starts, dtype=torch.int32)
-        per_seq[1, :seqs + 1] = torch.tensor(layout.row_offsets, dtype=torch.int32)
-        per_seq[1, seqs + 1:] = layout.row_offsets[-1]
-        flat = [v.reshape(-1).to(torch.int8) for v in layout.visible]
-        offsets = [0]
-        for v in flat[:-1]:
-            offsets.append(offsets[-1] + v.numel())
-        per_seq[2, :seqs] = torch.tensor(offsets, dtype=torch.int32)
-        tables = torch.zeros(self.tables.shape, dtype=torch.int32)
-        for b, table in enumerate(layout.tables):
-            tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        tiles = torch.tensor(tiles_for(layout.row_offsets, self.tiles.shape[0]), dtype=torch.int32)
-        self.ids.copy_(rows[0], non_blocking=True)
-        self.positions.copy_(rows[1], non_blocking=True)
-        self.slots.copy_(rows[2], non_blocking=True)
-        self.starts.copy_(per_seq[0, :self.seqs], non_blocking=True)
-        self.row_offsets.copy_(per_seq[1], non_blocking=True)
-        self.vis_offsets.copy_(per_seq[2, :self.seqs], non_blocking=True)
-        self.tables.copy_(tables, non_blocking=True)
-        if flat:
-            visible = torch.cat(flat)
-            self.visible[:visible.numel()].copy_(visible, non_blocking=True)
-        self.tiles.copy_(tiles, non_blocking=True)
-
-    def fill_recurrent(self, seqs: list[SeqRows], sources: torch.Tensor) -> None:
-        """A hybrid verify's sequences: their state slots and their rows' conv windows (sources [R, W])."""
-        slots = torch.zeros(self.seqs, dtype=torch.int32)
-        slots[:len(seqs)] = torch.tensor([seq.slot for seq in seqs], dtype=torch.int32)
-        self.state_slots.copy_(slots, non_blocking=True)
-        self.sources[:sources.shape[0]].copy_(sources, non_blocking=True)
-
-    def mask(self, page: int, window: int | None = None, visible: torch.Tensor | None = None) -> PagedMask:
-        """The layout as the kernel reads it (`visible`: another visibility buffer at the same offsets)."""
-        return PagedMask(self.rows, self.starts, self.row_offsets, self.tables,
-                         self.visible if visible is None else visible, self.vis_offsets, self.tiles, page, window)
-
-
-class Captured:
-    """A batched forward over StaticRows, replayed as a CUDA graph (captured on first use), or run eagerly on
-    the same buffers where graphs are off."""
-
-    def __init__(self, run, rows: StaticRows, cuda: bool, pool: object | None) -> None:
-        self.run, self.rows, self.cuda, self.pool = run, rows, cuda, pool
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: object = None
-
-    def __call__(self) -> object:
-        if not self.cuda:
-            return self.run(self.rows)
-        if self.graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # first calls compile, probe and allocate
-                for _ in range(2):
-                    self.run(self.rows)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
-                self.out = self.run(self.rows)
-        self.graph.replay()
-        return self.out
-
-
-def buckets(largest: int) -> list[int]:
-    """Row counts a captured forward is padded to: multiples of 8 up to 64, then steps of a quarter of a power
-    of two (a batch pads by at most a quarter)."""
-    out, n = [8, 16, 24, 32, 40, 48, 56, 64], 64
-    while out[-1] < largest:
-        n *= 2
-        out += [n * 5 // 8, n * 3 // 4, n * 7 // 8, n]
-    return [b for b in out if b < largest] + [largest]
 
 
 class PagedBackend:
@@ -338,32 +229,33 @@ class PagedBackend:
         t = self._now()
         states = [self.states[s] for s in seq_ids]
         drafting = [i for i, st in enumerate(states) if st.request.method != "ar" and self._depth(st) > 0]
-        logits = self._draft(seq_ids, states, drafting) if drafting else None
+        drafted = self._draft(seq_ids, states, drafting) if drafting else None
         phases["draft"], t = self._lap(t)
-        trees = self._trees(states, drafting, logits, node_limit)
+        trees = self._trees(states, drafting, drafted, node_limit)
+        visible = trees.visibility()
         phases["tree"], t = self._lap(t)
+        sizes = trees.sizes.tolist()
         ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
-        for seq_id, state, tree in zip(seq_ids, states, trees, strict=True):
-            n = tree.size + 1
-            ids += [state.root, *tree.tokens]
-            positions += [state.start, *(state.start + d for d in tree.depths)]
+        for r, (seq_id, state) in enumerate(zip(seq_ids, states, strict=True)):
+            n = sizes[r] + 1
+            ids += [state.root, *trees.tokens[r, :n - 1].tolist()]
+            positions += (state.start + trees.depths[r, :n]).tolist()
             slots += self.blocks.slots(seq_id, state.start, n)
-            self._describe(layout, seq_id, state.start, visibility(tree))
+            self._describe(layout, seq_id, state.start, visible[r])
         seqs = self._seq_rows(seq_ids, layout, trees)
         record = self.hybrid.record(seqs) if self.hybrid else None
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
         phases["verify"], t = self._lap(t)
-        greedy = self._greedy_picks(states, logits)
+        offsets = layout.row_offsets
+        picks, processed = self._picks(states, trees, logits, offsets)
+        paths = accepted_paths(trees, picks, offsets)
         out, accepted_rows, accepted_positions, accepted_slots, moves, lasts = {}, [], [], [], ([], []), []
-        for index, (seq_id, state, tree) in enumerate(zip(seq_ids, states, trees, strict=True)):
-            lo, hi = layout.row_offsets[index], layout.row_offsets[index + 1]
-            if greedy is not None and self._plain_greedy(state):
-                processed, picks = logits[lo:hi], greedy[lo:hi]
-            else:
-                processed, picks = self._pick(state, tree, logits[lo:hi])
-            path = walk(tree, picks)
-            emitted = [picks[node] for node in path]
-            rows = self._logprob_rows(state, processed[path], emitted)
+        for r, (seq_id, state, path) in enumerate(zip(seq_ids, states, paths, strict=True)):
+            lo = offsets[r]
+            emitted = picks[[lo + node for node in path]].tolist()
+            rows = None
+            if state.request.params.logprobs is not None:
+                rows = self._logprob_rows(state, processed.get(r, logits[lo:offsets[r + 1]])[path], emitted)
             # commit: the path's rows move down to start.. in the target's cache; their taps feed the drafter
             for j, node in enumerate(path):
                 if node != j:
@@ -377,7 +269,7 @@ class PagedBackend:
             state.root = emitted[-1]
             if state.history is not None:
                 state.history.add(emitted)
-            out[seq_id] = Round(emitted, tree.size, len(path) - 1, phases, rows)
+            out[seq_id] = Round(emitted, sizes[r], len(path) - 1, phases, rows)
         if moves[0]:
             src, dst = self._tensor(moves[0]), self._tensor(moves[1])
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
@@ -388,7 +280,7 @@ class PagedBackend:
             self._extend_draft(taps.index_select(0, keep), self._tensor(accepted_positions),
                                self._tensor(accepted_slots))
         phases["commit"], _ = self._lap(t)
-        self.last_nodes = sum(tree.size for tree in trees)
+        self.last_nodes = int(trees.sizes.sum())
         return out
 
     def _depth(self, state: SeqState) -> int:
@@ -418,40 +310,31 @@ class PagedBackend:
 
     def _trees(self, states: list[SeqState], drafting: list[int],
                drafted: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-               node_limit: int | None) -> list[DraftTree]:
-        """Each drafting sequence's best-first tree (a chain for `dflash`) at its own budget, over its draft logits
-        or its DFlash2 transition model, cut to the nodes the batch budget keeps."""
-        trees = [DraftTree() for _ in states]
+               node_limit: int | None) -> RoundTrees:
+        """Every drafting sequence's best-first tree (a chain for `dflash`) at its own budget, over its draft logits
+        (all in one call: fast/batch_trees.py) or its DFlash2 transition model, cut to the nodes the batch budget
+        keeps."""
         if drafted is None:
-            return trees
+            return RoundTrees.empty(len(states))
+        depths = [self._depth(states[i]) for i in drafting]
+        methods = [states[i].request.method for i in drafting]
+        budgets = [min(states[i].request.budget, self.max_tree) for i in drafting]
         if self.selector:
             ordered, order, tokens = drafted
             ordered, order, tokens = ordered.cpu().double().tolist(), order.cpu().tolist(), tokens.cpu().tolist()
-            for slot, i in enumerate(drafting):
-                state, depth = states[i], self._depth(states[i])
-                model = ordered[slot][:depth], order[slot][:depth], tokens[slot][:depth]
-                trees[i] = (selector_chain_tree(*model) if state.request.method == "dflash" else
-                            selector_tree_from_sorted(*model, min(state.request.budget, self.max_tree)))
-            return self._batch_budget(trees, node_limit)
-        k = max(1, min(max((states[i].request.budget for i in drafting), default=1), drafted.shape[-1]))
-        logp, columns = torch.topk(torch.log_softmax(drafted.float(), dim=-1), k, dim=-1)
-        tokens = self.draft_head.tokens(columns)
-        logp, tokens = logp.cpu().double().tolist(), tokens.cpu().tolist()
-        for slot, i in enumerate(drafting):
-            state, depth = states[i], self._depth(states[i])
-            if state.request.method == "dflash":
-                trees[i] = chain_tree([row[0] for row in tokens[slot][:depth]], [row[0] for row in logp[slot][:depth]])
-            else:
-                trees[i] = tree_from_candidates(logp[slot][:depth], tokens[slot][:depth],
-                                                min(state.request.budget, self.max_tree))
-        return self._batch_budget(trees, node_limit)
-
-    def _batch_budget(self, trees: list[DraftTree], node_limit: int | None) -> list[DraftTree]:
-        """The trees cut to the round's most probable prefixes across all of them (core/budget.py)."""
-        scores = [tree.scores for tree in trees]
-        limit = sum(len(s) for s in scores) if node_limit is None else node_limit
-        counts = choose_nodes(scores, self.cost, range(min(limit, sum(len(s) for s in scores)) + 1))
-        return [tree.prefix(n) for tree, n in zip(trees, counts, strict=True)]
+            models = [(ordered[slot][:depth], order[slot][:depth], tokens[slot][:depth])
+                      for slot, depth in enumerate(depths)]
+            part = RoundTrees.of([selector_chain_tree(*model) if method == "dflash" else
+                                  selector_tree_from_sorted(*model, budget)
+                                  for model, method, budget in zip(models, methods, budgets, strict=True)])
+        else:
+            part = dflash_trees(drafted, methods, budgets, depths, self.draft_head.token_ids)
+        trees = RoundTrees.empty(len(states), part.tokens.shape[1])
+        trees.put(drafting, part)
+        available = int(trees.sizes.sum())
+        limit = available if node_limit is None else min(node_limit, available)
+        trees.cut(choose_nodes(trees.live_scores(), self.cost, range(limit + 1)))
+        return trees
 
     def capture_all(self) -> None:
         """Capture every bucket's verify forward, and the draft forward for every batch of blocks, before any
@@ -521,11 +404,22 @@ class PagedBackend:
         params = state.request.params
         return (params.greedy and not params.penalized and not params.logit_bias and state.request.constraint is None)
 
-    def _greedy_picks(self, states: list[SeqState], logits: torch.Tensor) -> list[int] | None:
-        """Every row's argmax in one launch and one copy, when some sequence picks plainly greedily."""
-        if not any(self._plain_greedy(s) for s in states):
-            return None
-        return logits.argmax(dim=-1).tolist()
+    def _picks(self, states: list[SeqState], trees: RoundTrees, logits: torch.Tensor,
+               offsets: list[int]) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
+        """Every row's pick: the argmax of every row in one launch and one copy where some sequence picks plainly
+        greedily; each other sequence's own (its processors, sampler and grammar, node by node). Returns the
+        picks and, per such sequence, its processed logits (for its logprobs)."""
+        picks = np.zeros(offsets[-1], dtype=np.int64)
+        plain = [self._plain_greedy(state) for state in states]
+        if any(plain):
+            picks[:] = vocab_argmax(logits).cpu().numpy()
+        processed = {}
+        for r, state in enumerate(states):
+            if not plain[r]:
+                lo, hi = offsets[r], offsets[r + 1]
+                processed[r], own = self._pick(state, trees.tree(r), logits[lo:hi])
+                picks[lo:hi] = own
+        return picks, processed
 
     def _pick(self, state: SeqState, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """The sequence's own picks at each of its nodes, its processors applied to each node for its own path."""
@@ -641,7 +535,7 @@ class PagedBackend:
         return logits, taps
 
     def _seq_rows(self, seq_ids: list[int], layout: PagedLayout,
-                  trees: list[DraftTree] | None = None) -> list[SeqRows] | None:
+                  trees: RoundTrees | None = None) -> list[SeqRows] | None:
         """A hybrid forward's sequences (None for a dense target): each one's state slot, rows, their visibility,
         and their tree (each sequence's root and `trees`' nodes; without trees, causal chains: prompt chunks).
         Before any sequence runs (measuring the cost model) the forward reads the slots in order."""
@@ -654,7 +548,8 @@ class PagedBackend:
             if trees is None:
                 parents, depths = np.arange(-1, n - 1), np.arange(n)
             else:
-                parents, depths = np.array(trees[b].parents), np.array([0, *trees[b].depths])
+                parents, depths = trees.parents[b, :n].copy(), trees.depths[b, :n]
+                parents[0] = -1
             out.append(SeqRows(slots.get(seq_ids[b], b) if b < len(seq_ids) else b, layout.row_offsets[b],
                                layout.row_offsets[b + 1], visible, parents, depths))
         return out

@@ -46,23 +46,52 @@ def top_prefixes(draft_logits: torch.Tensor, budget: int,
         built = attempt(("tree", max_depth, k, budget, device), _build_on_gpu, logp, tok, pairs, budget, n)
         if built is not None:
             return built
-    scores = logp.new_full((max_depth, budget), float("-inf"))
-    scores[0, :k] = logp[0]
-    picks = torch.arange(budget, device=device).remainder(k).repeat(max_depth, 1)  # flat index into [budget x k]
+    tokens, parents, depths, _ = _build_torch(logp[None], tok[None], pairs, budget, n)
+    return tokens[0], parents[0], depths[0], ancestors(parents[0], max_depth)
+
+
+def batch_prefixes(logp: torch.Tensor, tok: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+    """`top_prefixes` for many blocks at once, from their vocabulary top-k (`vocab_top`: logp and tokens
+    [S, D, k], best first; a depth a block must not draft scores -inf). Returns each block's nodes best first:
+    (tokens [S, N], parents [S, N+1], depths [S, N+1], scores [S, N]: each node's prefix log-probability),
+    N = tree_size(D, k, budget), root at 0. Nodes past a block's finite scores exist only to fill N: cut them.
+    One Triton program per block on a GPU (the single tree's kernel), the same PyTorch loop elsewhere."""
+    blocks, max_depth, k = logp.shape
+    pairs = _frontier(budget, k, logp.device)
+    n = tree_size(max_depth, k, budget)
+    if triton_works(logp.device):
+        built = attempt(("tree batch", blocks, max_depth, k, budget, logp.device), _build_batch_on_gpu, logp, tok,
+                        pairs, budget, n)
+        if built is not None:
+            return built[0], built[1], built[2], built[4]
+    return _build_torch(logp, tok, pairs, budget, n)
+
+
+def _build_torch(logp: torch.Tensor, tok: torch.Tensor, pairs: torch.Tensor, budget: int,
+                 n: int) -> tuple[torch.Tensor, ...]:
+    """The per-depth PyTorch loop over blocks [S, D, k]: (tokens [S, n], parents, depths [S, n+1], node scores
+    [S, n]). Static shapes and no host synchronisation: a CUDA graph may capture it."""
+    blocks, max_depth, k = logp.shape
+    device = logp.device
+    scores = logp.new_full((blocks, max_depth, budget), float("-inf"))
+    scores[:, 0, :k] = logp[:, 0]
+    picks = torch.arange(budget, device=device).remainder(k).repeat(blocks, max_depth, 1)  # flat [budget x k]
     for d in range(1, max_depth):
-        best, order = (scores[d - 1, :, None] + logp[d]).flatten()[pairs].sort(descending=True, stable=True)
-        scores[d], picks[d] = best[:budget], pairs[order[:budget]]
-    depth = torch.arange(max_depth, device=device)[:, None]
-    tokens = tok.gather(1, picks.remainder(k))
+        cand = (scores[:, d - 1, :, None] + logp[:, d, None, :]).flatten(1)[:, pairs]
+        best, order = cand.sort(dim=1, descending=True, stable=True)
+        scores[:, d], picks[:, d] = best[:, :budget], pairs[order[:, :budget]]
+    depth = torch.arange(max_depth, device=device)[None, :, None]
+    tokens = tok.gather(2, picks.remainder(k))
     parent_slot = torch.where(depth > 0, (depth - 1) * budget + picks.div(k, rounding_mode="floor"), -1)
-    order = torch.sort(scores.flatten(), descending=True, stable=True).indices[:n]
-    node_of = torch.zeros(max_depth * budget, dtype=torch.long, device=device)
-    node_of[order] = torch.arange(1, n + 1, device=device)
-    parent = parent_slot.flatten()[order]
-    root = torch.zeros(1, dtype=torch.long, device=device)
-    parents = torch.cat([root, torch.where(parent >= 0, node_of[parent.clamp(min=0)], 0)])
-    return (tokens.flatten()[order], parents, torch.cat([root, order.div(budget, rounding_mode="floor") + 1]),
-            ancestors(parents, max_depth))
+    flat = scores.flatten(1)
+    order = torch.sort(flat, dim=1, descending=True, stable=True).indices[:, :n]
+    node_of = torch.zeros((blocks, max_depth * budget), dtype=torch.long, device=device)
+    node_of.scatter_(1, order, torch.arange(1, n + 1, device=device).expand(blocks, n))
+    parent = parent_slot.flatten(1).gather(1, order)
+    root = torch.zeros((blocks, 1), dtype=torch.long, device=device)
+    parents = torch.cat([root, torch.where(parent >= 0, node_of.gather(1, parent.clamp(min=0)), 0)], dim=1)
+    depths = torch.cat([root, order.div(budget, rounding_mode="floor") + 1], dim=1)
+    return tokens.flatten(1).gather(1, order), parents, depths, flat.gather(1, order)
 
 
 def vocab_top(logits: torch.Tensor, k: int,
@@ -184,20 +213,30 @@ def _build_on_gpu(logp: torch.Tensor, tok: torch.Tensor, pairs: torch.Tensor, bu
     """top_prefixes after the vocabulary top-k, as one Triton program: a kernel launch costs more than a
     depth's work, so the per-depth loop, the best-first numbering, the parent lookup and the ancestor
     matrix come from one launch."""
-    max_depth, k = logp.shape
+    built = _build_batch_on_gpu(logp[None], tok[None], pairs, budget, n)
+    return tuple(t[0] for t in built[:4])
+
+
+def _build_batch_on_gpu(logp: torch.Tensor, tok: torch.Tensor, pairs: torch.Tensor, budget: int,
+                        n: int) -> tuple[torch.Tensor, ...]:
+    """One program per block [S, D, k]: (tokens [S, n], parents, depths [S, n+1], visible [S, n+1, n+1],
+    node scores [S, n])."""
+    blocks, max_depth, k = logp.shape
     device = logp.device
     every = _pow2(max_depth * budget)
-    scores = torch.empty((max_depth, budget), dtype=torch.float32, device=device)
-    picks = torch.empty((max_depth, budget), dtype=torch.int64, device=device)
-    node_of = torch.empty(max_depth * budget, dtype=torch.int64, device=device)
-    tokens = torch.empty(n, dtype=torch.int64, device=device)
-    parents = torch.empty(n + 1, dtype=torch.int64, device=device)
-    depths = torch.empty(n + 1, dtype=torch.int64, device=device)
-    visible = torch.zeros((n + 1, n + 1), dtype=torch.uint8, device=device)
-    _tree_kernel[(1,)](logp, tok, pairs, scores, picks, node_of, tokens, parents, depths, visible, pairs.numel(),
-                       k, budget, n, MAX_DEPTH=max_depth, SPAN=_pow2(pairs.numel()), BUDGET=_pow2(budget),
-                       EVERY=every, NODES=_pow2(n), ROWS=_pow2(n + 1), num_warps=_tree_warps(budget))
-    return tokens, parents, depths, visible.view(torch.bool)
+    scores = torch.empty((blocks, max_depth, budget), dtype=torch.float32, device=device)
+    picks = torch.empty((blocks, max_depth, budget), dtype=torch.int64, device=device)
+    node_of = torch.empty((blocks, max_depth * budget), dtype=torch.int64, device=device)
+    tokens = torch.empty((blocks, n), dtype=torch.int64, device=device)
+    node_scores = torch.empty((blocks, n), dtype=torch.float32, device=device)
+    parents = torch.empty((blocks, n + 1), dtype=torch.int64, device=device)
+    depths = torch.empty((blocks, n + 1), dtype=torch.int64, device=device)
+    visible = torch.zeros((blocks, n + 1, n + 1), dtype=torch.uint8, device=device)
+    _tree_kernel[(blocks,)](logp.float().contiguous(), tok.contiguous(), pairs, scores, picks, node_of, tokens,
+                            node_scores, parents, depths, visible, pairs.numel(), k, budget, n, MAX_DEPTH=max_depth,
+                            SPAN=_pow2(pairs.numel()), BUDGET=_pow2(budget), EVERY=every, NODES=_pow2(n),
+                            ROWS=_pow2(n + 1), num_warps=_tree_warps(budget))
+    return tokens, parents, depths, visible.view(torch.bool), node_scores
 
 
 if triton is not None:
@@ -335,11 +374,23 @@ if triton is not None:
             tl.store(Visible + i * (n + 1) + up, one, mask=on)
 
     @triton.jit
-    def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, NodeOf, Tokens, Parents, Depths, Visible, num_pairs, k,
-                     budget, n, MAX_DEPTH: tl.constexpr, SPAN: tl.constexpr, BUDGET: tl.constexpr,
+    def _tree_kernel(Logp, Tok, Pairs, Scores, Picks, NodeOf, Tokens, NodeScores, Parents, Depths, Visible,
+                     num_pairs, k, budget, n, MAX_DEPTH: tl.constexpr, SPAN: tl.constexpr, BUDGET: tl.constexpr,
                      EVERY: tl.constexpr, NODES: tl.constexpr, ROWS: tl.constexpr):
-        """The PyTorch path of top_prefixes, step for step. Selection keys carry the complement of an index
-        in their low bits, so one descending integer top-k breaks score ties like a stable sort does."""
+        """The PyTorch path of top_prefixes, step for step, for block program_id(0) of a batch. Selection keys
+        carry the complement of an index in their low bits, so one descending integer top-k breaks score ties
+        like a stable sort does."""
+        block = tl.program_id(0).to(tl.int64)
+        Logp += block * MAX_DEPTH * k
+        Tok += block * MAX_DEPTH * k
+        Scores += block * MAX_DEPTH * budget
+        Picks += block * MAX_DEPTH * budget
+        NodeOf += block * MAX_DEPTH * budget
+        Tokens += block * n
+        NodeScores += block * n
+        Parents += block * (n + 1)
+        Depths += block * (n + 1)
+        Visible += block * (n + 1) * (n + 1)
         lowest = -9223372036854775807
         b = tl.arange(0, BUDGET)
         keep = b < budget
@@ -364,6 +415,7 @@ if triton is not None:
         parent = tl.load(NodeOf + (depth - 1) * budget + pick // k, mask=take & (depth > 0), other=0)
         parent = tl.where((parent >= 1) & (parent <= r), parent, 0)  # a parent always precedes its child
         tl.store(Tokens + r, tl.load(Tok + depth * k + pick % k, mask=take, other=0), mask=take)
+        tl.store(NodeScores + r, tl.load(Scores + cand, mask=take, other=float("-inf")), mask=take)
         tl.store(Parents + 1 + r, parent, mask=take)
         tl.store(Depths + 1 + r, depth + 1, mask=take)
         tl.store(Parents + r, tl.zeros_like(parent), mask=r == 0)  # the root
