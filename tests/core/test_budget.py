@@ -96,3 +96,33 @@ def test_the_choice_is_the_best_rate_over_every_total():
         got = choose_nodes(scores, cost, totals)
         assert got == chosen_nodes(scores, first)
         assert rate_at(scores, cost, sum(got)) >= best * (1 - 1e-9)
+
+
+def test_a_round_drafts_while_drafting_pays_and_explores_the_other_kind():
+    """Measured step periods decide: a drafting round that commits 4 tokens a request in 3 ms beats a plain 1 ms
+    step, one that commits 2 does not; each kind is measured once first, and every `explore` rounds the other runs
+    once so neither measurement goes stale."""
+    from ddtree.core.budget import RoundChoice
+
+    choice = RoundChoice(alpha=1.0, explore=5)
+    assert choice.drafts(8)  # nothing measured: draft first
+    choice.observe(8, True, 3e-3, 8 * 4, verify=1e-3)
+    assert not choice.drafts(8)  # then a plain round
+    choice.observe(8, False, 1e-3, 8)
+    kinds = [choice.drafts(8) for _ in range(10)]
+    assert kinds.count(False) == 2 and kinds.count(True) == 8  # draft, exploring plain every 5th round
+    assert choice.overhead == pytest.approx(2e-3)  # the step beyond the verify's modelled time
+    choice.observe(8, True, 3e-3, 8 * 2)  # now a drafting round commits only 2 tokens a request
+    kinds = [choice.drafts(8) for _ in range(10)]
+    assert kinds.count(True) == 2
+
+
+def test_batch_sizes_are_measured_in_buckets_a_quarter_of_a_power_of_two_wide():
+    from ddtree.core.budget import batch_bucket
+
+    assert [batch_bucket(n) for n in (1, 5, 8, 9, 10, 11, 16, 17, 33, 64)] == [1, 5, 8, 10, 10, 12, 16, 20, 40, 64]
+
+
+def test_the_cost_model_adds_the_measured_overhead():
+    cost = CostModel(((10, 1.0), (20, 3.0)), per_request=0.5, overhead=2.0)
+    assert cost.seconds(15, 2) == pytest.approx(2.0 + 1.0 + 2.0)

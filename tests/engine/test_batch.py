@@ -313,3 +313,43 @@ def test_pairs_the_paged_path_cannot_batch_are_named(fast_ckpt, tmp_path, target
         assert said is None or "kernel" in said  # a CPU without Triton: the kernel check alone
     else:
         assert reason in said
+
+
+def test_rounds_that_do_not_draft_leave_every_request_lossless(engines):
+    """Where drafting does not pay, a round runs as a plain step for every request (RoundChoice); the drafter's
+    context still takes each committed token, so the drafting rounds after it draft from the whole context."""
+    from ddtree.core.budget import RoundChoice
+
+    class EveryOther(RoundChoice):
+        def drafts(self, requests: int) -> bool:
+            self.rounds += 1
+            return self.rounds % 2 == 0
+
+    engine = engines["qwen3"]
+    batch = paged(engine)
+    batch.backends[0].choice = choice = EveryOther()
+    requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS, METHODS, strict=True)]
+    seqs = run(batch, requests)
+    assert choice.rounds > 10 and choice.draft_seconds and choice.plain_seconds  # both kinds ran and were timed
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    drafted = [s for s, (m, _) in zip(seqs, METHODS, strict=True) if m != "ar"]
+    assert any(s.generation.stats.committed_tokens > s.generation.stats.rounds for s in drafted)
+
+    def context_after(choice: RoundChoice | None) -> tuple[torch.Tensor, int]:
+        """The drafter's cached context of one request after 8 steps, and how many tokens it holds."""
+        batch = paged(engine)
+        batch.backends[0].choice = choice
+        seq = batch.add(PROMPTS[1], GREEDY, method="ddtree", budget=8)
+        batch.add(PROMPTS[3], GREEDY, method="dflash")
+        for _ in range(8):
+            batch.step()
+        backend = batch.backends[0]
+        start = backend.states[seq.seq_id].start
+        return backend.draft_kv[:, :, :, backend.blocks.slots(seq.seq_id, 0, start)], start
+
+    every, start = context_after(None)
+    alternate, other = context_after(EveryOther())
+    common = min(start, other)
+    assert common > len(PROMPTS[1]) + 4
+    torch.testing.assert_close(alternate[..., :common, :], every[..., :common, :], rtol=1e-4, atol=1e-5)

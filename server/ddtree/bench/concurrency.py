@@ -128,11 +128,14 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
     rounds = sum(s.generation.stats.rounds for s in seqs)
     committed = sum(s.generation.stats.committed_tokens for s in seqs)
     decode = [s for s in steps if s[2]]
+    rows, requests = (sum(s[i] for s in decode) / max(len(decode), 1) for i in (1, 2))
+    backend = batch.backends[0]
+    # the batch budget's model of a step (verify + per request + the overhead it measured while serving)
+    predicted = (1e3 * backend.cost.seconds(round(rows), round(requests))
+                 if getattr(backend, "choice", None) is not None and decode else None)
     return dict(tokens_per_second=generated / seconds, tau=committed / max(rounds, 1),
-                step_ms=1e3 * sum(s[0] for s in decode) / max(len(decode), 1),
-                rows_per_step=sum(s[1] for s in decode) / max(len(decode), 1),
-                requests_per_step=sum(s[2] for s in decode) / max(len(decode), 1),
-                outputs=[s.generation.token_ids for s in seqs])
+                step_ms=1e3 * sum(s[0] for s in decode) / max(len(decode), 1), predicted_step_ms=predicted,
+                rows_per_step=rows, requests_per_step=requests, outputs=[s.generation.token_ids for s in seqs])
 
 
 def projection(cost: CostModel, levels: list[int], tau: dict, depth: int) -> list[dict]:
@@ -153,12 +156,15 @@ def projection(cost: CostModel, levels: list[int], tau: dict, depth: int) -> lis
 def table(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']}: {report['prompt_tokens']} prompt tokens, "
              f"{report['max_new_tokens']} new, ddtree budget {report['budget']}", "",
-             "| concurrency | method | output tok/s | tau | step ms | rows/step | requests/step | == ar |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| concurrency | method | output tok/s | tau | step ms | predicted ms | rows/step | requests/step "
+             "| == ar |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         same = "" if r["same_as_ar"] is None else "yes" if r["same_as_ar"] else "NO"
+        predicted = "" if r.get("predicted_step_ms") is None else f"{r['predicted_step_ms']:.2f}"
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.0f} | {r['tau']:.2f} | "
-                     f"{r['step_ms']:.2f} | {r['rows_per_step']:.0f} | {r['requests_per_step']:.1f} | {same} |")
+                     f"{r['step_ms']:.2f} | {predicted} | {r['rows_per_step']:.0f} | {r['requests_per_step']:.1f} | "
+                     f"{same} |")
     if report.get("cost_model") and len(report["cost_model"]["points"]) > 1:
         model = report["cost_model"]
         lines += ["", "cost model (measured): verify ms by rows: " + ", ".join(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,11 +31,12 @@ class CostModel:
 
     points: tuple[tuple[int, float], ...]
     per_request: float = 0.0
+    overhead: float = 0.0  # the rest of a step (host work, tree, commit), measured while serving (`RoundChoice`)
 
     def __post_init__(self) -> None:
         if not self.points or any(b[0] <= a[0] for a, b in zip(self.points, self.points[1:], strict=False)):
             raise ValueError("a cost model needs points in strictly increasing token counts")
-        if any(seconds <= 0 for _, seconds in self.points) or self.per_request < 0:
+        if any(seconds <= 0 for _, seconds in self.points) or self.per_request < 0 or self.overhead < 0:
             raise ValueError("a cost model's times must be positive")
 
     def seconds(self, tokens: int, requests: int) -> float:
@@ -51,7 +52,7 @@ class CostModel:
         else:
             lo = np.clip(np.searchsorted(xs, t, side="left") - 1, 0, len(xs) - 2)
             verify = ys[lo] + (ys[lo + 1] - ys[lo]) * (t - xs[lo]) / (xs[lo + 1] - xs[lo])
-        return np.maximum(verify, ys.min()) + self.per_request * requests
+        return np.maximum(verify, ys.min()) + self.per_request * requests + self.overhead
 
 
 FLAT = CostModel(((1, 1.0),))  # every round costs the same: each request verifies its whole tree
@@ -109,3 +110,52 @@ def choose_nodes(scores: Sequence[Sequence[float]] | np.ndarray, cost: CostModel
     rates = expected[allowed] / cost.seconds_at(len(matrix) + allowed, len(matrix))
     best = int(allowed[np.flatnonzero(rates >= rates.max() * (1 - 1e-9))[0]])
     return np.bincount(requests[:best], minlength=len(matrix)).tolist()
+
+
+def batch_bucket(requests: int) -> int:
+    """Batch sizes measured together: each up to 8, then steps of a quarter of a power of two (9-10, 11-12, ...,
+    15-16, 17-20, ...)."""
+    if requests <= 8:
+        return requests
+    top = 1 << (requests - 1).bit_length()
+    return next(b for b in (top * 5 // 8, top * 3 // 4, top * 7 // 8, top) if b >= requests)
+
+
+@dataclass
+class RoundChoice:
+    """Whether a batch's round drafts, and what a drafting round really costs, from the steps it measures.
+
+    A drafting round commits tau tokens a request for a step of T_draft(S) seconds, a plain (ar) round one token
+    for T_plain(S): a round drafts while tau / T_draft >= 1 / T_plain at its batch size S (bucketed). Both are
+    step periods as served (host work, launches, waits), so a round never drafts where drafting loses to plain
+    decoding; every `explore` rounds the other kind runs once, so a measurement never goes stale. A drafting step's
+    time beyond the verify's measured cost is the cost model's `overhead`, for the batch budget to weigh."""
+
+    alpha: float = 0.2
+    explore: int = 50
+    draft_seconds: dict[int, float] = field(default_factory=dict)
+    plain_seconds: dict[int, float] = field(default_factory=dict)
+    tokens_per_request: float = 2.0  # committed per request by a drafting round (bonus included)
+    overhead: float = 0.0
+    rounds: int = 0
+
+    def drafts(self, requests: int) -> bool:
+        bucket = batch_bucket(requests)
+        drafting, plain = self.draft_seconds.get(bucket), self.plain_seconds.get(bucket)
+        self.rounds += 1
+        if drafting is None or plain is None:  # measure each kind once
+            return drafting is None
+        better = self.tokens_per_request / drafting >= 1.0 / plain
+        return better != (self.rounds % self.explore == 0)
+
+    def observe(self, requests: int, drafted: bool, seconds: float, committed: int,
+                verify: float | None = None) -> None:
+        """One step's period: `requests` sequences, drafting or not, committing `committed` tokens in all;
+        `verify`: the cost model's seconds for the round without overhead (a drafting round's)."""
+        bucket = batch_bucket(requests)
+        table = self.draft_seconds if drafted else self.plain_seconds
+        table[bucket] = seconds if bucket not in table else (1 - self.alpha) * table[bucket] + self.alpha * seconds
+        if drafted:
+            self.tokens_per_request += self.alpha * (committed / requests - self.tokens_per_request)
+            if verify is not None:
+                self.overhead += self.alpha * (max(seconds - verify, 0.0) - self.overhead)

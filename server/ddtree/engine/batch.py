@@ -26,6 +26,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
 from ddtree.core.blocks import BlockManager
+from ddtree.core.budget import RoundChoice
 from ddtree.core.rounds import Backend, BatchBackend, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine.generation import RoundOutput
@@ -322,6 +323,7 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
             paged.capture_all()
             if options.batch_budget and engine.draft is not None:
                 paged.cost = paged.measure_cost()
+                paged.choice = RoundChoice()  # rounds draft only while drafting pays, as measured while serving
     solo = SerialBackend(engine.fast, capacity=1) if engine.fast is not None and options.single_request_path else None
     return BatchEngine(engine, [paged, reference], max_num_seqs=options.max_num_seqs,
                        max_num_batched_tokens=options.max_num_batched_tokens, blocks=blocks, solo=solo)

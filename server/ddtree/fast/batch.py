@@ -33,7 +33,7 @@ import torch
 
 from ddtree.core import grammar
 from ddtree.core.blocks import BlockManager
-from ddtree.core.budget import FLAT, CostModel, choose_nodes
+from ddtree.core.budget import FLAT, CostModel, RoundChoice, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens, process_logits, token_logprobs
 from ddtree.core.tree import DraftTree, selector_chain_tree, selector_tree_from_sorted
@@ -130,6 +130,10 @@ class PagedBackend:
         self.vocab = target.lm_head.weight.shape[0]
         self.states: dict[int, SeqState] = {}
         self.last_nodes = 0  # draft nodes the last round verified in all (the batch budget's choice)
+        # Whether a round drafts, from measured step periods (on where the cost model is measured: batch_engine)
+        self.choice: RoundChoice | None = None
+        self._previous: tuple[float, int, bool, int, float] | None = None  # start, requests, drafted, committed, verify
+        self._prefilled = False  # this step ran prompt chunks before its round (its period is not a round's)
         # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
         # forward builds its own layout and attention goes through SDPA.
         self.cuda = self.device.type == "cuda"
@@ -168,10 +172,13 @@ class PagedBackend:
     @torch.inference_mode()
     def step(self, prefills: list[Prefill], decodes: list[int], node_limit: int | None) -> dict[int, Round]:
         out: dict[int, Round] = {}
+        self._prefilled = bool(prefills)
         if prefills:
             out.update(self._prefill(prefills))
         if decodes:
             out.update(self._round(decodes, node_limit))
+        else:
+            self._previous = None
         return out
 
     # -- prefill -------------------------------------------------------------------------------------------
@@ -225,15 +232,20 @@ class PagedBackend:
     # -- one round ------------------------------------------------------------------------------------------
 
     def _round(self, seq_ids: list[int], node_limit: int | None) -> dict[int, Round]:
+        """One round for every decoding sequence. The host waits for the device where it needs its results (the
+        draft's, then the verify's picks), and nowhere else: the commit's work runs on while the next step's host
+        work goes on. Phase times are host wall times between those waits."""
         phases = dict.fromkeys(PHASES, 0.0)
-        t = self._now()
+        t = started = time.perf_counter()
         states = [self.states[s] for s in seq_ids]
         drafting = [i for i, st in enumerate(states) if st.request.method != "ar" and self._depth(st) > 0]
+        if not self._drafts(t, len(drafting)):
+            drafting = []
         drafted = self._draft(seq_ids, states, drafting) if drafting else None
-        phases["draft"], t = self._lap(t)
+        phases["draft"], t = self._lap(t, wait=drafted is not None)
         trees = self._trees(states, drafting, drafted, node_limit)
         visible = trees.visibility()
-        phases["tree"], t = self._lap(t)
+        phases["tree"], t = self._lap(t, wait=False)
         sizes = trees.sizes.tolist()
         ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
         for r, (seq_id, state) in enumerate(zip(seq_ids, states, strict=True)):
@@ -245,9 +257,9 @@ class PagedBackend:
         seqs = self._seq_rows(seq_ids, layout, trees)
         record = self.hybrid.record(seqs) if self.hybrid else None
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
-        phases["verify"], t = self._lap(t)
         offsets = layout.row_offsets
         picks, processed = self._picks(states, trees, logits, offsets)
+        phases["verify"], t = self._lap(t, wait=False)
         paths = accepted_paths(trees, picks, offsets)
         out, accepted_rows, accepted_positions, accepted_slots, moves, lasts = {}, [], [], [], ([], []), []
         for r, (seq_id, state, path) in enumerate(zip(seq_ids, states, paths, strict=True)):
@@ -275,13 +287,27 @@ class PagedBackend:
             self.kv.index_copy_(3, dst, self.kv.index_select(3, src))
         if record is not None:
             self.hybrid.commit(record, seqs, lasts)
-        if self.draft is not None and drafting:
+        if self.draft is not None and any(state.request.method != "ar" for state in states):  # drafter context
             keep = self._tensor(accepted_rows)
             self._extend_draft(taps.index_select(0, keep), self._tensor(accepted_positions),
                                self._tensor(accepted_slots))
-        phases["commit"], _ = self._lap(t)
+        phases["commit"], _ = self._lap(t, wait=False)
         self.last_nodes = int(trees.sizes.sum())
+        if self.choice is not None:
+            verify = self.cost.seconds(len(ids), len(states)) - self.cost.overhead
+            self._previous = (started, len(states), bool(drafting), len(accepted_rows), verify)
         return out
+
+    def _drafts(self, now: float, candidates: int) -> bool:
+        """Whether this round drafts (`RoundChoice`, where on), after booking the last round's step period: from
+        its start to this one's, unless prompt chunks ran in between."""
+        if self.choice is None:
+            return True
+        if self._previous is not None and not self._prefilled:
+            started, requests, drafted, committed, verify = self._previous
+            self.choice.observe(requests, drafted, now - started, committed, verify if drafted else None)
+            self.cost = replace(self.cost, overhead=self.choice.overhead)
+        return candidates > 0 and self.choice.drafts(candidates)
 
     def _depth(self, state: SeqState) -> int:
         """Draft depth this round: the block's, less what the context has left."""
@@ -474,13 +500,9 @@ class PagedBackend:
         forward = self.captured.get((kind, bucket)) or self._capture(kind, bucket)
         if not forward.rows.fits(n, layout):
             raise ValueError(f"a batch of {len(layout.starts)} sequences and {n} rows does not fit its buffers")
-        forward.rows.fill(ids, positions, slots, layout)
+        forward.rows.fill(ids, positions, slots, layout, visible=kind == "verify")  # a draft's is fixed
         if record is not None:
             forward.rows.fill_recurrent(seqs, record.sources)
-        for rule, buffer in forward.rows.rule_visible.items():  # a draft: every block sees itself by its layer's rule
-            blocks = torch.cat([self.fused_draft.block_visible[rule].reshape(-1).to(torch.int8).cpu()] * len(ids)
-                               )[:len(layout.starts) * self.block * self.block]
-            buffer[:blocks.numel()].copy_(blocks, non_blocking=True)
         out = forward()
         if kind == "verify":
             return out[0][:n], (out[1][:n] if out[1] is not None else None)
@@ -502,6 +524,7 @@ class PagedBackend:
         else:
             rules = list(self.fused_draft.block_visible)
             rows.rule_visible = {rule: torch.zeros_like(rows.visible) for rule in rules}
+            rows.repeat_visibility(self.block, self.fused_draft.block_visible)  # every block sees itself by its rule
 
             def run(r: StaticRows) -> object:
                 return self._draft_rows(r.ids, r.positions, r.slots, {
@@ -591,8 +614,9 @@ class PagedBackend:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _lap(self, t: float) -> tuple[float, float]:
-        now = self._now()
+    def _lap(self, t: float, wait: bool = True) -> tuple[float, float]:
+        """Seconds since `t` and now (`wait`: once the device has finished what was queued)."""
+        now = self._now() if wait else time.perf_counter()
         return now - t, now
 
 

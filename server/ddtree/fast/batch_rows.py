@@ -39,7 +39,20 @@ class StaticRows:
         return (rows <= self.rows and len(layout.starts) <= self.seqs and tables <= self.tables.shape[1]
                 and sum(v.numel() for v in layout.visible) <= self.visible.numel())
 
-    def fill(self, ids: list[int], positions: list[int], slots: list[int], layout: PagedLayout) -> None:
+    def repeat_visibility(self, block: int, rules: dict[tuple[int | None, bool], torch.Tensor]) -> None:
+        """A draft forward's visibility, the same for every batch: sequence s's block of `block` rows at offset
+        s * block * block in each rule's buffer (`rules`: each drafter layer rule's [block, block] matrix). Written
+        once, at the capture; `fill(visible=False)` then leaves it."""
+        square = block * block
+        count = self.visible.numel() // square
+        self.vis_offsets.copy_(torch.arange(self.seqs).clamp(max=count - 1) * square)
+        for rule, buffer in self.rule_visible.items():
+            buffer[:count * square].copy_(rules[rule].reshape(-1).to(torch.int8).repeat(count))
+
+    def fill(self, ids: list[int], positions: list[int], slots: list[int], layout: PagedLayout,
+             visible: bool = True) -> None:
+        """The batch's rows and layout into the buffers (`visible`: also its visibility, else the buffers keep
+        theirs: `repeat_visibility`)."""
         pad = self.rows - len(ids)
         rows = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch] * pad], dtype=torch.long)
         seqs = len(layout.starts)
@@ -47,11 +60,11 @@ class StaticRows:
         per_seq[0, :seqs] = torch.tensor(layout.starts, dtype=torch.int32)
         per_seq[1, :seqs + 1] = torch.tensor(layout.row_offsets, dtype=torch.int32)
         per_seq[1, seqs + 1:] = layout.row_offsets[-1]
-        flat = [v.reshape(-1).to(torch.int8) for v in layout.visible]
+        flat = [v.reshape(-1).to(torch.int8) for v in layout.visible] if visible else []
         offsets = [0]
         for v in flat[:-1]:
             offsets.append(offsets[-1] + v.numel())
-        per_seq[2, :seqs] = torch.tensor(offsets, dtype=torch.int32)
+        per_seq[2, :len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
         tables = torch.zeros(self.tables.shape, dtype=torch.int32)
         for b, table in enumerate(layout.tables):
             tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
@@ -61,9 +74,9 @@ class StaticRows:
         self.slots.copy_(rows[2], non_blocking=True)
         self.starts.copy_(per_seq[0, :self.seqs], non_blocking=True)
         self.row_offsets.copy_(per_seq[1], non_blocking=True)
-        self.vis_offsets.copy_(per_seq[2, :self.seqs], non_blocking=True)
         self.tables.copy_(tables, non_blocking=True)
         if flat:
+            self.vis_offsets.copy_(per_seq[2, :self.seqs], non_blocking=True)
             visible = torch.cat(flat)
             self.visible[:visible.numel()].copy_(visible, non_blocking=True)
         self.tiles.copy_(tiles, non_blocking=True)
