@@ -312,6 +312,7 @@ def test_restart_loses_nothing(cluster, operator, monkeypatch):
             job = wait_for(lambda: pull_jobs(cluster, ns, "qwen"), what="pull Job")[0]
             wait_for(lambda: ready(ddt(cluster, ns, "qwen")) == ("False", "Pulling"), what="Pulling")
         assert first.exception is None, first.output
+    assert pod["initContainers"][0]["args"][-2:] == ["--timeout", "14400"]  # pullTimeoutSeconds, defaulted
         complete(cluster, ns, job["metadata"]["name"])  # the pull finishes while nobody watches
         time.sleep(2)
         assert cluster.get("apps/v1", "Deployment", ns, "qwen") is None

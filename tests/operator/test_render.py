@@ -93,6 +93,10 @@ def test_empty_dir_mode_pulls_in_an_init_container():
     assert [c["name"] for c in pod["initContainers"]] == ["pull"]
     assert pod["initContainers"][0]["args"][0] == "pull"
     assert {"name": "models", "emptyDir": {"sizeLimit": "60Gi"}} in pod["volumes"]
+    # No Job, so no activeDeadlineSeconds: the pull itself stops after storage.pullTimeoutSeconds.
+    assert pod["initContainers"][0]["args"][-2:] == ["--timeout", "14400"]
+    timed = pod_spec(render.render(cr({"storage": {"mode": "emptyDir", "pullTimeoutSeconds": 600}})))
+    assert timed["initContainers"][0]["args"][-2:] == ["--timeout", "600"]
 
 
 def test_pvc_and_local_sources_and_tokens():
