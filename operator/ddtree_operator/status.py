@@ -323,7 +323,9 @@ def merge_conditions(old: list[Manifest], new: dict[str, Condition], generation:
 
 def events(transitions: list[Transition]) -> list[Transition]:
     """The transitions a pass reports as Events: one for what Ready rolls up (Ready's own when it changed,
-    else the first sub-condition's), and those of Autoscaling and Monitoring, which Ready does not roll up."""
+    else the first sub-condition's), and those of Autoscaling and Monitoring, which Ready does not roll up,
+    unless that reason is already told (a rejected monitor is one ApplyFailed, not two)."""
     rolled = [t for t in transitions if t.type not in INDEPENDENT_CONDITIONS]
     out = [next((t for t in rolled if t.type == "Ready"), rolled[0])] if rolled else []
-    return out + [t for t in transitions if t.type in INDEPENDENT_CONDITIONS]
+    return out + [t for t in transitions if t.type in INDEPENDENT_CONDITIONS and t.reason not in
+                  {o.reason for o in out}]

@@ -159,8 +159,8 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
     assert scale["status"]["selector"] == "app.kubernetes.io/name=ddtree,app.kubernetes.io/instance=qwen," \
         "app.kubernetes.io/component=server"
-    # One Event per transition: Pulling, Starting, InsufficientCapacity, Starting again, Ready.
-    expected = Counter({"Pulling": 1, "Starting": 2, "InsufficientCapacity": 1, "Ready": 1})
+    # One Event per transition: Pulling, Starting, InsufficientCapacity, Starting again, Ready; and Monitoring's.
+    expected = Counter({"Pulling": 1, "Starting": 2, "InsufficientCapacity": 1, "Ready": 1, "ServiceMonitor": 1})
     wait_for(lambda: event_reasons(cluster, ns, name) == expected, what=f"exactly the events {expected}")
 
     # Spec change rolls out; one replica needs no PDB and the PodMonitor replaces the ServiceMonitor.

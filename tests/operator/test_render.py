@@ -449,6 +449,10 @@ def test_monitoring_is_a_condition_and_autoscaling_says_when_its_metric_has_no_s
     _, transitions = status.merge_conditions([], {"Ready": ("False", "Pulling", "m"), "Monitoring": missing}, 1, "T")
     assert [(t.type, t.reason, t.event_type) for t in status.events(transitions)] == [
         ("Ready", "Pulling", "Normal"), ("Monitoring", "MonitorUnavailable", "Warning")]
+    rejected = {"Ready": ("False", "ApplyFailed", "ServiceMonitor qwen: invalid"),
+                "Monitoring": ("False", "ApplyFailed", "ServiceMonitor qwen: invalid")}
+    _, transitions = status.merge_conditions([], rejected, 1, "T")
+    assert [(t.type, t.reason) for t in status.events(transitions)] == [("Ready", "ApplyFailed")]  # told once
 
 
 def test_status_empty_dir_has_no_models_condition_and_sees_pulling_pods():
