@@ -1,5 +1,6 @@
-"""kopf handlers: every trigger (create, spec change, resume after a restart, periodic timer) runs the same
-level-based reconcile, so a missed event or an operator restart loses nothing."""
+"""kopf handlers: every trigger (create, spec change, resume after a restart, a change of an owned Deployment,
+Job or pod, periodic timer) runs the same level-based reconcile, so a missed event or an operator restart
+loses nothing."""
 
 from __future__ import annotations
 
@@ -85,13 +86,17 @@ def apiserver_reachable(**_: Any) -> str:
     return response.data.decode()
 
 
-def _run(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
-    """Reconcile one object and write its status; serialized per object so Events are not doubled."""
-    assert _cluster is not None
-    if body.metadata.get("deletionTimestamp"):
-        return  # being deleted: garbage collection removes the children; do not re-create them
-    started = time.monotonic()
+def _run(trigger: str, body: kopf.Body, memo: kopf.Memo, queued: threading.Semaphore | None = None) -> None:
+    """Reconcile one object and write its status: serialized per object, so that Events are not doubled and
+    status patches land in the order they were computed (they are sent here, not by kopf after the handler).
+    `queued`: held by this pass until it starts; released then, so that later changes get a pass of their own."""
     with memo.setdefault("lock", threading.Lock()):  # memo is per object; setdefault is atomic
+        if queued is not None:
+            queued.release()
+        assert _cluster is not None
+        if body.metadata.get("deletionTimestamp"):
+            return  # being deleted: garbage collection removes the children; do not re-create them
+        started = time.monotonic()
         # The last written status wins over the (possibly older) snapshot this handler was given.
         current = {**dict(body.status), **memo.get("status", {})}
         manifest = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body.metadata),
@@ -110,30 +115,52 @@ def _run(trigger: str, body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> N
         merged, transitions = status.merge_conditions(current.get("conditions") or [], conditions,
                                                       body.metadata.get("generation"), now)
         written = {**fields, "conditions": merged}
-        for key, value in written.items():
-            if body.status.get(key) != value:
-                patch.status[key] = value
+        changed = {key: value for key, value in written.items() if body.status.get(key) != value}
+        if changed:
+            _cluster.patch_status(manifest, changed)
         memo["status"] = written
         for t in transitions:
             TRANSITIONS.labels(t.type, t.reason).inc()
         for event in status.events(transitions):
             kopf.event(body, type=event.event_type, reason=event.reason,
                        message=f"{event.type}={event.status}: {event.message}")
-        if seen.monitoring_error and seen.monitoring_error != memo.get("monitoring_error"):
-            kopf.event(body, type="Warning", reason="MonitoringUnavailable", message=seen.monitoring_error)
-        memo["monitoring_error"] = seen.monitoring_error
+
+
+@kopf.index(*RESOURCE)
+def deployments_by_name(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
+                        **_: Any) -> dict[tuple[str, str], tuple[kopf.Body, kopf.Memo]]:
+    """Each DDTreeDeployment's body (kopf keeps it current) and memo, for the events of the objects it owns."""
+    return {(namespace, name): (body, memo)}
 
 
 @kopf.on.resume(*RESOURCE, backoff=RESYNC_SECONDS)
 @kopf.on.create(*RESOURCE, backoff=RESYNC_SECONDS)
 @kopf.on.update(*RESOURCE, field="spec", backoff=RESYNC_SECONDS)
 @kopf.on.update(*RESOURCE, field=("metadata", "annotations", render.ANNOTATION_RETRY_PULL), backoff=RESYNC_SECONDS)
-def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, reason: str, **_: Any) -> None:
+def on_change(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
     """React at once to creation, spec changes (rollout, re-pull), a retry-pull request and operator restarts."""
-    _run(str(reason), body, patch, memo)
+    _run(str(reason), body, memo)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={render.LABEL_OWNER: kopf.PRESENT})
+@kopf.on.event("batch", "v1", "jobs", labels={render.LABEL_OWNER: kopf.PRESENT})
+@kopf.on.event("v1", "pods", labels={render.LABEL_OWNER: kopf.PRESENT})
+def on_child(namespace: str, labels: kopf.Labels, event: kopf.RawEvent,
+             deployments_by_name: kopf.Index, **_: Any) -> None:
+    """A finished pull, a pod that crashes or turns ready, a Deployment's new status: reconcile its owner now
+    rather than at the next resync. Changes that arrive while a pass waits for the lock ride on that pass."""
+    if event["type"] is None:
+        return  # the initial listing: on.resume reconciles every DDTreeDeployment already
+    owner = next(iter(deployments_by_name.get((namespace, labels[render.LABEL_OWNER]), ())), None)
+    if owner is None:
+        return  # not (or no longer) a DDTreeDeployment's
+    body, memo = owner
+    queued = memo.setdefault("queued", threading.Semaphore(1))
+    if queued.acquire(blocking=False):  # else a pass is waiting to start, and it will see this change too
+        _run("child", body, memo, queued)
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, backoff=RESYNC_SECONDS)
-def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Level-based safety net: follow Job/Deployment/pod progress and repair drifted children."""
-    _run("timer", body, patch, memo)
+    _run("timer", body, memo)

@@ -17,7 +17,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
 from ddtree_operator import render
-from ddtree_operator.status import Observed, job_condition, parse_time
+from ddtree_operator.status import Condition, Observed, job_condition, parse_time
 
 Manifest = dict[str, Any]
 FIELD_MANAGER = "ddtree-operator"
@@ -54,8 +54,16 @@ class Cluster:
         res = self._resource(manifest["apiVersion"], manifest["kind"])
         meta = manifest["metadata"]
         body = {**manifest, "metadata": {**meta, "uid": uid}} if uid else manifest
-        return res.server_side_apply(body=body, name=meta["name"], namespace=meta["namespace"],
-                                     field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
+        try:
+            return res.server_side_apply(body=body, name=meta["name"], namespace=meta["namespace"],
+                                         field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
+        except NotFoundError:
+            if uid:
+                raise
+            # An apply creates a missing object, so the kind is what is missing: its CRD was removed after
+            # discovery was cached. Forget the cache, so that a reinstalled CRD is found again.
+            self.dynamic.resources.invalidate_cache()
+            raise ResourceNotFoundError(f"{manifest['apiVersion']} {manifest['kind']} is not served") from None
 
     def create(self, manifest: Manifest) -> Manifest:
         """Create, failing (409) if the name is taken: for objects the operator never changes."""
@@ -77,6 +85,14 @@ class Cluster:
         with contextlib.suppress(NotFoundError):
             self._resource(api_version, kind).delete(name=name, namespace=namespace,
                                                      body={"propagationPolicy": "Background"})
+
+    def patch_status(self, obj: Manifest, fields: Manifest) -> None:
+        """Merge `fields` into the object's status (its status subresource); nothing when it is gone."""
+        meta = obj["metadata"]
+        with contextlib.suppress(NotFoundError):
+            self._resource(obj["apiVersion"], obj["kind"]).subresources["status"].patch(
+                name=meta["name"], namespace=meta["namespace"], body={"status": fields},
+                content_type="application/merge-patch+json")
 
     def pod_log_tail(self, namespace: str, pod: str, container: str, lines: int = 40) -> str:
         return client.CoreV1Api(self.api_client).read_namespaced_pod_log(
@@ -206,16 +222,17 @@ def choose_autoscaler(cluster: Cluster, body: Manifest, prometheus_address: str)
     keda = cluster.api_available(KEDA_API)
     if keda and address:
         return "KEDA", address, ("True", "KEDA", f"KEDA ScaledObject {name} scales {what} from {address}")
+    no_address = ("KEDA is installed but has no Prometheus address to query: set spec.autoscaling.prometheusAddress "
+                  "or the operator's --prometheus-address")
     if cluster.api_available(CUSTOM_METRICS_API):
-        notes = []
-        if keda:
-            notes.append("KEDA is installed but has no Prometheus address: set spec.autoscaling.prometheusAddress "
-                         "or the operator's --prometheus-address")
+        notes = [no_address] if keda else []
         if scaling.get("minReplicas", 1) == 0:
             notes.append("an HPA keeps at least 1 replica; scaling to zero needs KEDA")
         note = f" ({'; '.join(notes)})" if notes else ""
         return "HPA", "", ("True", "HPA", f"HorizontalPodAutoscaler {name} scales {what} through the custom "
                                           f"metrics API{note}")
+    if keda:
+        return None, "", ("False", "PrometheusAddressMissing", f"{no_address}: replicas stay at spec.replicas")
     return None, "", ("False", "AutoscalerUnavailable",
                       "neither KEDA (keda.sh/v1alpha1) nor a custom metrics API (custom.metrics.k8s.io, e.g. "
                       "prometheus-adapter) is installed: replicas stay at spec.replicas")
@@ -277,22 +294,25 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str, prometheus_a
             existing[(child["kind"], child["metadata"]["name"])] = found
 
     apply_errors: list[str] = []
-    monitoring_error = None
+    monitoring: Condition | None = None
 
     def apply(child: Manifest) -> Manifest | None:
-        nonlocal monitoring_error
+        nonlocal monitoring
         key = (child["kind"], child["metadata"]["name"])
         try:
             return cluster.apply(child, uid=existing[key]["metadata"]["uid"] if key in existing else None)
         except ResourceNotFoundError:
             if child is children.monitor:
-                monitoring_error = (f"monitoring is enabled but the {child['kind']} CRD (Prometheus Operator) is "
-                                    "not installed")
+                monitoring = ("False", "MonitorUnavailable",
+                              f"monitoring is enabled but the {child['kind']} CRD (Prometheus Operator) is not "
+                              "installed: nothing scrapes the servers' /metrics")
             else:
                 apply_errors.append(f"{child['kind']} {key[1]}: the {child['apiVersion']} API is not installed")
         except client.ApiException as err:
             log.warning("%s %s/%s rejected: %s", child["kind"], ns, key[1], api_message(err))
             apply_errors.append(f"{child['kind']} {key[1]}: {api_message(err)}")
+            if child is children.monitor:
+                monitoring = ("False", "ApplyFailed", apply_errors[-1])
         return None
 
     if children.pvc:
@@ -309,8 +329,9 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str, prometheus_a
         deployment = apply(children.deployment) or deployment
     # else: gate the server on the pull; a Deployment of the previous models keeps serving meanwhile.
     for child in (children.pdb, children.monitor, children.autoscaler):
-        if child:
-            apply(child)
+        if child and apply(child) and child is children.monitor:
+            monitoring = ("True", child["kind"], f"{child['kind']} {name} exposes the servers' /metrics to a "
+                                                 "Prometheus that selects it (monitoring.labels)")
 
     keep = {(m["kind"], m["metadata"]["name"]) for m in children.all()}
     for api_version, kind in PRUNABLE:
@@ -328,7 +349,7 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str, prometheus_a
         download = download_progress(cluster, body, _newest(pull_pods))
     error = pull_error(cluster, ns, pull_pods) if job_condition(job, "Failed") else None
     return Observed(job=job, deployment=deployment, pods=server_pods, pull_pods=tuple(pull_pods),
-                    download=download, apply_errors=tuple(apply_errors), monitoring_error=monitoring_error,
+                    download=download, apply_errors=tuple(apply_errors), monitoring=monitoring,
                     autoscaling=autoscaling, pull_attempt=attempt, pull_retry_at=retry_at, pull_error=error,
                     pulled=pulled)
 

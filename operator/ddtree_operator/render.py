@@ -200,9 +200,9 @@ def _pull_uri(model: Manifest) -> str:
     return f"{model['uri']}@{revision}" if revision else model["uri"]
 
 
-def pull_container(spec: Manifest, image: str) -> Manifest:
+def pull_container(spec: Manifest, image: str, timeout: int | None = None) -> Manifest:
     """`ddtree pull` for target and draft in one process (concurrently), printing JSON progress lines
-    that the operator reads back from the pod log."""
+    that the operator reads back from the pod log; `timeout`: seconds after which it gives up (exit 2)."""
     env: list[Manifest] = [{"name": "HOME", "value": "/tmp"},
                            {"name": "HF_HOME", "value": f"{MODELS_DIR}/.cache/huggingface"},
                            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
@@ -220,7 +220,8 @@ def pull_container(spec: Manifest, image: str) -> Manifest:
         "args": ["pull",
                  _pull_uri(_model(spec, "target")), model_dest(spec, "target"),
                  _pull_uri(_model(spec, "draft")), model_dest(spec, "draft"),
-                 "--token-env", TARGET_TOKEN_ENV, "--token-env", DRAFT_TOKEN_ENV, "--progress", "json"],
+                 "--token-env", TARGET_TOKEN_ENV, "--token-env", DRAFT_TOKEN_ENV, "--progress", "json",
+                 *(["--timeout", str(timeout)] if timeout else [])],
         "env": env,
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         # A failed pull's last log lines (its one-line error) become the termination message: PullFailed shows it.
@@ -523,7 +524,8 @@ def render_deployment(body: Manifest, image: str, model_bytes: int | None = None
         **_placement(body, gpu=True),
     }
     if storage_mode == "emptyDir":
-        pod_spec["initContainers"] = [pull_container(spec, image)]
+        # No Job deadline here: the pull stops itself after pullTimeoutSeconds, and the kubelet restarts it.
+        pod_spec["initContainers"] = [pull_container(spec, image, timeout=_storage(spec)["pullTimeoutSeconds"])]
     meta = _meta(body, name, "server")
     template_meta = {"labels": {**meta["labels"], **_claim_label(body)}, "annotations": model_annotations(spec)}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,

@@ -18,8 +18,9 @@ Manifest = dict[str, Any]
 Condition = tuple[str, str, str]  # (status, reason, message)
 
 WARNING_REASONS = frozenset({"PullFailed", "InsufficientCapacity", "Degraded", "NameConflict", "ApplyFailed",
-                             "ImagePullFailed", "CrashLooping", "ConfigError", "AutoscalerUnavailable"})
-INDEPENDENT_CONDITIONS = frozenset({"Autoscaling"})  # not rolled up into Ready
+                             "ImagePullFailed", "CrashLooping", "ConfigError", "AutoscalerUnavailable",
+                             "PrometheusAddressMissing", "NoMetricsSource", "MonitorUnavailable"})
+INDEPENDENT_CONDITIONS = frozenset({"Autoscaling", "Monitoring"})  # not rolled up into Ready
 # Container waiting reasons, by the Ready reason they become (first match wins, most actionable first).
 WAITING_REASONS = {
     "ConfigError": frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}),
@@ -40,7 +41,7 @@ class Observed:
     download: Manifest | None = None
     conflict: str | None = None  # a child's name is taken by an object this DDTreeDeployment does not own
     apply_errors: tuple[str, ...] = ()  # children the API server rejected, with its message
-    monitoring_error: str | None = None
+    monitoring: Condition | None = None  # with spec.monitoring.enabled: whether the monitor exists
     autoscaling: Condition | None = None
     pull_attempt: int = 0
     pull_retry_at: datetime.datetime | None = None
@@ -193,6 +194,33 @@ def _models(body: Manifest, seen: Observed) -> Condition | None:
     return "False", "Pulling", f"Job {name} is pulling target and draft{progress}"
 
 
+def rollout_remaining(deployment: Manifest | None, desired: int) -> str | None:
+    """What the Deployment's rollout still waits for, read as `kubectl rollout status` reads it (the spec
+    observed, every replica updated, no old replica left, all ready); None once it is complete."""
+    if deployment is None:
+        return None
+    dep_status = deployment.get("status") or {}
+    updated, ready = dep_status.get("updatedReplicas") or 0, dep_status.get("readyReplicas") or 0
+    old = (dep_status.get("replicas") or 0) - updated
+    if dep_status.get("observedGeneration", 0) < deployment["metadata"].get("generation", 0):
+        return "the Deployment controller has not seen the latest spec yet"
+    if updated < desired:
+        return f"{updated}/{desired} replicas run the latest spec, {ready} ready"
+    if old > 0:
+        return f"{old} old replica(s) still serving until the updated ones are ready"
+    if ready < desired:
+        return f"{ready}/{desired} replicas ready"
+    return None
+
+
+def _autoscaling(seen: Observed) -> Condition | None:
+    """The autoscaler's condition; False when the metric it scales on has no scrape behind it."""
+    if seen.autoscaling and seen.autoscaling[0] == "True" and seen.monitoring and seen.monitoring[0] == "False":
+        return ("False", "NoMetricsSource", f"{seen.autoscaling[2]}, but nothing scrapes the metric it reads: "
+                                            f"{seen.monitoring[2]}")
+    return seen.autoscaling
+
+
 def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, Condition]]:
     """The status fields and the conditions as {type: (status, reason, message)}."""
     spec = body["spec"]
@@ -240,10 +268,7 @@ def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, Conditi
     else:
         conditions["Available"] = ("False", reason if reason != "Ready" else "Starting", message)
 
-    dep_meta = (seen.deployment or {}).get("metadata") or {}
-    rolling = seen.deployment is not None and (
-        dep_status.get("observedGeneration", 0) < dep_meta.get("generation", 0)
-        or (dep_status.get("updatedReplicas") or 0) < desired or ready < desired)
+    rolling = rollout_remaining(seen.deployment, desired)
     if seen.conflict or seen.apply_errors:
         conditions["Progressing"] = ("False", reason, message)
     elif models and models[1] == "PullFailed":
@@ -253,11 +278,13 @@ def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, Conditi
     elif rolling and server_problem:
         conditions["Progressing"] = ("True", server_problem[0], server_problem[1])
     elif rolling:
-        conditions["Progressing"] = ("True", "RollingOut", f"{ready}/{desired} replicas ready")
+        conditions["Progressing"] = ("True", "RollingOut", rolling)
     else:
         conditions["Progressing"] = ("False", "Complete", "the latest spec is rolled out")
-    if seen.autoscaling:
-        conditions["Autoscaling"] = seen.autoscaling
+    if seen.monitoring:
+        conditions["Monitoring"] = seen.monitoring
+    if autoscaling := _autoscaling(seen):
+        conditions["Autoscaling"] = autoscaling
     conditions["Ready"] = ("True" if reason == "Ready" else "False", reason, message)
 
     name = body["metadata"]["name"]
@@ -296,7 +323,9 @@ def merge_conditions(old: list[Manifest], new: dict[str, Condition], generation:
 
 def events(transitions: list[Transition]) -> list[Transition]:
     """The transitions a pass reports as Events: one for what Ready rolls up (Ready's own when it changed,
-    else the first sub-condition's), and Autoscaling's, which Ready does not roll up."""
+    else the first sub-condition's), and those of Autoscaling and Monitoring, which Ready does not roll up,
+    unless that reason is already told (a rejected monitor is one ApplyFailed, not two)."""
     rolled = [t for t in transitions if t.type not in INDEPENDENT_CONDITIONS]
     out = [next((t for t in rolled if t.type == "Ready"), rolled[0])] if rolled else []
-    return out + [t for t in transitions if t.type in INDEPENDENT_CONDITIONS]
+    return out + [t for t in transitions if t.type in INDEPENDENT_CONDITIONS and t.reason not in
+                  {o.reason for o in out}]

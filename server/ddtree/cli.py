@@ -277,6 +277,9 @@ def _add_pull_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", choices=["text", "json", "none"], default="text",
                    help="text lines on stderr, or JSON lines on stdout for the operator")
     p.add_argument("--progress-interval", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="give up (exit 2) if the pull has not finished by then; a later pull resumes it "
+                   "(default: no limit)")
     p.set_defaults(handler=_pull)
 
 
@@ -287,6 +290,8 @@ def _pull(args: argparse.Namespace) -> int:
 
     if len(args.pairs) % 2:
         raise DDTreeError("expected URI DEST pairs, got an odd number of arguments")
+    if args.timeout is not None and args.timeout <= 0:
+        raise DDTreeError(f"--timeout must be positive, got {args.timeout:g}")
     pairs = list(zip(args.pairs[::2], args.pairs[1::2], strict=True))
     names = args.token_env or ["HF_TOKEN"]
     if len(names) == 1:
@@ -295,7 +300,7 @@ def _pull(args: argparse.Namespace) -> int:
         raise DDTreeError(f"--token-env given {len(names)} times for {len(pairs)} pairs; "
                           "give it once, or once per pair")
     outcomes = pull(pairs, [os.environ.get(n) or None for n in names],
-                    Progress(args.progress, interval=args.progress_interval))
+                    Progress(args.progress, interval=args.progress_interval), timeout=args.timeout)
     for (uri, dest), outcome in zip(pairs, outcomes, strict=True):
         print(f"{uri} -> {dest}: {outcome}", file=sys.stderr)
     return 0

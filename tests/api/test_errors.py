@@ -143,6 +143,25 @@ def test_a_body_without_json_content_type_says_so(server):
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
+def test_a_deeply_nested_body_is_a_400_and_logs_no_traceback(server):
+    """A 2 KB body nested 1000 levels deep once made the JSON parser raise RecursionError: a 500 and two
+    tracebacks in the log. Any depth is malformed input like any other."""
+    model = model_name(server).encode()
+    deep = b"[" * 1000 + b"]" * 1000
+    chat = b'{"model": "%s", "messages": [{"role": "user", "content": %s}]}'
+    bodies = [("/v1/completions", b'{"model": "%s", "prompt": %s}' % (model, deep)),
+              ("/v1/chat/completions", chat % (model, deep)),
+              ("/tokenize", b'{"model": "%s", "prompt": %s}' % (model, b'{"a": ' * 5000 + b"1" + b"}" * 5000))]
+    tracebacks = server.log.read_text().count("Traceback")
+    for path, body in bodies:
+        r = post(server, path, body)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json() == {"error": {"message": "Invalid JSON body: its arrays and objects are nested too deeply.",
+                                      "type": "invalid_request_error", "param": None, "code": None}}
+    assert server.log.read_text().count("Traceback") == tracebacks
+    assert model_name(server)  # still serving
+
+
 def test_unknown_model_is_404_through_the_sdk(server):
     with pytest.raises(openai.NotFoundError) as err:
         server.client().chat.completions.create(model="nope", messages=MSG)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from ddtree.api.metrics import ServerMetrics, TokenThroughput
 from ddtree_operator import render
-from k8s_testing import DDT, delete_crd, install_crd, wait_for
+from k8s_testing import DDT, MONITOR_CRDS, delete_crd, install_crd, wait_for
 from prometheus_client import CollectorRegistry, Counter
 from test_cluster import SPEC, complete, condition, create, ddt, event_reasons, patch, pull_jobs, ready
 
@@ -114,3 +114,69 @@ def test_keda_else_hpa_else_a_warning(cluster, operator, namespace, stand_in_api
     wait_for(lambda: cluster.get("keda.sh/v1alpha1", "ScaledObject", ns, name) is None, what="ScaledObject pruned")
     wait_for(lambda: condition(ddt(cluster, ns, name), "Autoscaling") is None, what="no Autoscaling condition")
     assert event_reasons(cluster, ns, name)["AutoscalerUnavailable"] == 1
+
+
+def message(obj: dict | None, type_: str) -> str:
+    return next(c["message"] for c in obj["status"]["conditions"] if c["type"] == type_)
+
+
+@pytest.mark.cluster
+def test_keda_without_a_prometheus_address_says_so(cluster, operator, namespace, stand_in_apis):
+    ns, name = namespace, "noaddr"
+    install_crd(cluster, KEDA)
+    create(cluster, ns, name, {**SPEC, "replicas": 1,
+                               "autoscaling": {"maxReplicas": 4, "target": {"waitingRequests": 3}}})
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Autoscaling") == ("False", "PrometheusAddressMissing"),
+             what="PrometheusAddressMissing")
+    assert message(ddt(cluster, ns, name), "Autoscaling") == (
+        "KEDA is installed but has no Prometheus address to query: set spec.autoscaling.prometheusAddress or the "
+        "operator's --prometheus-address: replicas stay at spec.replicas")
+    warning = wait_for(lambda: [e for e in cluster.list("v1", "Event", ns, "")
+                                if e["reason"] == "PrometheusAddressMissing"], what="a Warning event")[0]
+    assert warning["type"] == "Warning"
+    assert cluster.get("keda.sh/v1alpha1", "ScaledObject", ns, name) is None
+
+
+@pytest.fixture
+def pod_monitor_crd(cluster, crd) -> Iterator[dict]:
+    """The PodMonitor CRD, reinstalled afterwards if a test removed it (other tests apply PodMonitors)."""
+    manifest = next(m for m in MONITOR_CRDS if m["spec"]["names"]["kind"] == "PodMonitor")
+    try:
+        yield manifest
+    finally:
+        install_crd(cluster, manifest)
+
+
+@pytest.mark.cluster
+def test_monitoring_is_a_condition_and_autoscaling_needs_its_scrape(cluster, operator, namespace, stand_in_apis,
+                                                                     pod_monitor_crd):
+    ns, name = namespace, "scraped"
+    install_crd(cluster, KEDA)
+    create(cluster, ns, name, {**SPEC, "replicas": 1, "monitoring": {"enabled": True, "kind": "PodMonitor"},
+                               "autoscaling": {"maxReplicas": 4, "target": {"waitingRequests": 3},
+                                               "prometheusAddress": "http://prometheus:9090"}})
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Monitoring") == ("True", "PodMonitor"), what="Monitoring")
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Autoscaling") == ("True", "KEDA"), what="Autoscaling KEDA")
+
+    # The Prometheus Operator goes away: nothing scrapes the gauge the ScaledObject's trigger reads.
+    delete_crd(cluster, pod_monitor_crd["metadata"]["name"])
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Monitoring") == ("False", "MonitorUnavailable"),
+             what="MonitorUnavailable")
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Autoscaling") == ("False", "NoMetricsSource"),
+             what="NoMetricsSource")
+    obj = ddt(cluster, ns, name)
+    assert "PodMonitor CRD (Prometheus Operator) is not installed" in message(obj, "Monitoring")
+    assert message(obj, "Autoscaling").startswith(f"KEDA ScaledObject {name} scales 1-4 replicas on "
+                                                  "vllm:num_requests_waiting")
+    assert "but nothing scrapes the metric it reads" in message(obj, "Autoscaling")
+    assert condition(obj, "Ready") == ("False", "Pulling")  # neither is rolled into Ready
+    wait_for(lambda: event_reasons(cluster, ns, name)["MonitorUnavailable"] == 1
+             and event_reasons(cluster, ns, name)["NoMetricsSource"] == 1, what="one event each")
+    assert {e["type"] for e in cluster.list("v1", "Event", ns, "")
+            if e["reason"] in ("MonitorUnavailable", "NoMetricsSource")} == {"Warning"}
+
+    # Installed again: found again, and autoscaling has its signal back.
+    install_crd(cluster, pod_monitor_crd)
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Monitoring") == ("True", "PodMonitor"), what="Monitoring back")
+    wait_for(lambda: condition(ddt(cluster, ns, name), "Autoscaling") == ("True", "KEDA"), what="KEDA back")
+    assert cluster.get("monitoring.coreos.com/v1", "PodMonitor", ns, name)

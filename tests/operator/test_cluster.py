@@ -3,6 +3,7 @@ Job/Deployment/Pod status (there are no controllers), spec and model changes, de
 
 from __future__ import annotations
 
+import sys
 import time
 import urllib.request
 from collections import Counter
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_testing import DDT, EXAMPLE, new_namespace, wait_for
+from k8s_testing import DDT, EXAMPLE, free_port, new_namespace, running, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -158,8 +159,8 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
     assert scale["status"]["selector"] == "app.kubernetes.io/name=ddtree,app.kubernetes.io/instance=qwen," \
         "app.kubernetes.io/component=server"
-    # One Event per transition: Pulling, Starting, InsufficientCapacity, Starting again, Ready.
-    expected = Counter({"Pulling": 1, "Starting": 2, "InsufficientCapacity": 1, "Ready": 1})
+    # One Event per transition: Pulling, Starting, InsufficientCapacity, Starting again, Ready; and Monitoring's.
+    expected = Counter({"Pulling": 1, "Starting": 2, "InsufficientCapacity": 1, "Ready": 1, "ServiceMonitor": 1})
     wait_for(lambda: event_reasons(cluster, ns, name) == expected, what=f"exactly the events {expected}")
 
     # Spec change rolls out; one replica needs no PDB and the PodMonitor replaces the ServiceMonitor.
@@ -193,6 +194,46 @@ def test_pvc_lifecycle(cluster, operator, namespace):
     wait_for(lambda: ddt(cluster, ns, name) is None, timeout=60, what="CR deleted")
     wait_for(lambda: not cluster.list("apps/v1", "Deployment", ns, "") and not cluster.list("batch/v1", "Job", ns, "")
              and not cluster.list("v1", "Service", ns, ""), timeout=30, what="children garbage-collected")
+
+
+def rollout_status(cluster, ns: str, name: str, replicas: int, updated: int, ready: int) -> None:
+    """The Deployment's status as its controller reports it, for the spec it has now."""
+    dep = cluster.get("apps/v1", "Deployment", ns, name)
+    patch(cluster, "apps/v1", "Deployment", ns, name, {"status": {
+        "observedGeneration": dep["metadata"]["generation"], "replicas": replicas, "updatedReplicas": updated,
+        "readyReplicas": ready, "availableReplicas": ready}}, "status")
+
+
+def progressing(obj: dict[str, Any] | None) -> tuple[str, str, str] | None:
+    return next(((c["status"], c["reason"], c["message"]) for c in (obj or {}).get("status", {}).get("conditions", [])
+                 if c["type"] == "Progressing"), None)
+
+
+def test_a_rollout_is_not_complete_while_an_old_replica_serves(cluster, operator, namespace):
+    """One replica under the default surge: the new pod loads for minutes while the old one serves. The
+    Deployment then says replicas 2, updated 1, ready 1; that is a rollout in progress, not a finished one."""
+    ns, name = namespace, "surge"
+    create(cluster, ns, name, {**SPEC, "replicas": 1, "monitoring": {"enabled": False}})
+    complete(cluster, ns, wait_for(lambda: pull_jobs(cluster, ns, name), what="pull Job")[0]["metadata"]["name"])
+    wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, name), what="Deployment")
+    rollout_status(cluster, ns, name, replicas=1, updated=1, ready=1)
+    wait_for(lambda: progressing(ddt(cluster, ns, name))[:2] == ("False", "Complete"), what="Complete")
+
+    patch(cluster, *DDT, ns, name, {"spec": {"decoding": {"budget": 64}}})
+    wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, name)["metadata"]["generation"] == 2,
+             what="the new spec applied")
+    rollout_status(cluster, ns, name, replicas=2, updated=1, ready=1)  # the surge pod loads
+    surge = ("True", "RollingOut", "1 old replica(s) still serving until the updated ones are ready")
+    wait_for(lambda: progressing(ddt(cluster, ns, name)) == surge, what="RollingOut while the old pod serves")
+    time.sleep(2)  # a few resyncs later, still not complete
+    assert progressing(ddt(cluster, ns, name)) == surge
+    assert ready(ddt(cluster, ns, name)) == ("True", "Ready")  # it serves meanwhile
+
+    rollout_status(cluster, ns, name, replicas=2, updated=1, ready=2)  # the new pod is ready, the old one ends
+    time.sleep(2)
+    assert progressing(ddt(cluster, ns, name)) == surge
+    rollout_status(cluster, ns, name, replicas=1, updated=1, ready=1)
+    wait_for(lambda: progressing(ddt(cluster, ns, name))[:2] == ("False", "Complete"), what="Complete again")
 
 
 def make_pod(cluster, ns: str, name: str, labels: dict[str, str], status: dict[str, Any],
@@ -271,12 +312,50 @@ def test_empty_dir_pulls_in_each_pod(cluster, operator, namespace):
     dep = wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, name), what="Deployment")
     pod = dep["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["initContainers"]] == ["pull"]
+    assert pod["initContainers"][0]["args"][-2:] == ["--timeout", "14400"]  # pullTimeoutSeconds, defaulted
     assert {"name": "models", "emptyDir": {"sizeLimit": "5Gi"}} in pod["volumes"]
     assert "nvidia.com/gpu" not in str(pod["containers"][0]["resources"])  # CPU-only: no GPU request
     assert pull_jobs(cluster, ns, name) == []
     assert cluster.get("v1", "PersistentVolumeClaim", ns, f"{name}-models") is None
     wait_for(lambda: ready(ddt(cluster, ns, name)) == ("False", "Starting"), what="Starting")
     assert condition(ddt(cluster, ns, name), "ModelsReady") is None  # does not apply: each pod pulls
+
+
+def test_owned_objects_reach_the_status_without_waiting_for_a_resync(cluster, crd, kubeconfig, tmp_path):
+    """With the next resync ten minutes away, a finished pull, a crashing pod and a ready Deployment still show
+    on the DDTreeDeployment within seconds: the operator watches the Jobs, pods and Deployments it owns."""
+    soon = 5
+    with new_namespace(cluster, "w") as ns:
+        health = free_port()
+        argv = [sys.executable, "-m", "ddtree_operator.main", f"--namespace={ns}", "--standalone",
+                "--resync-seconds=600", "--metrics-port=0", f"--liveness=http://127.0.0.1:{health}/healthz"]
+        with running(argv, f"http://127.0.0.1:{health}/healthz", env={"KUBECONFIG": kubeconfig},
+                     log=tmp_path / "operator.log"):
+            create(cluster, ns, "w", {**SPEC, "replicas": 1, "monitoring": {"enabled": False}})
+            job = wait_for(lambda: pull_jobs(cluster, ns, "w"), what="pull Job")[0]
+            wait_for(lambda: ready(ddt(cluster, ns, "w")) == ("False", "Pulling"), what="Pulling")
+
+            complete(cluster, ns, job["metadata"]["name"])
+            dep = wait_for(lambda: cluster.get("apps/v1", "Deployment", ns, "w"), timeout=soon,
+                           what="the Deployment, once the pull Job completed")
+            wait_for(lambda: condition(ddt(cluster, ns, "w"), "ModelsReady") == ("True", "Pulled"), timeout=soon,
+                     what="ModelsReady")
+
+            labels = dep["spec"]["template"]["metadata"]["labels"]
+            make_pod(cluster, ns, "w-1", labels, {"phase": "Running", "containerStatuses": [
+                {"name": "server", "image": "x", "imageID": "", "ready": False, "restartCount": 3,
+                 "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                 "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
+                                              "message": "ddtree serve: CUDA out of memory"}}}]})
+            wait_for(lambda: ready(ddt(cluster, ns, "w")) == ("False", "CrashLooping"), timeout=soon,
+                     what="a crashing pod")
+
+            cluster.delete("v1", "Pod", ns, "w-1")
+            deployment_ready(cluster, ns, "w", 1)
+            wait_for(lambda: ready(ddt(cluster, ns, "w")) == ("True", "Ready"), timeout=soon,
+                     what="Ready, once the Deployment says so")
+            cluster.delete(*DDT, ns, "w")
+            wait_for(lambda: ddt(cluster, ns, "w") is None, timeout=60, what="CR deleted")
 
 
 def test_operator_serves_metrics_and_liveness(cluster, operator, namespace):

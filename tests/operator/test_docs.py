@@ -20,6 +20,17 @@ GUIDE = (REPO / "docs" / "kubernetes.md").read_text()
 DOCS = {"README.md": SECTION, "docs/kubernetes.md": GUIDE}
 # Ready reasons set in status.compute, beyond the failure reasons (status.WARNING_REASONS).
 NORMAL_REASONS = {"Pulling", "Starting", "ScaledToZero", "Ready"}
+# The other conditions and their reasons (status.compute, reconcile.choose_autoscaler and reconcile's monitor).
+CONDITIONS = {
+    "ModelsReady": {"Pulled", "Pulling", "PullFailed", "ConfigError", "ImagePullFailed", "CrashLooping"},
+    "Progressing": {"Pulling", "RollingOut", "Complete"},
+    "Available": {"MinimumReplicasAvailable"},
+    "Autoscaling": {"KEDA", "HPA", "AutoscalerUnavailable", "PrometheusAddressMissing", "NoMetricsSource"},
+    "Monitoring": {"ServiceMonitor", "PodMonitor", "MonitorUnavailable", "ApplyFailed"},
+}
+# Warning reasons that only the conditions Ready does not roll up have.
+NOT_READY_REASONS = (CONDITIONS["Autoscaling"] | CONDITIONS["Monitoring"]) - {"ApplyFailed"}
+READY_REASONS = (status.WARNING_REASONS - NOT_READY_REASONS) | NORMAL_REASONS
 
 
 def commands(doc: str, prefix: str) -> list[list[str]]:
@@ -55,11 +66,20 @@ def test_the_guide_covers_every_spec_field_and_reason():
     for field in spec:
         assert f"`{field}`" in fields, f"spec.{field} is not in the guide's field table"
     reasons = GUIDE[GUIDE.index("| Ready reason"):GUIDE.index("## Storage and pulls")]
-    for reason in (status.WARNING_REASONS - {"AutoscalerUnavailable"}) | NORMAL_REASONS:
+    for reason in READY_REASONS:
         assert f"| `{reason}` |" in reasons, f"Ready reason {reason} is not in the guide's table"
-    assert "AutoscalerUnavailable" in GUIDE
     for metric in render.AUTOSCALING_METRICS.values():
         assert f"`{metric}`" in GUIDE
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_the_doc_names_every_condition_and_its_reasons(doc):
+    """The README's operator section too: what `kubectl describe ddt` can say, and what each reason means."""
+    assert set(CONDITIONS) >= status.INDEPENDENT_CONDITIONS
+    for type_, reasons in {"Ready": READY_REASONS, **CONDITIONS}.items():
+        assert f"`{type_}`" in DOCS[doc], f"{doc} does not name the {type_} condition"
+        for reason in reasons:
+            assert f"`{reason}`" in DOCS[doc], f"{doc} does not name the {type_} reason {reason}"
 
 
 @pytest.mark.parametrize("doc", DOCS)

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,14 +35,16 @@ class FakeHub:
     leave a damaged weights file behind (`damaged`: how many downloads do, as an interrupted pull would)."""
 
     def __init__(self, barrier: threading.Barrier | None = None, error: Exception | None = None,
-                 damaged: int = 0) -> None:
+                 damaged: int = 0, stalled: threading.Event | None = None) -> None:
         self.calls: list[dict] = []
-        self.barrier, self.error, self.damaged = barrier, error, damaged
+        self.barrier, self.error, self.damaged, self.stalled = barrier, error, damaged, stalled
 
     def snapshot_download(self, repo_id, revision=None, local_dir=None, token=None, ignore_patterns=None):
         self.calls.append({"repo_id": repo_id, "revision": revision, "token": token, "ignore": ignore_patterns})
         if self.error:
             raise self.error
+        if self.stalled:
+            self.stalled.wait(timeout=30)  # a download that makes no progress until released
         if self.barrier:
             self.barrier.wait(timeout=5)  # both pulls must be in flight at once
         (Path(local_dir) / "config.json").write_text("{}")
@@ -173,3 +176,22 @@ def test_cli_pull(tmp_path, monkeypatch, capsys):
     assert cli.main(["pull", str(src), "a", str(src), "b", "--token-env", "X", "--token-env", "Y",
                      "--token-env", "Z"]) == 2
     assert "once per pair" in capsys.readouterr().err
+
+
+def test_a_pull_gives_up_after_its_timeout_in_one_line(tmp_path, monkeypatch, capsys):
+    """What bounds a pull in emptyDir mode, where there is no Job deadline: it stops itself, and the
+    kubelet's restart resumes it."""
+    stalled = threading.Event()
+    FakeHub(stalled=stalled).install(monkeypatch)
+    dest = tmp_path / "t"
+    started = time.monotonic()
+    try:
+        assert cli.main(["pull", "hf://org/m", str(dest), "--timeout", "0.5"]) == 2
+    finally:
+        stalled.set()
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ddtree pull: error: not finished after 0.5 s (--timeout): hf://org/m -> {dest}; the next pull "
+                   "resumes from what was fetched"]
+    assert cli.main(["pull", "hf://org/m", str(dest), "--timeout", "0"]) == 2
+    assert "--timeout must be positive" in capsys.readouterr().err

@@ -83,7 +83,8 @@ def test_gating_pruning_and_missing_monitoring_api():
     cluster = FakeCluster()
     body = cr({"replicas": 2, "monitoring": {"enabled": True}})
     seen = reconcile(cluster, body, "img:1", now=NOW)
-    assert "ServiceMonitor CRD (Prometheus Operator) is not installed" in seen.monitoring_error
+    assert seen.monitoring[:2] == ("False", "MonitorUnavailable")
+    assert "ServiceMonitor CRD (Prometheus Operator) is not installed" in seen.monitoring[2]
     assert seen.deployment is None and ("Deployment", "qwen") not in cluster.objects  # gated on the pull
     assert {k for k, _ in cluster.objects} == {"PersistentVolumeClaim", "Job", "Service", "PodDisruptionBudget"}
 
@@ -170,22 +171,29 @@ def test_a_rejected_child_is_reported_and_the_rest_applied():
     assert ("Service", "qwen") in cluster.objects
 
 
-@pytest.mark.parametrize(("apis", "kind", "reason"), [
-    (("keda.sh/v1alpha1",), "ScaledObject", "KEDA"),
-    (("custom.metrics.k8s.io/v1beta2",), "HorizontalPodAutoscaler", "HPA"),
-    ((), None, "AutoscalerUnavailable"),
+@pytest.mark.parametrize(("apis", "address", "kind", "reason"), [
+    (("keda.sh/v1alpha1",), "http://prometheus.monitoring.svc:9090", "ScaledObject", "KEDA"),
+    (("custom.metrics.k8s.io/v1beta2",), "http://prometheus.monitoring.svc:9090", "HorizontalPodAutoscaler", "HPA"),
+    ((), "http://prometheus.monitoring.svc:9090", None, "AutoscalerUnavailable"),
+    (("keda.sh/v1alpha1",), None, None, "PrometheusAddressMissing"),
 ])
-def test_the_autoscaler_follows_the_apis_the_cluster_has(apis, kind, reason):
+def test_the_autoscaler_follows_the_apis_the_cluster_has(apis, address, kind, reason):
     cluster = FakeCluster(apis=("monitoring.coreos.com/v1", *apis))
-    body = cr({"monitoring": {"enabled": True}, "autoscaling": {
-        "minReplicas": 0, "maxReplicas": 3, "target": {"waitingRequests": 2},
-        "prometheusAddress": "http://prometheus.monitoring.svc:9090"}})
+    scaling = {"minReplicas": 0, "maxReplicas": 3, "target": {"waitingRequests": 2}}
+    body = cr({"monitoring": {"enabled": True}, "autoscaling": {**scaling, **({"prometheusAddress": address}
+                                                                             if address else {})}})
     seen = reconcile(cluster, body, "img:1", now=NOW)
     assert seen.autoscaling[1] == reason
     scalers = {k for k, _ in cluster.objects} & {"ScaledObject", "HorizontalPodAutoscaler"}
     assert scalers == ({kind} if kind else set())
     if kind == "HorizontalPodAutoscaler":
         assert "scaling to zero needs KEDA" in seen.autoscaling[2]
+    if reason == "PrometheusAddressMissing":  # KEDA is there; what it lacks is named, not "neither is installed"
+        assert seen.autoscaling[2].startswith("KEDA is installed but has no Prometheus address to query: set "
+                                              "spec.autoscaling.prometheusAddress or the operator's "
+                                              "--prometheus-address")
+    assert seen.monitoring == ("True", "ServiceMonitor", "ServiceMonitor qwen exposes the servers' /metrics to a "
+                                                         "Prometheus that selects it (monitoring.labels)")
 
 
 def test_pull_progress_comes_from_the_pull_pods_log():

@@ -93,6 +93,10 @@ def test_empty_dir_mode_pulls_in_an_init_container():
     assert [c["name"] for c in pod["initContainers"]] == ["pull"]
     assert pod["initContainers"][0]["args"][0] == "pull"
     assert {"name": "models", "emptyDir": {"sizeLimit": "60Gi"}} in pod["volumes"]
+    # No Job, so no activeDeadlineSeconds: the pull itself stops after storage.pullTimeoutSeconds.
+    assert pod["initContainers"][0]["args"][-2:] == ["--timeout", "14400"]
+    timed = pod_spec(render.render(cr({"storage": {"mode": "emptyDir", "pullTimeoutSeconds": 600}})))
+    assert timed["initContainers"][0]["args"][-2:] == ["--timeout", "600"]
 
 
 def test_pvc_and_local_sources_and_tokens():
@@ -405,6 +409,50 @@ def test_status_while_a_new_model_pulls_keeps_serving():
     assert conditions["Ready"][:2] == ("True", "Ready")
     assert conditions["Progressing"][:2] == ("True", "Pulling")
     assert conditions["ModelsReady"][:2] == ("False", "Pulling")
+
+
+def rollout(generation: int, observed: int, replicas: int, updated: int, ready: int) -> dict[str, Any]:
+    """A Deployment's status as its controller reports it during a rollout."""
+    return {"metadata": {"generation": generation}, "status": {
+        "observedGeneration": observed, "replicas": replicas, "updatedReplicas": updated, "readyReplicas": ready,
+        "availableReplicas": ready}}
+
+
+@pytest.mark.parametrize(("dep", "progressing"), [
+    (rollout(2, 1, 1, 1, 1), ("True", "RollingOut", "the Deployment controller has not seen the latest spec yet")),
+    (rollout(2, 2, 1, 0, 1), ("True", "RollingOut", "0/1 replicas run the latest spec, 1 ready")),
+    # One replica under the default surge: the old pod serves while the new one loads the model.
+    (rollout(2, 2, 2, 1, 1), ("True", "RollingOut", "1 old replica(s) still serving until the updated ones are "
+                                                    "ready")),
+    (rollout(2, 2, 2, 1, 2), ("True", "RollingOut", "1 old replica(s) still serving until the updated ones are "
+                                                    "ready")),
+    (rollout(2, 2, 1, 1, 1), ("False", "Complete", "the latest spec is rolled out")),
+])
+def test_a_rollout_is_complete_only_when_only_updated_replicas_remain(dep, progressing):
+    _, conditions = status.compute(cr({"replicas": 1}), status.Observed(job=job("Complete"), deployment=dep))
+    assert conditions["Progressing"] == progressing
+    assert conditions["Ready"][:2] == ("True", "Ready")  # the old pod serves meanwhile
+
+
+def test_monitoring_is_a_condition_and_autoscaling_says_when_its_metric_has_no_scrape():
+    keda = ("True", "KEDA", "KEDA ScaledObject qwen scales 1-4 replicas on vllm:num_requests_waiting")
+    missing = ("False", "MonitorUnavailable", "monitoring is enabled but the ServiceMonitor CRD (Prometheus "
+                                              "Operator) is not installed: nothing scrapes the servers' /metrics")
+    _, conditions = status.compute(cr(), status.Observed(job=job(None), autoscaling=keda, monitoring=missing))
+    assert conditions["Monitoring"] == missing
+    assert conditions["Autoscaling"] == ("False", "NoMetricsSource", f"{keda[2]}, but nothing scrapes the metric "
+                                                                     f"it reads: {missing[2]}")
+    assert conditions["Ready"][:2] == ("False", "Pulling")  # neither is rolled into Ready
+    scraped = ("True", "ServiceMonitor", "ServiceMonitor qwen exposes the servers' /metrics")
+    _, conditions = status.compute(cr(), status.Observed(job=job(None), autoscaling=keda, monitoring=scraped))
+    assert conditions["Autoscaling"] == keda and conditions["Monitoring"] == scraped
+    _, transitions = status.merge_conditions([], {"Ready": ("False", "Pulling", "m"), "Monitoring": missing}, 1, "T")
+    assert [(t.type, t.reason, t.event_type) for t in status.events(transitions)] == [
+        ("Ready", "Pulling", "Normal"), ("Monitoring", "MonitorUnavailable", "Warning")]
+    rejected = {"Ready": ("False", "ApplyFailed", "ServiceMonitor qwen: invalid"),
+                "Monitoring": ("False", "ApplyFailed", "ServiceMonitor qwen: invalid")}
+    _, transitions = status.merge_conditions([], rejected, 1, "T")
+    assert [(t.type, t.reason) for t in status.events(transitions)] == [("Ready", "ApplyFailed")]  # told once
 
 
 def test_status_empty_dir_has_no_models_condition_and_sees_pulling_pods():

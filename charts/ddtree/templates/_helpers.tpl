@@ -34,7 +34,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* Exactly the verbs the operator calls (tests/operator/test_rbac.py measures them from the API server's audit
 log): server-side apply is `patch`, and `create` when it creates; only kinds it prunes are listed and deleted;
-Jobs are created once and never changed; pods are only read. No Secrets: tokens reach pods by reference. */}}
+Deployments, Jobs and pods are watched so that their changes reach the status at once; Jobs are created once and
+never changed; pods are only read. No Secrets: tokens reach pods by reference. */}}
 {{- define "ddtree.rules" -}}
 - apiGroups: [ddtree.io]
   resources: [ddtreedeployments]
@@ -47,10 +48,10 @@ Jobs are created once and never changed; pods are only read. No Secrets: tokens 
   verbs: [get, create, patch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, create, delete]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, create, patch, delete]
@@ -65,7 +66,7 @@ Jobs are created once and never changed; pods are only read. No Secrets: tokens 
   verbs: [get, list, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 - apiGroups: [""]
   resources: [pods/log]
   verbs: [get]

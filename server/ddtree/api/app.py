@@ -163,7 +163,8 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
                 raise APIError(503, "The server is shutting down.", type="service_unavailable") from None
             raise APIError(429, "The server is at capacity; retry later.", type="rate_limit_error",
                            headers={"Retry-After": str(exc.retry_after)}) from None
-        call = Call(kind, requests, body, prepared, state.model_name, LogprobFormatter(state.engine.decode))
+        call = Call(kind, requests, body, prepared, state.model_name, LogprobFormatter(state.engine.decode),
+                    scheduler.metrics)
         outputs = choice_outputs(scheduler, http, requests)
         if body.stream:
             return StreamingResponse(stream_reply(call, outputs), media_type="text/event-stream",

@@ -51,7 +51,7 @@ class TokenThroughput:
         self._lock = threading.Lock()
 
     def inc(self, amount: float = 1) -> None:
-        """Count generated tokens (what the scheduler calls for every step's output)."""
+        """Count generated tokens (what the reply calls as it writes them to its client)."""
         self._counter.inc(amount)
         second = int(self._clock())
         with self._lock:

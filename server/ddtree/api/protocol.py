@@ -100,7 +100,8 @@ def parse_body(model: type[M], raw: bytes) -> M:
 
 
 def load_json(raw: bytes) -> Any:
-    """The parsed body; a 400 for one that is empty, not JSON, or holds text that is not Unicode."""
+    """The parsed body; a 400 for one that is empty, not JSON, nested too deeply to parse, or holds text that is
+    not Unicode."""
     if not raw.strip():
         raise bad_request("The request body is empty: send a JSON object (with Content-Type: application/json).")
     try:
@@ -109,6 +110,8 @@ def load_json(raw: bytes) -> Any:
         raise bad_request(f"Invalid JSON body: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
     except UnicodeDecodeError:
         raise bad_request("Invalid JSON body: it is not UTF-8 text.") from None
+    except RecursionError:  # the parser recurses per level of arrays and objects: nothing a client needs is this deep
+        raise bad_request("Invalid JSON body: its arrays and objects are nested too deeply.") from None
     if _SURROGATE_ESCAPE.search(raw):  # JSON's \uXXXX escapes are the only way to send a lone one
         _refuse_lone_surrogates(data, [])
     return data

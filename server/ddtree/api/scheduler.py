@@ -7,9 +7,10 @@ them (--max-num-seqs), and each engine step advances every running request by on
 are posted back to the waiting coroutines as they come. A request whose client goes away is aborted in the
 engine before the next step, which frees its KV blocks at once.
 
-Text handling lives here too, in the worker: each round's tokens are detokenized, cut at stop strings
-(text that may be the start of a stop string is withheld until resolved) and counted in the metrics,
-so counters and `usage` only ever see the tokens a client actually received.
+Text handling lives here too, in the worker: each round's tokens are detokenized and cut at stop strings
+(text that may be the start of a stop string is withheld until resolved), so `usage` only ever sees tokens a
+client can receive. Whether it did receive them is known only where the reply is written: serving.py counts
+`vllm:generation_tokens` there.
 """
 
 from __future__ import annotations
@@ -463,9 +464,8 @@ class Scheduler:
 
     def _output(self, run: _Running, tokens: list[int], logprobs: list | None, finish_reason: str | None,
                 stop_reason: str | int | None) -> Output:
-        """Count the tokens a client receives and release the text that is safe to send."""
+        """Count the tokens of the request's reply and release the text that is safe to send."""
         run.request.completion_tokens += len(tokens)
-        self.metrics.generation_tokens.inc(len(tokens))
         if finish_reason is not None:
             run.text.flush()
         return Output(run.text.release(final=finish_reason is not None), tokens, logprobs, finish_reason,

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ddtree import __version__
+from ddtree.api.metrics import ServerMetrics
 from ddtree.api.prepare import Prepared
 from ddtree.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ddtree.api.replies import ReplyStream, finish_reason
@@ -109,6 +110,7 @@ class Call:
     prepared: Prepared
     model: str
     logprobs: LogprobFormatter
+    metrics: ServerMetrics
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -215,6 +217,7 @@ async def complete_reply(call: Call, outputs: AsyncIterator[tuple[int, Output]])
     body = {"id": call.object_id, "object": "chat.completion" if call.kind == "chat" else "text_completion",
             "created": call.created, "model": call.model, "choices": choices, "usage": _usage(call.requests),
             "system_fingerprint": f"ddtree-{__version__}"}
+    call.metrics.generation_tokens.inc(sum(len(ids) for ids in token_ids))  # returned now, and only now
     return JSONResponse(call.extras(body))
 
 
@@ -266,6 +269,9 @@ async def stream_reply(call: Call, outputs: AsyncIterator[tuple[int, Output]]) -
                 choices[0]["token_ids"] = out.token_ids
         for choice in choices:
             yield chunk({"index": index, **choice, "finish_reason": None})
+        # Counted once its chunks were sent: a client gone before that (the response task is cancelled at its
+        # disconnect) never received them.
+        call.metrics.generation_tokens.inc(len(out.token_ids))
         if out.finish_reason is not None:
             calls: list[dict[str, Any]] = []
             if chat:  # what was held back: the last text, the rest of the calls

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -299,11 +299,33 @@ def pull_one(uri: str, dest: str, token: str | None, progress: Progress) -> str:
     return _link(source, target, progress)
 
 
-def pull(pairs: list[tuple[str, str]], tokens: list[str | None], progress: Progress) -> list[str]:
-    """Pull every (uri, dest) pair concurrently; the first error (a DDTreeError) wins."""
+def pull(pairs: list[tuple[str, str]], tokens: list[str | None], progress: Progress,
+         timeout: float | None = None) -> list[str]:
+    """Pull every (uri, dest) pair concurrently; the first error (a DDTreeError) ends the pull at once. Past
+    `timeout` seconds it gives up with a DDTreeError. The downloads run in daemon threads, which do not hold
+    the process open, and what they fetched stays for the next pull to resume from."""
     for uri, _ in pairs:
         parse_uri(uri)  # reject bad URIs before starting any download
-    with ThreadPoolExecutor(max_workers=len(pairs)) as pool:
-        futures = [pool.submit(pull_one, uri, dest, token, progress)
-                   for (uri, dest), token in zip(pairs, tokens, strict=True)]
-        return [f.result() for f in futures]
+    futures: list[Future[str]] = []
+    for (uri, dest), token in zip(pairs, tokens, strict=True):
+        future: Future[str] = Future()
+        threading.Thread(target=_settle, args=(future, pull_one, uri, dest, token, progress), daemon=True,
+                         name=f"ddtree-pull-{len(futures)}").start()
+        futures.append(future)
+    wait(futures, timeout=timeout, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    unfinished = [f"{uri} -> {dest}" for (uri, dest), f in zip(pairs, futures, strict=True) if not f.done()]
+    if unfinished:
+        raise DDTreeError(f"not finished after {timeout:g} s (--timeout): {', '.join(unfinished)}; the next pull "
+                          "resumes from what was fetched")
+    return [f.result() for f in futures]
+
+
+def _settle(future: Future[str], fn: Callable[..., str], *args: Any) -> None:
+    """Run `fn` and put its result, or its exception, in `future`."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
