@@ -10,8 +10,10 @@ its own ar on 2 of 16 prompts, on either path). Summed in float64 and rounded on
 attention row is the correctly rounded value up to float64's own error (2^-53, which a rounding to float32 hides
 but for one value in ~2^29): the same at any row count and in either path's implementation. fp8 products already
 sum so (fp8.reference_mm); here the model's own dtype's products and attention: the CPU fast path's fallbacks
-(`gemm.linear`, `attention.tree_attention`) and, through `RowInvariant`, transformers' forward on the reference
-path. GPU tensors are left to their kernels.
+(`gemm.linear`, `attention.tree_attention`: the fast path runs on the CPU for the tests, which hold it to the
+reference's bits) and, through `RowInvariant`, an fp8 target's transformers forward on the reference path. A bf16
+target there keeps the float32 kernels: an ulp moves its picks only at exact near-ties, and in float64 the CPU
+demo's rounds would take 25-35 % longer. GPU tensors are left to their kernels.
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ class Target:
         if tree is not None and tree.size:
             mask = self._masks(visibility(tree), cache.get_seq_length(), positions)
         self._captured.clear()
-        # on the CPU every row's products and attention get the same bits at any row count (kernels/invariant.py)
-        with RowInvariant() if self.device.type == "cpu" else nullcontext():
+        # an fp8 target on the CPU: every row's products and attention get the same bits at any row count, as an
+        # e4m3 rounding of the next projection's input would follow an ulp (kernels/invariant.py)
+        with RowInvariant() if self.device.type == "cpu" and self.quantization else nullcontext():
             out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
                              use_cache=True, logits_to_keep=logits_rows or 0, **{self._cache_kwarg: cache})
         taps = None
