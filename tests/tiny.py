@@ -25,11 +25,11 @@ SELECTOR = SelectorConfig(conv_kernel_size=2, conv_group_size=16, selector_rank=
 
 
 def target_config(arch: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, sliding_window: int | None = None,
-                  hidden: int = HIDDEN, head_dim: int = 16, moe_intermediate: int = 32):
+                  hidden: int = HIDDEN, head_dim: int = 16, moe_intermediate: int = 32, initializer_range: float = 0.2):
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   eos_token_id=vocab - 2, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-                  initializer_range=0.2)
+                  initializer_range=initializer_range)
     if arch == "qwen3":
         extra = {}
         if sliding_window:

@@ -170,10 +170,10 @@ def walk_case(budget: int, accept_depth: int, seed: int, device: str) -> None:
             assert torch.equal(g.cpu(), w), (g, w)
 
 
-def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> None:
-    """An fp8 drafter's norms and SiLU · up write their rows quantized, in one kernel each: the same bits as the
-    plain row kernel followed by the row quantization kernel (and, on a GPU, torch's quantize_rows), for row-strided
-    inputs, as slices of a wider GEMM output come.
+def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str, group: int | None = None) -> None:
+    """An fp8 drafter's or target's norms and SiLU · up write their rows quantized (one scale per row, or per
+    `group` columns), in one kernel each: the same bits as the plain row kernel followed by the row quantization
+    kernel (and, on a GPU, torch's quantize_rows), for row-strided inputs, as slices of a wider GEMM output come.
 
     Except float32 rows on a GPU: there the compiled norm kernel with the quantization in it may sum a row's squares
     in another order than the plain one, so its 1 / rms can be an ulp apart, and with it the scale (bf16 rounding
@@ -189,27 +189,28 @@ def quantized_rows_case(n: int, width: int, dtype: torch.dtype, device: str) -> 
     quantizers = [rows.quantize] + ([quantize.quantize_rows] if device == "cuda" else [])
 
     def same(got: quantize.QuantizedRows, plain: torch.Tensor) -> None:
-        assert got.dtype == dtype
+        assert got.dtype == dtype and got.group == group
         if dtype == torch.float32 and device == "cuda":
-            want_scale = quantize.quantize_rows(plain)[1]
+            want_scale = quantize.quantize_rows(plain, group)[1]
             torch.testing.assert_close(got.scale, want_scale, rtol=1e-6, atol=0.0)
-            error = (got.values.float() * got.scale[:, None] - plain).abs()
+            scale = dequantized_rows(torch.ones_like(got.values, dtype=torch.float32), got.scale, group)
+            error = (got.values.double() * scale - plain.double()).abs()
             # half an e4m3 step: 2^-4 of a normal value, 2^-10 of the scale below e4m3's normals (2^-6)
-            assert (error <= (plain.abs() * 2**-4 + got.scale[:, None] * 2**-10) * (1 + 1e-5)).all()
+            assert (error <= (plain.abs().double() * 2**-4 + scale * 2**-10) * (1 + 1e-5)).all()
             return
         for quantizer in quantizers:
-            values, scale = quantizer(plain)
+            values, scale = quantizer(plain, group)
             assert torch.equal(got.scale, scale)
             assert torch.equal(got.values.view(torch.uint8), values.view(torch.uint8))
 
-    normed, residual = rows.rms_norm_fp8(x, None, weight, 1e-6)
+    normed, residual = rows.rms_norm_fp8(x, None, weight, 1e-6, group)
     same(normed, rows.rms_norm(x, weight, 1e-6))
     assert residual is x
-    (normed, summed), (plain, want_sum) = rows.rms_norm_fp8(x, delta, weight, 1e-6), rows.add_rms_norm(x, delta,
-                                                                                                       weight, 1e-6)
+    (normed, summed), (plain, want_sum) = (rows.rms_norm_fp8(x, delta, weight, 1e-6, group),
+                                           rows.add_rms_norm(x, delta, weight, 1e-6))
     same(normed, plain)
     assert torch.equal(summed, want_sum)
-    same(rows.silu_mul_fp8(gate_up), rows.silu_mul(gate_up))
+    same(rows.silu_mul_fp8(gate_up, group), rows.silu_mul(gate_up))
 
 
 def gdn_module(heads: int, k_heads: int, d: int, dtype: torch.dtype, device: str, seed: int) -> torch.nn.Module:
@@ -301,21 +302,30 @@ def integer_fp8(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return torch.randint(-16, 17, shape, generator=gen).float().to(torch.float8_e4m3fn)
 
 
+def dequantized_rows(values: torch.Tensor, scale: torch.Tensor, group: int | None) -> torch.Tensor:
+    """Quantized rows [M, K] as the float64 values they stand for: per-row scales [M], or one per `group`
+    columns [M, K / group]."""
+    if group is None:
+        return values.double() * scale.double()[:, None]
+    return values.double() * scale.double().repeat_interleave(group, dim=1)[:, :values.shape[1]]
+
+
 def block_scaled_case(rows: int, n: int, k: int, block_rows: int, device: str) -> None:
     """The fp8 few-row GEMM on a block-scaled weight (the published 128 x 128 blocks, or each row's own K-block
-    scales) equals fp8.reference_mm bit for bit and the float64 product of the dequantized operands (fp8.dequantize:
-    the scales are powers of two, so every step is exact), and repeats bit for bit."""
+    scales) and rows with one scale per 128-column group (W8A8 block FP8) equals fp8.reference_mm bit for bit and
+    the float64 product of the dequantized operands (fp8.dequantize: the scales are powers of two, so every step is
+    exact), and repeats bit for bit."""
     from ddtree.kernels import fp8, gemm
 
     gen = torch.Generator().manual_seed(rows + n + k + block_rows)
     scale = 2.0 ** torch.randint(-10, -4, (-(-n // block_rows), k // 128), generator=gen).float()
     weight = fp8.Fp8Weight(integer_fp8((n, k), gen).to(device), scale.to(device), (block_rows, 128))
     values = integer_fp8((rows, k), gen).to(device)
-    row_scale = (2.0 ** torch.randint(-6, 0, (rows,), generator=gen).float()).to(device)
-    given = fp8.QuantizedRows(values, row_scale, torch.float32)
+    row_scale = (2.0 ** torch.randint(-6, 0, (rows, k // 128), generator=gen).float()).to(device)
+    given = fp8.QuantizedRows(values, row_scale, torch.float32, 128)
     got = gemm.skinny_fp8(values, row_scale, weight, torch.float32)
     assert torch.equal(got, fp8.reference_mm(given, weight))
-    dense = (values.double() * row_scale.double()[:, None]) @ fp8.dequantize(weight).double().T
+    dense = dequantized_rows(values, row_scale, 128) @ fp8.dequantize(weight).double().T
     assert torch.equal(got.double(), dense)
     assert torch.equal(gemm.skinny_fp8(values, row_scale, weight, torch.float32), got)
     assert not gemm._counters(values.device, 1).any()

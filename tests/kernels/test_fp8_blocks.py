@@ -47,3 +47,23 @@ def test_expanded_row_scales_and_row_cuts_keep_the_weight():
     assert torch.equal(fp8.dequantize(wide.rows(3, 50)), fp8.dequantize(weight)[3:50])
     with pytest.raises(ValueError, match="scale block"):
         weight.rows(3, 50)
+
+
+def test_rows_quantized_in_the_other_scheme_are_refused():
+    """A block-scaled weight reads rows quantized per token per 128 columns, a channel-scaled one rows quantized per
+    token: the fp8 products refuse rows quantized for the other (a silent mix would change the model's numbers)."""
+    from ddtree.kernels import fp8, gemm
+
+    gen = torch.Generator().manual_seed(0)
+    block = fp8.quantize_blocks(torch.randn(64, 256, generator=gen))
+    channel = fp8.quantize_weight(torch.randn(64, 256, generator=gen))
+    x = torch.randn(3, 256, generator=gen)
+    per_row = fp8.QuantizedRows(*fp8.quantize_rows(x), torch.float32)
+    per_group = fp8.QuantizedRows(*fp8.quantize_rows(x, 128), torch.float32, 128)
+    assert per_group.scale.shape == (3, 2)
+    assert torch.equal(gemm.fp8_linear(x, block), gemm.fp8_linear(per_group, block))
+    assert torch.equal(gemm.fp8_linear(x, channel), gemm.fp8_linear(per_row, channel))
+    with pytest.raises(ValueError, match="one scale per row meet a weight that reads one per 128 columns"):
+        gemm.fp8_linear(per_row, block)
+    with pytest.raises(ValueError, match="one scale per 128 columns meet a weight that reads one per row"):
+        gemm.fp8_linear(per_group, channel)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cases import integer_fp8
+from cases import dequantized_rows, integer_fp8
 from marks import gpu, interpreted
 
 LAYOUTS = {"channel": None, "128x128 blocks": (128, 128), "row blocks": (1, 128)}
@@ -126,22 +126,22 @@ def test_the_fp8_expert_kernels_equal_the_dequantized_product(layout, kernels_on
 
     module, block = fp8_block(layout, experts=8, hidden=256, inter=128, top_k=2, seed=7, exact=True)
     experts = moe.Experts.of(block)
+    group = LAYOUTS[layout] and 128  # block-scaled weights read rows quantized per 128-column group
     gen = torch.Generator().manual_seed(1)
     values = integer_fp8((5, 256), gen).float().abs()
-    values[:, 0] = 448.0  # each row's scale a power of two: its values need no rounding
+    values[:, ::128] = 448.0  # each group's scale a power of two: its values need no rounding
     h = values * 2.0 ** torch.randint(2, 4, (5, 1), generator=gen).float()  # (every gate above 17)
     logits = tied_logits(5, 8, 2, gen)
     weights, picks = moe.route(logits, 2, True)
     gate_up, down = module.stacked()
-    xq, xs = fp8.quantize_rows(h)
-    x = xq.double() * xs.double()[:, None]
+    x = dequantized_rows(*fp8.quantize_rows(h, group), group)
     want = torch.zeros(5, 256)
     for j in range(2):
         for r in range(5):
             e = int(picks[r, j])
             gate, up = (x[r] @ fp8.dequantize(gate_up[e]).double().T).float().chunk(2)
-            aq, a_scale = rows.quantize((F.silu(gate) * up)[None])
-            y = ((aq.double() * a_scale.double()[:, None]) @ fp8.dequantize(down[e]).double().T).float()[0]
+            a = dequantized_rows(*rows.quantize((F.silu(gate) * up)[None], group), group)
+            y = (a @ fp8.dequantize(down[e]).double().T).float()[0]
             want[r] += y * weights[r, j]
     assert len(picks.unique()) < 8  # experts without a row
     torch.testing.assert_close(experts.routed_by_kernels(h, logits), want, rtol=0.0,

@@ -30,7 +30,7 @@ from torch import nn
 
 from ddtree.kernels import rows
 from ddtree.kernels.attention import TreeMask, tree_mask
-from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows, expand_rows
+from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows, activation_group, expand_rows
 from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, silu_mul_linear
 from ddtree.kernels.moe import Experts
 from ddtree.kernels.tree import chain, top_prefixes
@@ -107,18 +107,19 @@ class Ops:
         self.folding_silu = False  # SiLU · up in the gate/up GEMM (see swiglu), likewise: the row kernel's bits
 
     def normed(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-               fp8: bool = False) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+               fp8: bool = False, group: int | None = None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """(norm(x + delta), x + delta), or without `delta` (norm(x), x): the rows a layer's projections read, and
-        its residual. With `fp8` (the projections' weights are) the normed rows come quantized: in the norm's own
-        kernel where the row kernels run, else quantized after it (ddtree/kernels/rows.py: the same bits in bf16)."""
+        its residual. With `fp8` (the projections' weights are) the normed rows come quantized, one scale per row
+        or per `group` columns (the weights' fp8.activation_group): in the norm's own kernel where the row kernels
+        run, else quantized after it (ddtree/kernels/rows.py: the same bits in bf16)."""
         if (fp8 and self.quantizing_rows and rows.supported(x, weight) and fp8_supported(x)
                 and (delta is None or rows.supported(delta, weight))):
-            return rows.rms_norm_fp8(x, delta, weight, eps)
+            return rows.rms_norm_fp8(x, delta, weight, eps, group)
         if delta is None:
             h = self.rms_norm(x, weight, eps)
         else:
             h, x = self.add_rms_norm(x, delta, weight, eps)
-        return (rows_of(h) if fp8 else h), x
+        return (rows_of(h, group) if fp8 else h), x
 
     def swiglu(self, h: torch.Tensor, gate_up: Proj) -> torch.Tensor:
         """SiLU(gate) · up of the normed rows h through the fused gate/up projection: in the projection's own
@@ -130,11 +131,12 @@ class Ops:
                 return act
         return self.silu_mul(gate_up(h))
 
-    def silu_mul_fp8(self, gate_up: torch.Tensor) -> QuantizedRows:
-        """silu_mul's rows quantized for an fp8 projection: by the SiLU kernel itself where the row kernels run."""
+    def silu_mul_fp8(self, gate_up: torch.Tensor, group: int | None = None) -> QuantizedRows:
+        """silu_mul's rows quantized for an fp8 projection (per row, or per `group` columns): by the SiLU kernel
+        itself where the row kernels run."""
         if self.quantizing_rows and rows.supported(gate_up) and fp8_supported(gate_up[:, :gate_up.shape[1] // 2]):
-            return rows.silu_mul_fp8(gate_up)
-        return rows_of(self.silu_mul(gate_up))
+            return rows.silu_mul_fp8(gate_up, group)
+        return rows_of(self.silu_mul(gate_up), group)
 
     def wrap(self, fn: Callable) -> Callable:
         """`fn` compiled (with the eager fallback) when this Ops compiles, else `fn` itself."""
@@ -179,6 +181,11 @@ class Proj:
     def fp8(self) -> bool:
         """Whether the weight is fp8: then the projection reads quantized rows best (Ops.normed)."""
         return isinstance(self.weight, Fp8Weight)
+
+    @property
+    def group(self) -> int | None:
+        """The columns one scale of the quantized rows it reads covers (fp8.activation_group; None: a row)."""
+        return activation_group(self.weight) if self.fp8 else None
 
     def __call__(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -274,10 +281,20 @@ class Layer:
         return self.o.fp8
 
     @property
+    def fp8_group(self) -> int | None:
+        """The columns one scale of the attention's quantized rows covers: its projections share o's format."""
+        return self.o.group
+
+    @property
     def mlp_fp8(self) -> bool:
         """Whether the MLP reads quantized rows: fp8 SwiGLU projections. Experts read the rows as they are (their
         router is not quantized; fp8 experts quantize the rows as they route them: ddtree/kernels/moe.py)."""
         return self.gate_up is not None and self.gate_up.fp8
+
+    @property
+    def mlp_group(self) -> int | None:
+        """The columns one scale of the MLP's quantized rows covers (its gate/up's format)."""
+        return self.gate_up.group if self.gate_up is not None else None
 
     def project(self, h: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) of the normed rows h."""
@@ -285,7 +302,9 @@ class Layer:
 
     def mlp(self, ops: Ops, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """The MLP's output for the normed rows h."""
-        return self.down(ops.silu_mul_fp8(self.gate_up(h)) if self.mlp_fp8 else ops.swiglu(h, self.gate_up))
+        if self.mlp_fp8:
+            return self.down(ops.silu_mul_fp8(self.gate_up(h), self.down.group))
+        return self.down(ops.swiglu(h, self.gate_up))
 
 
 @dataclass(frozen=True)

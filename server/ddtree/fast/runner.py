@@ -558,11 +558,12 @@ def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor |
     """One decoder layer whose residual adds are deferred into the next norm: the rows' new K/V go to
     cache [2, kv, T, d] at `slots`. Returns (the residual entering the layer, i.e. the previous layer's
     output; the residual after attention; the MLP's output, still to be added)."""
-    h, x = ops.normed(x, delta, layer.input_norm, eps, layer.fp8)
+    h, x = ops.normed(x, delta, layer.input_norm, eps, layer.fp8, layer.fp8_group)
     entering = x
     q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
                             layer.head_dim, cache, slots)
-    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.mlp_fp8)
+    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.mlp_fp8,
+                      layer.mlp_group)
     return entering, x, layer.mlp(ops, h)
 
 

@@ -127,16 +127,19 @@ def cases(pdl: int) -> list[Case]:
             K=k, MODE=mode, HAS_DELTA=mode == gemv.NORM, WRITE_ROW=False, BLOCK_N=cfg["block_n"],
             BLOCK_K=cfg["block_k"], UNROLL=cfg["unroll"], PDL=pdl), scalars={"N": "i32", "eps": "fp32"},
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    # fp8 rows: one scale per row (channel-scaled weights), or per 128 columns (a checkpoint's block-scaled ones)
     for k in (4096, 5120):
-        for quantized in (False, True):
-            out.append(Case(f"norm {'fp8 ' if quantized else ''}{k}", rows._norm_kernel, dict(
-                BLOCK_R=1, BLOCK=triton.next_power_of_2(k), HAS_DELTA=True, FP8=quantized, PDL=pdl),
-                {"Out": "fp8e4nv" if quantized else "bf16", "S": "fp32"}, {"K": "i32", "eps": "fp32"},
+        for fp8, group, label in ((False, 0, ""), (True, 0, "fp8 "), (True, 128, "fp8 per 128 columns ")):
+            out.append(Case(f"norm {label}{k}", rows._norm_kernel, dict(
+                BLOCK_R=1, BLOCK=triton.next_power_of_2(k), HAS_DELTA=True, FP8=fp8, GROUP=group, PDL=pdl),
+                {"Out": "fp8e4nv" if fp8 else "bf16", "S": "fp32"}, {"K": "i32", "eps": "fp32"},
                 num_warps=min(16, max(1, triton.next_power_of_2(k) // 512))))
-        out.append(Case(f"quantize SiLU {k}", rows._quantize_kernel, dict(
-            SILU=True, BLOCK_R=1, BLOCK=triton.next_power_of_2(k), PDL=pdl), {"Q": "fp8e4nv", "S": "fp32"},
-            {"K": "i32"},
-            num_warps=min(16, max(4, triton.next_power_of_2(k) // 1024))))
+    for k in (12288, 17408):  # SiLU · up rows of the 8B and the 27B
+        for group, label in ((0, ""), (128, "per 128 columns ")):
+            out.append(Case(f"quantize SiLU {label}{k}", rows._quantize_kernel, dict(
+                SILU=True, BLOCK_R=1, BLOCK=triton.next_power_of_2(k), GROUP=group, PDL=pdl),
+                {"Q": "fp8e4nv", "S": "fp32"}, {"K": "i32"},
+                num_warps=min(16, max(4, triton.next_power_of_2(k) // 1024))))
     out.append(Case("SiLU · up", rows._silu_kernel, dict(BLOCK=rows.SILU_BLOCK, PDL=pdl)))
     out.append(Case("q/k norm, RoPE, KV write", heads._heads_kernel, dict(
         HEADS=32, GROUPS=4, D=128, HAS_NORM=True, BLOCK_T=16, PDL=pdl), {"Slots": "i64"}, {"eps": "fp32"}))
@@ -168,9 +171,10 @@ def moe_cases() -> list[Case]:
     from ddtree.kernels import moe
 
     hidden, inter, experts, top_k = 2048, 768, 128, 8
-    out = [Case(f"experts route{' fp8' if fp8 else ''}", moe._route_kernel, dict(
-        TOP_K=top_k, BLOCK_E=experts, RENORMALIZE=True, FP8=fp8, BLOCK_H=hidden if fp8 else 1),
-        {"Picks": "i32", "XQ": "fp8e4nv", "XS": "fp32"}, {"E": "i32", "H": "i32"}) for fp8 in (False, True)]
+    out = [Case(f"experts route{label}", moe._route_kernel, dict(
+        TOP_K=top_k, BLOCK_E=experts, RENORMALIZE=True, FP8=fp8, BLOCK_H=hidden if fp8 else 1, GROUP=group),
+        {"Picks": "i32", "XQ": "fp8e4nv", "XS": "fp32"}, {"E": "i32", "H": "i32"})
+        for fp8, group, label in ((False, 0, ""), (True, 0, " fp8"), (True, 128, " fp8 per 128 columns"))]
     formats = ((False, None, ""), (True, None, " fp8 channel"), (True, (128, 128), " fp8 128x128 blocks"))
     for fp8, block, label in formats:
         for name, fn, n, k, config in (("experts gate/up", moe._up_kernel, 2 * inter, hidden, moe.UP_CONFIG),

@@ -2,11 +2,13 @@
 
 A weight has one scale per output row (channel: what ddtree quantizes itself, a drafter or a bf16 target on
 load), or one per block of rows x K columns (Qwen's published FP8 checkpoints: 128 x 128 blocks, the scale
-stored as `weight_scale_inv`). Each input row is scaled on the fly by its own largest magnitude (per-token
-dynamic scaling, vLLM's FP8-dynamic scheme). Products of fp8 values are exact in float32, which accumulates
-them; a channel scale applies after the whole sum, a block scale after each K block's sum, and the row scale
-last. The GPU kernels (rows.py, gemm.py) compute exactly the functions defined here; this module is what they
-are tested against.
+stored as `weight_scale_inv`). Input rows are scaled on the fly (dynamic activation scales), as each format's
+own scheme says: before a channel-scaled weight each row by its own largest magnitude (per token, vLLM's
+FP8-dynamic scheme); before a block-scaled weight each 128-column group of a row by its own (per token per 128
+columns, one scale per 1 x 128 group: how transformers' fine-grained FP8 and vLLM's W8A8 block FP8 run the
+checkpoints). Products of fp8 values are exact in float32, which accumulates them; a channel scale and a row's
+scale apply after the whole sum, a block's and a group's after each K block's sum. The GPU kernels (rows.py,
+gemm.py, moe.py) compute exactly the functions defined here; this module is what they are tested against.
 """
 
 from __future__ import annotations
@@ -102,32 +104,59 @@ def dequantize(weight: Fp8Weight) -> torch.Tensor:
     return weight.data.float() * scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x [M, K] as fp8 values and per-row float32 scales [M] (the reference for the GPU kernel): scale =
-    largest magnitude x float32(1 / FP8_MAX), each value / scale rounded to nearest even (a division of two
-    tensors, correctly rounded on every device: torch divides by a scalar as a product with its reciprocal on
-    CUDA, and the kernel must give the same bits)."""
+def activation_group(weight: Fp8Weight) -> int | None:
+    """The columns of an input row that one activation scale covers before `weight`: a block-scaled weight's K
+    block (per token per 128 columns, the checkpoints' scheme), None for a channel-scaled one (the whole row)."""
+    return weight.block[1] if weight.block is not None else None
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [M, K] as fp8 values and float32 scales (the reference for the GPU kernels): one per row [M], or with
+    `group` one per `group` columns of each row [M, ceil(K / group)]. Scale = the largest magnitude it covers x
+    float32(1 / FP8_MAX), each value / its scale rounded to nearest even (a division of two tensors, correctly
+    rounded on every device: torch divides by a scalar as a product with its reciprocal on CUDA, and the kernel
+    must give the same bits)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1).clamp(min=TINY) * (1.0 / FP8_MAX)
-    return (xf / scale[:, None]).to(FP8), scale
+    if group is None:
+        scale = xf.abs().amax(dim=1).clamp(min=TINY) * (1.0 / FP8_MAX)
+        return (xf / scale[:, None]).to(FP8), scale
+    m, k = xf.shape
+    groups = -(-k // group)
+    padded = xf.new_zeros((m, groups * group))
+    padded[:, :k] = xf.abs()
+    scale = padded.view(m, groups, group).amax(dim=2).clamp(min=TINY) * (1.0 / FP8_MAX)
+    return (xf / scale.repeat_interleave(group, dim=1)[:, :k]).to(FP8), scale
 
 
 @dataclass(frozen=True)
 class QuantizedRows:
     """Rows [M, K] quantized once for several projections that read them (a draft layer's q and k/v): fp8
-    `values`, per-row `scale`s, and the `dtype` of the rows they stand for (the products')."""
+    `values`, their `scale`s (per row [M], or per `group` columns [M, ceil(K / group)]: `quantize_rows`), and the
+    `dtype` of the rows they stand for (the products')."""
 
     values: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    group: int | None = None
+
+
+def check_rows(rows: QuantizedRows, weight: Fp8Weight) -> None:
+    """Raise unless the rows are quantized in the scheme `weight`'s format reads (`activation_group`)."""
+    group = activation_group(weight)
+    if rows.group != group:
+        def per(g: int | None) -> str:
+            return f"{g} columns" if g else "row"
+        raise ValueError(f"rows with one scale per {per(rows.group)} meet a weight that reads one per {per(group)}")
 
 
 def reference_mm(rows: QuantizedRows, weight: Fp8Weight) -> torch.Tensor:
     """rows @ weight^T -> [M, N] in the rows' dtype: the fp8 products summed, then scaled by (row scale x channel
-    scale), as the GPU kernel does. A block-scaled weight: each K block's sum times its blocks' scales, added in K
-    order in float32, then times the row scale. The sums run in float64 and round to float32: exact (so in any
-    order) up to 512 products, where a float32 product's order would follow the row count (a CPU BLAS picks its
-    kernel by shape), and a row's result, quantized again by the next projection, would depend on its batch."""
+    scale), as the GPU kernel does. A block-scaled weight (rows quantized per 128-column group): each K block's
+    sum times its rows' group scales, then times its weight blocks' scales, added in K order in float32 (vLLM's
+    and transformers' order). The sums run in float64 and round to float32: exact (so in any order) up to 512
+    products, where a float32 product's order would follow the row count (a CPU BLAS picks its kernel by shape),
+    and a row's result, quantized again by the next projection, would depend on its batch."""
+    check_rows(rows, weight)
     if weight.block is None:
         acc = (rows.values.double() @ weight.data.double().T).float()
         return (acc * (rows.scale[:, None] * weight.scale[None, :])).to(rows.dtype)
@@ -137,10 +166,12 @@ def reference_mm(rows: QuantizedRows, weight: Fp8Weight) -> torch.Tensor:
     values, data = rows.values.double(), weight.data.double()
     acc = torch.zeros(values.shape[0], n, dtype=torch.float32, device=values.device)
     for j, k0 in enumerate(range(0, k, cols)):
-        acc += (values[:, k0:k0 + cols] @ data[:, k0:k0 + cols].T).float() * scale[None, :, j]
-    return (acc * rows.scale[:, None]).to(rows.dtype)
+        acc += (values[:, k0:k0 + cols] @ data[:, k0:k0 + cols].T).float() * rows.scale[:, j, None] * scale[None, :, j]
+    return acc.to(rows.dtype)
 
 
 def reference_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """x [M, K] @ weight^T with x quantized per row: the function the fp8 kernels compute."""
-    return reference_mm(QuantizedRows(*quantize_rows(x), x.dtype), weight)
+    """x [M, K] @ weight^T with x quantized in the weight's scheme (`activation_group`): the function the fp8
+    kernels compute."""
+    group = activation_group(weight)
+    return reference_mm(QuantizedRows(*quantize_rows(x, group), x.dtype, group), weight)

@@ -14,7 +14,7 @@ multiple of 8 wins, so `linear` hands those to ours on Hopper (ddtree/kernels/wg
 The same kernel takes fp8 projections (fp8.py; `skinny_fp8`): e4m3 weights and rows, half the bytes, on the
 fp8 tensor cores, at any row count (a prompt's context rows in tiles): a quantized drafter's and an fp8
 target's, whose published checkpoints scale 128 x 128 blocks (each 128-wide K step's product scaled by its
-blocks' scales before it is added).
+rows' 1 x 128 group scales and its blocks' scales before it is added: W8A8 block FP8).
 """
 
 from __future__ import annotations
@@ -22,8 +22,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels import wgmma
-from ddtree.kernels.fp8 import SCALE_BLOCK, Fp8Weight, QuantizedRows, quantize_rows, reference_mm
+from ddtree.kernels import invariant, wgmma
+from ddtree.kernels.fp8 import (
+    SCALE_BLOCK,
+    Fp8Weight,
+    QuantizedRows,
+    activation_group,
+    check_rows,
+    quantize_rows,
+    reference_mm,
+)
 from ddtree.kernels.gemv import gemv
 from ddtree.kernels.gemv import supported as gemv_supported
 from ddtree.kernels.jit import after_previous, attempt, launch_fitting, pdl, probe, triton_works
@@ -66,6 +74,8 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
                 return y
         if x.is_cuda and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             return F.linear(x, weight, _zero_bias(weight.shape[0], x))
+    if invariant.takes(x):  # the CPU: each row's bits at any row count
+        return invariant.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -90,6 +100,7 @@ def pair_linear(x: torch.Tensor | QuantizedRows, first: torch.Tensor | Fp8Weight
         if first.block is not None or second.block is not None:
             return None  # only a drafter's channel-scaled q and k/v pair
         rows = x if isinstance(x, QuantizedRows) else rows_of(x)
+        check_rows(rows, first)
         if not (fp8_supported(rows.values) and _pairable(first.data, second.data)):
             return None
         n = first.shape[0] + second.shape[0]
@@ -103,17 +114,19 @@ def pair_linear(x: torch.Tensor | QuantizedRows, first: torch.Tensor | Fp8Weight
     return None
 
 
-def rows_of(x: torch.Tensor) -> QuantizedRows:
-    """x [..., K] as QuantizedRows [M, K]: by the GPU kernel where it runs (rows.py), else the reference."""
+def rows_of(x: torch.Tensor, group: int | None = None) -> QuantizedRows:
+    """x [..., K] as QuantizedRows [M, K], one scale per row or per `group` columns (fp8.quantize_rows): by the GPU
+    kernel where it runs (rows.py), else the reference."""
     flat = x.reshape(-1, x.shape[-1])
-    values, scale = quantize_on_gpu(flat) if fp8_supported(flat) else quantize_rows(flat)
-    return QuantizedRows(values, scale, x.dtype)
+    values, scale = quantize_on_gpu(flat, group) if fp8_supported(flat) else quantize_rows(flat, group)
+    return QuantizedRows(values, scale, x.dtype, group)
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (or rows already quantized) @ weight^T (+ bias): the fp8 GPU kernels where they run, else the
-    reference."""
-    rows = x if isinstance(x, QuantizedRows) else rows_of(x)
+    """x [..., K] (or rows already quantized in the weight's scheme, fp8.activation_group) @ weight^T (+ bias): the
+    fp8 GPU kernels where they run, else the reference."""
+    rows = x if isinstance(x, QuantizedRows) else rows_of(x, activation_group(weight))
+    check_rows(rows, weight)
     if fp8_supported(rows.values) and blocks_supported(weight):
         out = skinny_fp8(rows.values, rows.scale, weight, rows.dtype)
     else:
@@ -187,13 +200,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] 
 
 def skinny_fp8(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype,
                config: dict[str, int] | None = None) -> torch.Tensor:
-    """Rows quantized to e4m3 (values [M, K], per-row scale [M]; fp8.py) @ an fp8 weight^T -> [M, N] in
-    `dtype`: the same kernel with fp8 operands (fp8 tensor cores: compute capability 8.9+), 256-wide K tiles (the
-    bf16 kernel's bytes a step), each K tile's product added in float32, and (row scale x channel scale) applied
-    after the sum. Any number of rows: past FP8_ROW_TILE (a prompt's context) they run in tiles, without K splits.
-    `config`: launch_config's keys, for tuning (benchmarks/fp8_tune.py)."""
-    cfg = config or launch_config(weight.shape[0], values.shape[1], fp8=True,
-                                  scale_block=weight.block[1] if weight.block else None)
+    """Rows quantized to e4m3 (values [M, K]; fp8.py) @ an fp8 weight^T -> [M, N] in `dtype`: the same kernel with
+    fp8 operands (fp8 tensor cores: compute capability 8.9+), each K tile's product added in float32. A channel-
+    scaled weight: per-row scales [M], 256-wide K tiles (the bf16 kernel's bytes a step), (row scale x channel
+    scale) applied after the sum. A block-scaled one: the rows' group scales [M, K / 128] (contiguous), 128-wide K
+    tiles, each tile's product times its rows' and its blocks' scales. Any number of rows: past FP8_ROW_TILE (a
+    prompt's context) they run in tiles, without K splits. `config`: launch_config's keys, for tuning
+    (benchmarks/fp8_tune.py)."""
+    rows, k = values.shape
+    want = (rows, k // weight.block[1]) if weight.block else (rows,)
+    if scale.shape != want or not scale.is_contiguous():
+        raise ValueError(f"row scales {list(scale.shape)} for a weight with {weight.block or 'channel'} scales: "
+                         f"{list(want)}, contiguous, wanted")
+    cfg = config or launch_config(weight.shape[0], k, fp8=True, scale_block=weight.block[1] if weight.block else None)
     return _skinny(values, scale, weight.data, weight.scale, dtype, cfg, blocks=weight.block)
 
 
@@ -261,24 +280,40 @@ def _kept_zeros(use: str, n: int, dtype: torch.dtype, device: torch.device, leas
 if triton is not None:
 
     @triton.jit
-    def fp8_tile(acc, w, x, s_ptrs, col_ok, BLOCKS: tl.constexpr):
-        """acc plus one K tile's float32 product of e4m3 tiles w [N, K] and x [K, M], each column's times its
-        block scale at s_ptrs (BLOCKS; channel scales apply after the sum: `fp8_scales`). Each tile's product is
-        added in float32: Hopper's fp8 MMA keeps fewer bits in its own accumulator, which over a long K strays
-        ~1e-3 from the float32 sum."""
+    def fp8_tile(acc, w, x, s_ptrs, col_ok, x_scale, BLOCKS: tl.constexpr):
+        """acc plus one K tile's float32 product of e4m3 tiles w [N, K] and x [K, M]; with BLOCKS the product
+        times the rows' group scales x_scale [M], then times each column's block scale at s_ptrs (fp8.reference_mm's
+        order; channel and row scales apply after the sum, `fp8_scaled`, and x_scale is unread). Each tile's
+        product is added in float32: Hopper's fp8 MMA keeps fewer bits in its own accumulator, which over a long
+        K strays ~1e-3 from the float32 sum."""
         if BLOCKS:
-            return acc + tl.dot(w, x) * tl.load(s_ptrs, mask=col_ok, other=0.0)[:, None]
+            return acc + tl.dot(w, x) * x_scale[None, :] * tl.load(s_ptrs, mask=col_ok, other=0.0)[:, None]
         return acc + tl.dot(w, x)
 
     @triton.jit
-    def fp8_scales(x_scale, w_scale_ptrs, col_ok, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCKS: tl.constexpr):
-        """What an fp8 product's float32 sums [BLOCK_N, BLOCK_M] are multiplied by before the store: (channel
-        scale x row scale x_scale [BLOCK_M]), the channel scales at w_scale_ptrs [BLOCK_N]; with BLOCKS (in the
-        sums already) the row's alone."""
+    def group_scales(xs_ptrs, row_ok, BLOCKS: tl.constexpr):
+        """With BLOCKS, the rows' scales [M] of one K tile's group at xs_ptrs (fp8_tile's x_scale); else not read
+        (zeros)."""
+        scale = tl.zeros(row_ok.shape, tl.float32)
         if BLOCKS:
-            return tl.zeros((BLOCK_N, BLOCK_M), tl.float32) + x_scale[None, :]
-        return tl.load(w_scale_ptrs, mask=col_ok, other=0.0)[:, None] * x_scale[None, :]
+            scale = tl.load(xs_ptrs, mask=row_ok, other=0.0)
+        return scale
+
+    @triton.jit
+    def row_scales(xs_ptrs, row_ok, BLOCKS: tl.constexpr):
+        """Without BLOCKS, the rows' scales [M] at xs_ptrs (fp8_scaled's x_scale); else not read (zeros)."""
+        scale = tl.zeros(row_ok.shape, tl.float32)
+        if not BLOCKS:
+            scale = tl.load(xs_ptrs, mask=row_ok, other=0.0)
+        return scale
+
+    @triton.jit
+    def fp8_scaled(acc, x_scale, ws_ptrs, col_ok, BLOCKS: tl.constexpr):
+        """An fp8 product's float32 sums acc [N, M] as they are stored: times (channel scale at ws_ptrs [N] x row
+        scale x_scale [M]); with BLOCKS (each tile scaled already, `fp8_tile`) as they are."""
+        if BLOCKS:
+            return acc
+        return acc * (tl.load(ws_ptrs, mask=col_ok, other=0.0)[:, None] * x_scale[None, :])
 
     @triton.jit
     def _skinny_kernel(X, XS, W, WS, W2, WS2, Y, Part, Count, M, N1, N, stride_x, stride_w, stride_s,
@@ -289,8 +324,9 @@ if triton is not None:
         inputs take the exact product, not TF32: the float32 tests hold the fast path to the reference's tokens).
         Columns from N1 on are rows of the second weight W2 (N1 = N: none; N1 ends on a column tile).
         FP8: e4m3 operands, scaled after the sum by XS (per row) and WS or WS2 (per column); with SCALE_ROWS > 0
-        WS holds one scale per SCALE_ROWS rows x SCALE_COLS columns (row stride stride_s), each K tile's product
-        (BLOCK_K divides SCALE_COLS) scaled by its block's before it is added, and only XS after the sum."""
+        WS holds one scale per SCALE_ROWS rows x SCALE_COLS columns (row stride stride_s) and XS one per row per
+        SCALE_COLS columns ([M, K / SCALE_COLS]), and each K tile's product (BLOCK_K divides SCALE_COLS) is scaled
+        by its rows' and its block's before it is added (`fp8_tile`)."""
         after_previous(PDL)
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         span: tl.constexpr = K // SPLIT_K
@@ -304,26 +340,29 @@ if triton is not None:
         x_ptrs = X + rm[None, :] * stride_x + rk[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         s_ptrs = WS  # (unread without block scales)
+        g_ptrs = XS  # (likewise)
         if SCALE_ROWS > 0:
             s_ptrs = tl.where(second, WS2 + ((rn - N1) // SCALE_ROWS) * stride_s,
                               WS + (rn // SCALE_ROWS) * stride_s) + (pid_k * span) // SCALE_COLS
+            g_ptrs = XS + rm * (K // SCALE_COLS) + (pid_k * span) // SCALE_COLS
         for kk in range(0, span, BLOCK_K):
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
             if FP8:
-                acc = fp8_tile(acc, w, x, s_ptrs + kk // SCALE_COLS, col_ok, SCALE_ROWS > 0)
+                acc = fp8_tile(acc, w, x, s_ptrs + kk // SCALE_COLS, col_ok,
+                               group_scales(g_ptrs + kk // SCALE_COLS, row_ok, SCALE_ROWS > 0), SCALE_ROWS > 0)
             else:
                 acc = tl.dot(w, x, acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if FP8:  # (column scale x row scale), for the store; block scales are in acc already
-            scale = fp8_scales(tl.load(XS + rm, mask=row_ok, other=0.0), tl.where(second, WS2 + (rn - N1), WS + rn),
-                               col_ok, BLOCK_N, BLOCK_M, SCALE_ROWS > 0)
+        ws_ptrs = WS  # (unread without FP8)
+        if FP8:  # channel scales, for fp8_scaled
+            ws_ptrs = tl.where(second, WS2 + (rn - N1), WS + rn)
         out_ptrs = Y + rm[None, :] * N + rn[:, None]
         out_ok = col_ok[:, None] & row_ok[None, :]
         if SPLIT_K == 1:
             if FP8:
-                acc = acc * scale
+                acc = fp8_scaled(acc, row_scales(XS + rm, row_ok, SCALE_ROWS > 0), ws_ptrs, col_ok, SCALE_ROWS > 0)
             tl.store(out_ptrs, acc.to(Y.dtype.element_ty), mask=out_ok)
         else:
             part_ptrs = Part + rm[None, :] * N + rn[:, None]
@@ -335,7 +374,8 @@ if triton is not None:
                 for s in range(SPLIT_K):
                     total += tl.load(part_ptrs + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
                 if FP8:
-                    total = total * scale
+                    total = fp8_scaled(total, row_scales(XS + rm, row_ok, SCALE_ROWS > 0), ws_ptrs, col_ok,
+                                       SCALE_ROWS > 0)
                 tl.store(out_ptrs, total.to(Y.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(Count + pid_n, 0)
 

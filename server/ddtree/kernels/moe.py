@@ -27,11 +27,12 @@ fast path.
 
 An FP8 target's experts (ddtree/models/fp8_target.py: Fp8Experts, e4m3 weights with one scale per output channel
 or per 128 x 128 block) take the same launches with e4m3 operands (the FP8 constexpr; bf16's compiled kernels are
-unchanged): the router's kernel also quantizes each row (fp8.quantize_rows), gate/up reads those, and down
-quantizes each pair's SiLU · up row as it reads it (its largest magnitude first). Each product is computed as the
+unchanged): the router's kernel also quantizes each row (fp8.quantize_rows: per row before channel scales, per
+128-column group before blocks), gate/up reads those, and down quantizes each pair's SiLU · up row as it reads it
+(per row: its largest magnitude first; per group: each group's as it reaches it). Each product is computed as the
 reference's (Fp8Experts runs gemm.fp8_linear per expert) is by the few-row GEMM at an AR step's rows: its K tiles,
-its K splits' partial sums added in order, block scales per K tile and channel and row scales after the sums
-(gemm.fp8_tile, gemm.fp8_scales), so a pair's output has the reference's bits wherever SiLU's has. They take any
+its K splits' partial sums added in order, group and block scales per K tile, channel and row scales after the
+sums (gemm.fp8_tile, gemm.fp8_scaled), so a pair's output has the reference's bits wherever SiLU's has. They take any
 number of rows, MAX_PAIRS pairs at a time; their PyTorch steps are the fixed loop over gemm.fp8_linear.
 """
 
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.kernels.fp8 import FP8, Fp8Weight
+from ddtree.kernels.fp8 import FP8, Fp8Weight, activation_group
 from ddtree.kernels.gemm import blocks_supported, fp8_linear, fp8_supported, launch_config, linear, rows_of
 from ddtree.kernels.jit import launch_fitting, triton_works
 
@@ -153,12 +154,14 @@ class Experts:
         logits = linear(h, self.router) if logits is None else logits
         weights = torch.empty((n, k), dtype=h.dtype, device=h.device)
         picks = torch.empty((n, k), dtype=torch.int32, device=h.device)
-        x, x_scale = h, h  # (the scales unread in bf16)
-        if self.fp8:
-            x, x_scale = torch.empty(h.shape, dtype=FP8, device=h.device), torch.empty(n, device=h.device)
+        x, x_scale, group = h, h, None  # (the scales unread in bf16)
+        if self.fp8:  # gate/up's rows, quantized in its weight's scheme
+            group = activation_group(self.gate_up)
+            x = torch.empty(h.shape, dtype=FP8, device=h.device)
+            x_scale = torch.empty((n, hidden // group) if group else n, device=h.device)
         _route_kernel[(n,)](logits, weights, picks, h, x, x_scale, experts, hidden, logits.stride(0), TOP_K=k,
                             BLOCK_E=triton.next_power_of_2(experts), RENORMALIZE=self.renormalize, FP8=self.fp8,
-                            BLOCK_H=triton.next_power_of_2(hidden) if self.fp8 else 1)
+                            BLOCK_H=triton.next_power_of_2(hidden) if self.fp8 else 1, GROUP=group or 0)
         if n == 1:  # one row's picks are already in ascending expert id: no sort
             owners, order = picks.view(-1), picks.view(-1)
         else:
@@ -243,10 +246,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 def grouped(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, offsets: torch.Tensor,
             owners: torch.Tensor) -> torch.Tensor:
     """Rows x [P, K] sorted by expert times their expert's weight [E, N, K]^T -> [P, N]; `offsets` [E] (int32)
-    ends each expert's run of rows, `owners` [P] names each row's expert. An fp8 weight: x quantized per row, and
-    each expert's product the reference's (Fp8Experts: gemm.fp8_linear), in the fixed loop."""
+    ends each expert's run of rows, `owners` [P] names each row's expert. An fp8 weight: x quantized in its scheme
+    (fp8.activation_group), and each expert's product the reference's (Fp8Experts: gemm.fp8_linear), in the fixed
+    loop."""
     if isinstance(weight, Fp8Weight):
-        rows = rows_of(x)
+        rows = rows_of(x, activation_group(weight))
 
         def product(expert: int) -> torch.Tensor:
             return fp8_linear(rows, weight[expert])
@@ -304,23 +308,23 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 if triton is not None:
-    from ddtree.kernels.gemm import fp8_scales, fp8_tile
-    from ddtree.kernels.rows import e4m3_scale, to_e4m3
+    from ddtree.kernels.gemm import fp8_scaled, fp8_tile, group_scales, row_scales
+    from ddtree.kernels.rows import e4m3_scale, store_e4m3, to_e4m3
 
     @triton.jit
     def _route_kernel(Logits, Weights, Picks, X, XQ, XS, E, H, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                      RENORMALIZE: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr):
+                      RENORMALIZE: tl.constexpr, FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr):
         """One row's picks, as `route` makes them: softmax in float32, the TOP_K most probable (the lowest id
         among equals), optionally rescaled to sum to one, rounded to the weights' dtype, in ascending id. FP8: the
-        row X [H] also goes to XQ and XS quantized (fp8.quantize_rows) for the fp8 experts' gate/up."""
+        row X [H] also goes to XQ and XS quantized (fp8.quantize_rows, per row or per GROUP columns) for the fp8
+        experts' gate/up."""
         row = tl.program_id(0)
         if FP8:
+            r = row + tl.zeros((1,), tl.int32)  # this row as a tile of one
             cols = tl.arange(0, BLOCK_H)
-            ok = cols < H
-            x = tl.load(X + row * H + cols, mask=ok, other=0.0).to(tl.float32)
-            scale = e4m3_scale(tl.max(tl.abs(x), axis=0))
-            tl.store(XQ + row * H + cols, to_e4m3(x, scale), mask=ok)
-            tl.store(XS + row, scale)
+            ok = (cols < H)[None, :]
+            x = tl.load(X + r[:, None] * H + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            store_e4m3(XQ, XS, x, r, cols, ok, row + 1, H, 1, BLOCK_H, GROUP)
         ids = tl.arange(0, BLOCK_E)
         valid = ids < E
         logits = tl.load(Logits + row * stride_l + ids, mask=valid, other=-float("inf")).to(tl.float32)
@@ -372,8 +376,9 @@ if triton is not None:
         Order lists the pairs by expert (SORTED: the pairs are in that order already).
         FP8: e4m3 rows X with their scales XS and weights with scales WS (expert stride stride_se), as the few-row
         GEMM multiplies them (`fp8_operands`): K tiles in SPAN-wide slices (`_slices`), each tile's product
-        scaled by its SCALE_ROWS x SCALE_COLS block's scale (BLOCKS; row stride stride_s), else the sums by
-        their row's channel scale."""
+        scaled by its rows' SCALE_COLS-column group scales (XS [rows, K / SCALE_COLS]) and its SCALE_ROWS x
+        SCALE_COLS block's scale (BLOCKS; row stride stride_s), else the sums by their row's and channel's
+        scales."""
         expert, start, end = _run(Owners, PAIRS, EXPERTS, BY_EXPERT, BLOCK_P)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -390,19 +395,21 @@ if triton is not None:
             gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             if FP8:
+                g_ptrs = XS + (pairs // TOP_K) * (K // SCALE_COLS)  # the rows' group scales (BLOCKS)
                 gate_part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
                 up_part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
                 for k in range(0, K, BLOCK_K):
                     x = tl.load(x_ptrs + k, mask=row_ok[None, :], other=0.0)
+                    x_scale = group_scales(g_ptrs + k // SCALE_COLS, row_ok, BLOCKS)
                     gate_part = fp8_tile(gate_part, tl.load(w_gate + k, mask=col_ok[:, None], other=0.0), x,
-                                         s_gate + k // SCALE_COLS, col_ok, BLOCKS)
+                                         s_gate + k // SCALE_COLS, col_ok, x_scale, BLOCKS)
                     up_part = fp8_tile(up_part, tl.load(w_up + k, mask=col_ok[:, None], other=0.0), x,
-                                       s_up + k // SCALE_COLS, col_ok, BLOCKS)
+                                       s_up + k // SCALE_COLS, col_ok, x_scale, BLOCKS)
                     gate, gate_part = _slices(gate, gate_part, k, BLOCK_K, SPAN)
                     up, up_part = _slices(up, up_part, k, BLOCK_K, SPAN)
-                x_scale = tl.load(XS + pairs // TOP_K, mask=row_ok, other=0.0)
-                gate = gate * fp8_scales(x_scale, s_gate, col_ok, BLOCK_N, BLOCK_M, BLOCKS)
-                up = up * fp8_scales(x_scale, s_up, col_ok, BLOCK_N, BLOCK_M, BLOCKS)
+                x_scale = row_scales(XS + pairs // TOP_K, row_ok, BLOCKS)
+                gate = fp8_scaled(gate, x_scale, s_gate, col_ok, BLOCKS)
+                up = fp8_scaled(up, x_scale, s_up, col_ok, BLOCKS)
             else:
                 for k in range(0, K, BLOCK_K):
                     x = tl.load(x_ptrs + k, mask=row_ok[None, :], other=0.0)
@@ -423,8 +430,9 @@ if triton is not None:
                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SPAN: tl.constexpr, FP8: tl.constexpr,
                      BLOCKS: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
         """Columns pid_n * BLOCK_N.. of every pair's down projection by its expert's W [E, N, K], rounded. FP8:
-        each pair's row of A quantized as fp8.quantize_rows does (its largest magnitude first, over all of K), then
-        the product as in _up_kernel."""
+        each pair's row of A quantized as fp8.quantize_rows does, then the product as in _up_kernel: with BLOCKS per
+        SCALE_COLS-column group (each group's largest magnitude as its first K tile is reached), else per row (its
+        largest magnitude first, over all of K)."""
         expert, start, end = _run(Owners, PAIRS, EXPERTS, BY_EXPERT, BLOCK_P)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -438,18 +446,33 @@ if triton is not None:
             a_ptrs = A + pairs[None, :] * K + rk[:, None]
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             if FP8:
-                largest = tl.zeros((BLOCK_M,), tl.float32)
-                for k in range(0, K, BLOCK_K):
-                    a = tl.load(a_ptrs + k, mask=row_ok[None, :], other=0.0).to(tl.float32)
-                    largest = tl.maximum(largest, tl.max(tl.abs(a), axis=0))
-                a_scale = e4m3_scale(largest)
                 part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                for k in range(0, K, BLOCK_K):
-                    a = to_e4m3(tl.load(a_ptrs + k, mask=row_ok[None, :], other=0.0).to(tl.float32), a_scale[None, :])
-                    part = fp8_tile(part, tl.load(w_ptrs + k, mask=col_ok[:, None], other=0.0), a,
-                                    s_ptrs + k // SCALE_COLS, col_ok, BLOCKS)
-                    acc, part = _slices(acc, part, k, BLOCK_K, SPAN)
-                acc = acc * fp8_scales(a_scale, s_ptrs, col_ok, BLOCK_N, BLOCK_M, BLOCKS)
+                if BLOCKS:
+                    group_ptrs = A + pairs[None, :] * K + tl.arange(0, SCALE_COLS)[:, None]
+                    for k in range(0, K, BLOCK_K):
+                        group = tl.load(group_ptrs + k // SCALE_COLS * SCALE_COLS, mask=row_ok[None, :],
+                                        other=0.0).to(tl.float32)
+                        a_scale = e4m3_scale(tl.max(tl.abs(group), axis=0))
+                        if BLOCK_K == SCALE_COLS:
+                            a = group
+                        else:
+                            a = tl.load(a_ptrs + k, mask=row_ok[None, :], other=0.0).to(tl.float32)
+                        part = fp8_tile(part, tl.load(w_ptrs + k, mask=col_ok[:, None], other=0.0),
+                                        to_e4m3(a, a_scale[None, :]), s_ptrs + k // SCALE_COLS, col_ok, a_scale, True)
+                        acc, part = _slices(acc, part, k, BLOCK_K, SPAN)
+                else:
+                    largest = tl.zeros((BLOCK_M,), tl.float32)
+                    for k in range(0, K, BLOCK_K):
+                        a = tl.load(a_ptrs + k, mask=row_ok[None, :], other=0.0).to(tl.float32)
+                        largest = tl.maximum(largest, tl.max(tl.abs(a), axis=0))
+                    a_scale = e4m3_scale(largest)
+                    for k in range(0, K, BLOCK_K):
+                        a = to_e4m3(tl.load(a_ptrs + k, mask=row_ok[None, :], other=0.0).to(tl.float32),
+                                    a_scale[None, :])
+                        part = fp8_tile(part, tl.load(w_ptrs + k, mask=col_ok[:, None], other=0.0), a,
+                                        s_ptrs + k // SCALE_COLS, col_ok, a_scale, False)
+                        acc, part = _slices(acc, part, k, BLOCK_K, SPAN)
+                    acc = fp8_scaled(acc, a_scale, s_ptrs, col_ok, False)
             else:
                 for k in range(0, K, BLOCK_K):
                     acc = tl.dot(tl.load(w_ptrs + k, mask=col_ok[:, None], other=0.0),

@@ -1,23 +1,27 @@
 """FP8 targets: Qwen's published FP8 checkpoints, and a bf16 target quantized to fp8 on load.
 
 At batch 1 a decode step reads every weight once, so fp8 weights halve a round's bytes (Qwen3.6-27B: 51.6 GB
-a step in bf16) and fit a 27B target with its drafter on a 48 GB GPU. Two ways in:
+a step in bf16) and fit a 27B target with its drafter on a 48 GB GPU. Two ways in, each with its own activation
+scheme (fp8.activation_group):
 
 - A published FP8 checkpoint (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8, Qwen3.5/3.6 ...-FP8): e4m3 weights with one
   float32 `weight_scale_inv` per 128 x 128 block, `quantization_config: {quant_method: fp8, fmt: e4m3,
   activation_scheme: dynamic, weight_block_size: [128, 128]}`. The blocks are kept as published (requantizing
-  them per channel would change the model); each 128-wide K step's product is scaled by its block's scale
+  them per channel would change the model), and the rows are quantized per token per 128 columns (one scale per
+  1 x 128 group), as transformers' fine-grained FP8 and vLLM's W8A8 block FP8 run these checkpoints (the model
+  was evaluated so): each 128-wide K step's product is scaled by its rows' group scales and its block's scale
   (ddtree/kernels/gemm.py). Any other quantization format is refused by name, in one line.
 - `--quantization fp8` on a bf16 checkpoint: every decoder projection quantized per output channel (the drafter's
-  format, ddtree/models/quantize.py): a channel scale applies once after the whole sum, so the kernel takes the
-  tuned 256-wide K steps and adds no multiply per step, and a channel's 128 x K values share one scale where a
-  128 x 128 block's 16 384 values share one; with per-token activation scales this is vLLM's FP8-dynamic scheme.
+  format, ddtree/models/quantize.py), the rows per token (one scale per row): vLLM's FP8-dynamic scheme. A channel
+  scale and a row scale apply once after the whole sum, so the kernel takes the tuned 256-wide K steps and adds no
+  multiply per step, and a channel's 128 x K values share one scale where a 128 x 128 block's 16 384 values share
+  one.
 
-Either way the rows are quantized per token on the fly (one scale per row), the embeddings, the LM head, the
-norms, the routers (`mlp.gate`, `shared_expert_gate`) and Gated DeltaNet's tiny b/a projections stay in the
-model's dtype, as in Qwen's own FP8 checkpoints. Mixture-of-experts weights become `Fp8Experts` (the reference
-path's experts; the fast path's expert kernels take their stacked weights, ddtree/kernels/moe.py).
-The output stays lossless in the speculative sense: `ddtree` emits exactly the FP8 target's own picks.
+Either way the embeddings, the LM head, the norms, the routers (`mlp.gate`, `shared_expert_gate`) and Gated
+DeltaNet's tiny b/a projections stay in the model's dtype, as in Qwen's own FP8 checkpoints. Mixture-of-experts
+weights become `Fp8Experts` (the reference path's experts; the fast path's expert kernels take their stacked
+weights, ddtree/kernels/moe.py). The output stays lossless in the speculative sense: `ddtree` emits exactly the
+FP8 target's own picks.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def check_config(quantization: dict | None, where: Path) -> tuple[int, int] | No
     activations = quantization.get("activation_scheme", "dynamic")
     if activations != "dynamic":
         raise DDTreeError(f"{where}: fp8 activation scheme {activations!r} is not implemented ({implemented}, "
-                          "activations scaled per token on the fly)")
+                          "activations scaled on the fly)")
     block = quantization.get("weight_block_size")
     if block is None:
         raise DDTreeError(f"{where}: per-tensor fp8 (no weight_block_size) is not implemented ({implemented})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from ddtree.core.tree import DraftTree, visibility
 from ddtree.errors import DDTreeError
+from ddtree.kernels.invariant import RowInvariant
 from ddtree.models.checkpoint import check_checkpoint
 from ddtree.models.draft import TargetShape, is_draft_dir
 from ddtree.models.fp8_target import check_config, load_fp8_weights, quantize_target
@@ -89,8 +91,11 @@ class Target:
         if tree is not None and tree.size:
             mask = self._masks(visibility(tree), cache.get_seq_length(), positions)
         self._captured.clear()
-        out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
-                         logits_to_keep=logits_rows or 0, **{self._cache_kwarg: cache})
+        # an fp8 target on the CPU: every row's products and attention get the same bits at any row count, as an
+        # e4m3 rounding of the next projection's input would follow an ulp (kernels/invariant.py)
+        with RowInvariant() if self.device.type == "cpu" and self.quantization else nullcontext():
+            out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                             use_cache=True, logits_to_keep=logits_rows or 0, **{self._cache_kwarg: cache})
         taps = None
         if self._tap_ids:
             taps = torch.cat([self._captured[t][0] for t in self._tap_ids], dim=-1)
