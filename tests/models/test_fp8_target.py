@@ -1,6 +1,7 @@
 """FP8 targets (ddtree/models/fp8_target.py): Qwen's published block-scaled FP8 checkpoints (written here from tiny
 random models) and bf16 targets quantized on load; `ddtree` keeps the FP8 target's own greedy `ar` output."""
 
+import inspect
 import json
 import shutil
 
@@ -304,9 +305,11 @@ def greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[i
     from transformers import DynamicCache
 
     cache, ids, out = DynamicCache(), torch.tensor([prompt]), []
+    # transformers renamed `past_key_values` to `cache` (5.2x): an unknown name would run without the cache
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     for _ in range(new_tokens):
         with RowInvariant():
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=ids, use_cache=True, **{kwarg: cache}).logits[0, -1]
         out.append(int(logits.argmax()))
         ids = torch.tensor([[out[-1]]])
     return out
