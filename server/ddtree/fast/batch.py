@@ -49,6 +49,7 @@ from ddtree.kernels.fp8 import Fp8Weight
 from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
 from ddtree.kernels.heads import attention_heads as heads_kernel
+from ddtree.kernels.invariant import for_fp8_targets
 from ddtree.kernels.jit import triton_works
 from ddtree.kernels.paged_attention import PagedLayout, PagedMask, kernel_works, paged_mask
 from ddtree.kernels.tree import vocab_argmax
@@ -532,6 +533,7 @@ class PagedBackend:
         self.captured[(kind, bucket)] = Captured(run, rows, self.cuda, self.pool)
         return self.captured[(kind, bucket)]
 
+    @for_fp8_targets
     def _target_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: PagedMask,
                      logit_rows: torch.Tensor | None = None, seqs: list[SeqRows] | None = None,
                      record: BatchRecord | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

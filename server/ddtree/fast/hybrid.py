@@ -34,6 +34,7 @@ from ddtree.kernels import gdn
 from ddtree.kernels.attention import TreeMask, tree_attention, tree_mask
 from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
+from ddtree.kernels.invariant import for_fp8_targets
 from ddtree.kernels.jit import triton_works
 from ddtree.kernels.moe import Experts
 from ddtree.kernels.paged_attention import PagedMask
@@ -206,6 +207,7 @@ class HybridFastPath(FastPath):
 
     # -- the forward ------------------------------------------------------------------------------------
 
+    @for_fp8_targets
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Recurrent]:
         n = ids.numel()

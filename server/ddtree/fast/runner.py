@@ -43,6 +43,7 @@ from ddtree.kernels.gemm import linear
 from ddtree.kernels.gemv import NORM, SILU, gemv, norm_gemv
 from ddtree.kernels.gemv import supported as gemv_supported
 from ddtree.kernels.heads import attention_heads as heads_kernel
+from ddtree.kernels.invariant import for_fp8_targets
 from ddtree.kernels.jit import triton_works
 from ddtree.kernels.tree import ancestors, chain, top_prefixes, tree_size, vocab_argmax
 from ddtree.kernels.walk import accept
@@ -355,6 +356,7 @@ class FastPath:
 
     # -- the steps --------------------------------------------------------------------------------------
 
+    @for_fp8_targets
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, object]:
         """Target rows ids [N] at positions [N], written to cache slots start.. start+N-1.

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels import invariant
 from ddtree.kernels.jit import after_previous, launch_fitting, probe, triton_works
 from ddtree.kernels.paged_attention import PagedMask, paged_attention, sink_attention
 from ddtree.kernels.wgmma import early_pdl
@@ -82,8 +81,7 @@ def tree_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask | PagedM
     if mask.visible is not None:
         return _triton_attention(q, cache, mask)
     if mask.sinks is None:
-        sdpa = invariant.attention if invariant.takes(q) else F.scaled_dot_product_attention  # (the CPU: any row count)
-        out = sdpa(q[None], cache[0][None], cache[1][None], attn_mask=mask.additive)[0]
+        out = F.scaled_dot_product_attention(q[None], cache[0][None], cache[1][None], attn_mask=mask.additive)[0]
     else:
         out = sink_attention(q, cache, mask.additive[0, 0], mask.sinks.view(kv_heads, -1).repeat_interleave(n, 1))
     return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * rows // n * d)

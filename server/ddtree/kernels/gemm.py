@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels import invariant, wgmma
+from ddtree.kernels import wgmma
 from ddtree.kernels.fp8 import (
     SCALE_BLOCK,
     Fp8Weight,
@@ -74,8 +74,6 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
                 return y
         if x.is_cuda and MAX_ROWS < x.shape[0] <= LT_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             return F.linear(x, weight, _zero_bias(weight.shape[0], x))
-    if invariant.takes(x):  # the CPU: each row's bits at any row count
-        return invariant.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -10,7 +10,7 @@ its own ar on 2 of 16 prompts, on either path). Summed in float64 and rounded on
 attention row is the correctly rounded value up to float64's own error (2^-53, which a rounding to float32 hides
 but for one value in ~2^29): the same at any row count and in either path's implementation. fp8 products already
 sum so (fp8.reference_mm); here the model's own dtype's products and attention: the CPU fast path's fallbacks
-(`gemm.linear`, `attention.tree_attention`: the fast path runs on the CPU for the tests, which hold it to the
+of an fp8 target (`for_fp8_targets`: the fast path runs on the CPU for the tests, which hold it to the
 reference's bits) and, through `RowInvariant`, an fp8 target's transformers forward on the reference path. A bf16
 target there keeps the float32 kernels: an ulp moves its picks only at exact near-ties, and in float64 the CPU
 demo's rounds would take 25-35 % longer. GPU tensors are left to their kernels.
@@ -18,6 +18,8 @@ demo's rounds would take 25-35 % longer. GPU tensors are left to their kernels.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,3 +61,19 @@ class RowInvariant(TorchFunctionMode):
             if func is F.scaled_dot_product_attention:
                 return attention(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def for_fp8_targets(forward: Callable) -> Callable:
+    """A fast path's target forward (a method of an object with `device` and `target`) that runs within
+    RowInvariant where its target is fp8 on the CPU: the same rule as the reference path's Target.forward. A bf16
+    or float32 target keeps the CPU's float32 kernels (in float64 the CPU demo's rounds take 25-50 % longer)."""
+
+    @functools.wraps(forward)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.device.type == "cpu" and getattr(self.target, "quantization", None):
+            with RowInvariant():
+                return forward(self, *args, **kwargs)
+        return forward(self, *args, **kwargs)
+
+    return run
+
