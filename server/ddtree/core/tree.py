@@ -53,14 +53,6 @@ class DraftTree:
         self.scores.append(score)
         return node
 
-    def prefix(self, n: int) -> DraftTree:
-        """The tree of the first n nodes: prefix-closed, since every node comes after its parent. A best-first
-        tree's first n nodes are its n most probable prefixes, so a smaller budget is a prefix of a larger one."""
-        tree = DraftTree()
-        for i in range(1, min(n, self.size) + 1):
-            tree.add(self.parents[i], self.tokens[i - 1], self.depths[i - 1], self.scores[i - 1])
-        return tree
-
 
 @dataclass(frozen=True)
 class Transitions:

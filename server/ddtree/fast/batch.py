@@ -573,8 +573,7 @@ class PagedBackend:
             if trees is None:
                 parents, depths = np.arange(-1, n - 1), np.arange(n)
             else:
-                parents, depths = trees.parents[b, :n].copy(), trees.depths[b, :n]
-                parents[0] = -1
+                parents, depths = trees.lineage(b)
             out.append(SeqRows(slots.get(seq_ids[b], b) if b < len(seq_ids) else b, layout.row_offsets[b],
                                layout.row_offsets[b + 1], visible, parents, depths))
         return out

@@ -73,6 +73,13 @@ class RoundTrees:
                      float(self.scores[r, i - 1]))
         return tree
 
+    def lineage(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """Request r's parents (the root's -1) and depths, root first (a hybrid verify's rows: SeqRows)."""
+        n = int(self.sizes[r]) + 1
+        parents = self.parents[r, :n].copy()
+        parents[0] = -1
+        return parents, self.depths[r, :n]
+
     def visibility(self) -> list[torch.Tensor]:
         """Per request, bool [n + 1, n + 1]: row i sees its ancestors and itself (all requests in one pass)."""
         requests, width = self.parents.shape
@@ -99,30 +106,31 @@ def dflash_trees(drafted: torch.Tensor, methods: Sequence[str], budgets: Sequenc
     limits = torch.tensor(depths, device=logp.device)
     logp = logp.masked_fill(torch.arange(max_depth, device=logp.device)[None, :, None] >= limits[:, None, None],
                             float("-inf"))
-    out = RoundTrees.empty(requests, max_depth)
     chains = [r for r, m in enumerate(methods) if m != "ddtree"]
+    pieces = []  # on the device, as float64 (ids are exact there): one copy brings every request's tree
     if chains:  # each depth's most probable token, under its parent
-        head = torch.cat([logp[chains, :, 0], tok[chains, :, 0].double()], dim=1).cpu().numpy()
-        chain_scores, chain_tokens = np.cumsum(head[:, :max_depth], axis=1), head[:, max_depth:].astype(np.int64)
-        part = RoundTrees(chain_tokens, np.concatenate([[0], np.arange(max_depth)])[None].repeat(len(chains), 0),
-                          np.arange(max_depth + 1)[None].repeat(len(chains), 0), chain_scores,
-                          np.asarray([depths[r] for r in chains], dtype=np.int64))
-        out.put(chains, part)
+        pieces.append(torch.cat([logp[chains, :, 0].double(), tok[chains, :, 0].double()], dim=1))
+    n = 0
     if trees:
         tokens, parents, node_depths, scores = batch_prefixes(logp[trees].contiguous(), tok[trees].contiguous(),
                                                               budget)
         n = tokens.shape[1]
-        packed = torch.cat([tokens, parents, node_depths], dim=1).cpu().numpy()
-        scores = scores.double().cpu().numpy()
-        finite = (scores > -np.inf).sum(axis=1)
+        pieces.append(torch.cat([tokens.double(), parents.double(), node_depths.double(), scores.double()], dim=1))
+    host = torch.cat([piece.flatten() for piece in pieces]).cpu().numpy()
+    out = RoundTrees.empty(requests, max(max_depth, n))
+    if chains:
+        count = len(chains)
+        head, host = host[:count * 2 * max_depth].reshape(count, -1), host[count * 2 * max_depth:]
+        steps = np.arange(max_depth + 1)[None].repeat(count, 0)  # node i at depth i, under node i - 1
+        out.put(chains, RoundTrees(head[:, max_depth:].astype(np.int64), np.maximum(steps - 1, 0), steps,
+                                   np.cumsum(head[:, :max_depth], axis=1),
+                                   np.asarray([depths[r] for r in chains], dtype=np.int64)))
+    if trees:
+        packed = host.reshape(len(trees), -1)
+        ids, scores = packed[:, :3 * n + 2].astype(np.int64), packed[:, 3 * n + 2:]
         own = np.asarray([budgets[r] for r in trees], dtype=np.int64)
-        part = RoundTrees(packed[:, :n], packed[:, n:2 * n + 1], packed[:, 2 * n + 1:], scores,
-                          np.minimum(finite, own))
-        if n > out.tokens.shape[1]:
-            wider = RoundTrees.empty(requests, n)
-            wider.put(range(requests), out)
-            out = wider
-        out.put(trees, part)
+        out.put(trees, RoundTrees(ids[:, :n], ids[:, n:2 * n + 1], ids[:, 2 * n + 1:], scores,
+                                  np.minimum((scores > -np.inf).sum(axis=1), own)))
     return out
 
 
