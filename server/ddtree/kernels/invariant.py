@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -63,17 +64,19 @@ class RowInvariant(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def where_fp8(device: torch.device, quantization: str | None) -> AbstractContextManager:
+    """RowInvariant for an fp8 target's forward on the CPU (`quantization`: the target's, None when in its dtype),
+    else nothing: a bf16 or float32 target keeps the CPU's float32 kernels (in float64 the CPU demo's rounds take
+    25-50 % longer). The rule of both paths: the reference path's Target.forward and `for_fp8_targets`."""
+    return RowInvariant() if device.type == "cpu" and quantization else nullcontext()
+
+
 def for_fp8_targets(forward: Callable) -> Callable:
-    """A fast path's target forward (a method of an object with `device` and `target`) that runs within
-    RowInvariant where its target is fp8 on the CPU: the same rule as the reference path's Target.forward. A bf16
-    or float32 target keeps the CPU's float32 kernels (in float64 the CPU demo's rounds take 25-50 % longer)."""
+    """A fast path's target forward (a method of an object with `device` and `target`) run `where_fp8`."""
 
     @functools.wraps(forward)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.device.type == "cpu" and getattr(self.target, "quantization", None):
-            with RowInvariant():
-                return forward(self, *args, **kwargs)
-        return forward(self, *args, **kwargs)
+        with where_fp8(self.device, self.target.quantization):
+            return forward(self, *args, **kwargs)
 
     return run
-

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from ddtree.core.tree import DraftTree, visibility
 from ddtree.errors import DDTreeError
-from ddtree.kernels.invariant import RowInvariant
+from ddtree.kernels.invariant import where_fp8
 from ddtree.models.checkpoint import check_checkpoint
 from ddtree.models.draft import TargetShape, is_draft_dir
 from ddtree.models.fp8_target import check_config, load_fp8_weights, quantize_target
@@ -93,7 +92,7 @@ class Target:
         self._captured.clear()
         # an fp8 target on the CPU: every row's products and attention get the same bits at any row count, as an
         # e4m3 rounding of the next projection's input would follow an ulp (kernels/invariant.py)
-        with RowInvariant() if self.device.type == "cpu" and self.quantization else nullcontext():
+        with where_fp8(self.device, self.quantization):
             out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
                              use_cache=True, logits_to_keep=logits_rows or 0, **{self._cache_kwarg: cache})
         taps = None
