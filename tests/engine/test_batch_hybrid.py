@@ -192,7 +192,7 @@ def test_the_cost_model_of_a_hybrid_is_measured_within_its_trees_rows_and_leaves
 def test_the_memory_the_server_budgets_for_a_hybrid_is_what_the_pools_take(hybrids):
     """The server sizes the KV cache from what is left after the states (pool_tokens): a state slot's bytes are
     what the pool allocates per sequence, and a cache slot counts the attention layers' K/V only."""
-    from ddtree.fast.batch import slot_bytes
+    from ddtree.fast.batch_memory import slot_bytes
     from ddtree.fast.paged_hybrid import RecurrentPool
 
     engine = hybrids["qwen3_5"]

@@ -155,7 +155,7 @@ def test_one_generation_at_a_time_on_the_static_caches(pairs):
 def test_the_next_round_is_queued_early_and_a_wasted_one_harms_nothing(pairs, monkeypatch):
     """Rounds are queued one ahead of the host; only a stop token can leave one unread, and the next
     generation still matches the reference."""
-    from ddtree.fast.runner import Plan
+    from ddtree.fast.plan import Plan
 
     reference, fast = pairs["qwen3"]
     monkeypatch.setattr(fast.fast, "queue_ahead", True)  # the CUDA default; the CPU runs a round when launched

@@ -297,7 +297,8 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
     not build (PagedBackend.declines: the reference path would batch them many times slower)."""
     import torch
 
-    from ddtree.fast.batch import PagedBackend, pool_tokens
+    from ddtree.fast.batch import PagedBackend
+    from ddtree.fast.batch_memory import pool_tokens
     from ddtree.fast.runner import unsupported
 
     reference = SerialBackend(engine.reference)

@@ -26,24 +26,24 @@ attention-sink drafters, greedy or sampled with any of the request's settings.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from ddtree.core import grammar
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import FLAT, CostModel, RoundChoice, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
-from ddtree.core.sampling import History, make_generator, pick_tokens, process_logits, token_logprobs
-from ddtree.core.tree import DraftTree, selector_chain_tree, selector_tree_from_sorted
+from ddtree.core.sampling import History, make_generator, pick_tokens
+from ddtree.core.tree import selector_chain_tree, selector_tree_from_sorted
 from ddtree.fast.batch_rows import Captured, StaticRows, buckets
+from ddtree.fast.batch_seq import SeqState, logprob_rows, processed_logits, round_picks
 from ddtree.fast.batch_trees import RoundTrees, accepted_paths, dflash_trees
 from ddtree.fast.dflash2 import SelectorDraft
-from ddtree.fast.layers import Draft, Ops, TargetLayer
-from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, RecurrentPool, SeqRows, VarlenRows
+from ddtree.fast.layers import Draft, Ops, TargetLayer, decoder_layer
+from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, SeqRows, VarlenRows
 from ddtree.fast.rope import RopeTable
-from ddtree.fast.runner import MAX_BUDGET, decoder_layer
+from ddtree.fast.runner import MAX_BUDGET
 from ddtree.kernels import gdn
 from ddtree.kernels.fp8 import Fp8Weight
 from ddtree.kernels.gather import embed
@@ -52,22 +52,9 @@ from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.invariant import for_fp8_targets
 from ddtree.kernels.jit import triton_works
 from ddtree.kernels.paged_attention import PagedLayout, PagedMask, kernel_works, paged_mask
-from ddtree.kernels.tree import vocab_argmax
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.target import HybridTarget, Target
-
-
-@dataclass
-class SeqState:
-    """What the backend keeps of one sequence between steps."""
-
-    request: DecodeRequest
-    start: int = 0  # context rows in both caches
-    root: int | None = None  # the last emitted token, not cached yet
-    generator: torch.Generator | None = None
-    history: History | None = None
-    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks' raw logits, for prompt logprobs
 
 
 class PagedBackend:
@@ -219,7 +206,7 @@ class PagedBackend:
                 state.root = chunk.root
                 continue
             last = logit_index[hi - 1]
-            processed = self._processed(state, logits[last:last + 1], [[]])
+            processed = processed_logits(state, logits[last:last + 1], [[]])
             root = int(pick_tokens(processed, state.request.params, state.generator)[0])
             state.root = root
             if state.history is not None:
@@ -227,7 +214,7 @@ class PagedBackend:
             prompt_logits = torch.cat(state.prompt_logits) if state.prompt_logits else None
             state.prompt_logits = []
             out[chunk.seq_id] = Round([root], 0, 0, {"prefill": time.perf_counter() - started},
-                                      self._logprob_rows(state, processed, [root]), prompt_logits, is_prefill=True)
+                                      logprob_rows(state, processed, [root]), prompt_logits, is_prefill=True)
         return out
 
     # -- one round ------------------------------------------------------------------------------------------
@@ -259,7 +246,7 @@ class PagedBackend:
         record = self.hybrid.record(seqs) if self.hybrid else None
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
         offsets = layout.row_offsets
-        picks, processed = self._picks(states, trees, logits, offsets)
+        picks, processed = round_picks(states, trees, logits, offsets)
         phases["verify"], t = self._lap(t, wait=False)
         paths = accepted_paths(trees, picks, offsets)
         out, accepted_rows, accepted_positions, accepted_slots, moves, lasts = {}, [], [], [], ([], []), []
@@ -268,7 +255,7 @@ class PagedBackend:
             emitted = picks[[lo + node for node in path]].tolist()
             rows = None
             if state.request.params.logprobs is not None:
-                rows = self._logprob_rows(state, processed.get(r, logits[lo:offsets[r + 1]])[path], emitted)
+                rows = logprob_rows(state, processed.get(r, logits[lo:offsets[r + 1]])[path], emitted)
             # commit: the path's rows move down to start.. in the target's cache; their taps feed the drafter
             for j, node in enumerate(path):
                 if node != j:
@@ -423,50 +410,6 @@ class PagedBackend:
             one, eight = timed("draft", self.block, 1), timed("draft", 8 * self.block, 8)
             per_request = max((eight - one) / 7, 0.0)
         return CostModel(tuple(points), per_request)
-
-    # -- picks ----------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _plain_greedy(state: SeqState) -> bool:
-        params = state.request.params
-        return (params.greedy and not params.penalized and not params.logit_bias and state.request.constraint is None)
-
-    def _picks(self, states: list[SeqState], trees: RoundTrees, logits: torch.Tensor,
-               offsets: list[int]) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
-        """Every row's pick: the argmax of every row in one launch and one copy where some sequence picks plainly
-        greedily; each other sequence's own (its processors, sampler and grammar, node by node). Returns the
-        picks and, per such sequence, its processed logits (for its logprobs)."""
-        picks = np.zeros(offsets[-1], dtype=np.int64)
-        plain = [self._plain_greedy(state) for state in states]
-        if any(plain):
-            picks[:] = vocab_argmax(logits).cpu().numpy()
-        processed = {}
-        for r, state in enumerate(states):
-            if not plain[r]:
-                lo, hi = offsets[r], offsets[r + 1]
-                processed[r], own = self._pick(state, trees.tree(r), logits[lo:hi])
-                picks[lo:hi] = own
-        return picks, processed
-
-    def _pick(self, state: SeqState, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """The sequence's own picks at each of its nodes, its processors applied to each node for its own path."""
-        pending = [[tree.tokens[j - 1] for j in tree.path_to(i)[1:]] for i in range(tree.size + 1)]
-        processed = self._processed(state, logits, pending)
-        return processed, pick_tokens(processed, state.request.params, state.generator).tolist()
-
-    def _processed(self, state: SeqState, logits: torch.Tensor, pending: list[list[int]]) -> torch.Tensor:
-        request = state.request
-        if request.constraint is not None:
-            logits = grammar.mask_logits(logits, request.constraint.allowed(pending))
-        return process_logits(logits, request.params, state.history.rows(pending) if state.history else None)
-
-    @staticmethod
-    def _logprob_rows(state: SeqState, processed: torch.Tensor,
-                      tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        k = state.request.params.logprobs
-        if k is None:
-            return None
-        return token_logprobs(processed, torch.tensor(tokens, device=processed.device), k)
 
     # -- forwards -------------------------------------------------------------------------------------------
 
@@ -626,33 +569,3 @@ def _head_dims(target: Target, draft: DFlashDraft | None) -> set[int]:
     cfg = target.config
     dims = {getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
     return dims | ({draft.config.head_dim} if draft is not None else set())
-
-
-def slot_bytes(target: Target, draft: DFlashDraft | None) -> int:
-    """Bytes one cache slot takes in every pool: the target's K and V in each layer, and the drafter's."""
-    cfg = target.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attention = sum(not hasattr(layer, "linear_attn") for layer in target.layers)  # a hybrid's recurrent ones: none
-    size = 2 * attention * cfg.num_key_value_heads * head_dim
-    if draft is not None:
-        dc = draft.config
-        size += 2 * dc.num_layers * dc.num_kv_heads * dc.head_dim
-    return size * target.dtype.itemsize
-
-
-def pool_tokens(engine, options) -> int:
-    """Cache slots for the pool: on a GPU what --gpu-memory-utilization leaves once the weights are loaded, less
-    room for a full step's activations and logits; elsewhere enough for every sequence at 2048 tokens."""
-    if engine.target.device.type != "cuda":
-        return options.max_num_seqs * min(engine.max_context, 2048)
-    free, total = torch.cuda.mem_get_info(engine.target.device)
-    activations = options.max_num_batched_tokens * engine.vocab_size * 4 * 3 + 2 * 2**30  # logits, processing, slack
-    if isinstance(engine.target, HybridTarget):  # every sequence's recurrent states, a verify's record
-        activations += (options.max_num_seqs * RecurrentPool.bytes_per_sequence(engine.target)
-                        + HybridRows.buffer_bytes(engine.target, options.max_num_seqs, options.max_num_batched_tokens))
-    budget = int(total * options.gpu_memory_utilization) - (total - free) - activations
-    tokens = budget // slot_bytes(engine.target, engine.draft)
-    if tokens < options.block_size * 2:
-        raise ValueError(f"no room for a KV cache: {budget / 2**30:.1f} GiB left at --gpu-memory-utilization "
-                         f"{options.gpu_memory_utilization}")
-    return tokens

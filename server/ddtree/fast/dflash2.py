@@ -47,7 +47,7 @@ def _block_conv(ops: Ops, layer: ConvLayer, x: torch.Tensor, taps: torch.Tensor,
 def conv_layer(ops: Ops, layer: ConvLayer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
                mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """runner.decoder_layer for a DFlash2 layer over blocks' rows (dflash2.md §3): the normed rows, convolved,
+    """layers.decoder_layer for a DFlash2 layer over blocks' rows (dflash2.md §3): the normed rows, convolved,
     go to q/k/v; the attention's output is convolved with the same rows' second taps; the same around the MLP.
     The norms hand over plain rows (the convolutions read them), which an fp8 projection quantizes itself."""
     h, x = ops.normed(x, delta, layer.input_norm, eps)

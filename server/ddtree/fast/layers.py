@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.kernels import rows
-from ddtree.kernels.attention import TreeMask, tree_mask
+from ddtree.kernels.attention import TreeMask, tree_attention, tree_mask
 from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows, activation_group, expand_rows
 from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, silu_mul_linear
+from ddtree.kernels.gemv import NORM, SILU, gemv, norm_gemv
 from ddtree.kernels.moe import Experts
 from ddtree.kernels.tree import chain, top_prefixes
 from ddtree.models.dflash2 import dynamic_conv
@@ -370,7 +371,7 @@ class Draft:
     sinks: tuple[torch.Tensor | None, ...]  # per layer: float32 sink logits per query head, or None
     embedding_scale: float
     finish_logits: Callable[[torch.Tensor], torch.Tensor]  # the checkpoint's output multiplier and softcap
-    # the block pass's layer step: None for the target's decoder layer (fast/runner.py's decoder_layer)
+    # the block pass's layer step: None for the target's decoder layer (decoder_layer below)
     layer_step: Callable | None = None
 
     @classmethod
@@ -449,3 +450,36 @@ class Draft:
 def _rows(weight: torch.Tensor | Fp8Weight, start: int, end: int) -> torch.Tensor | Fp8Weight:
     """Rows start..end-1 of a weight (with their scales, for an fp8 one)."""
     return weight.rows(start, end) if isinstance(weight, Fp8Weight) else weight[start:end]
+
+
+def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
+                  mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer whose residual adds are deferred into the next norm: the rows' new K/V go to
+    cache [2, kv, T, d] at `slots`. Returns (the residual entering the layer, i.e. the previous layer's
+    output; the residual after attention; the MLP's output, still to be added)."""
+    h, x = ops.normed(x, delta, layer.input_norm, eps, layer.fp8, layer.fp8_group)
+    entering = x
+    q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
+                            layer.head_dim, cache, slots)
+    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.mlp_fp8,
+                      layer.mlp_group)
+    return entering, x, layer.mlp(ops, h)
+
+
+def decoder_row(ops: Ops, layer: TargetLayer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
+                mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decoder_layer for a single row (an AR step): every projection is a Triton GEMV, and the residual adds,
+    the norms and SiLU · up are computed inside the GEMVs that read them (ddtree/kernels/gemv.py): three
+    kernels fewer per layer, and no cuBLAS split-K pass for the narrow weights. In a mixture-of-experts
+    layer the router's GEMV builds the normed row, and hands it on to the experts."""
+    qkv, x = gemv(x, layer.qkv.weight, NORM, delta, layer.input_norm, eps)
+    q = ops.attention_heads(*qkv.split(layer.splits, dim=-1), layer.q_norm, layer.k_norm, eps, cos, sin,
+                            layer.kv_heads, layer.head_dim, cache, slots)
+    attended = gemv(tree_attention(q, cache, mask), layer.o.weight)[0]
+    if layer.experts is not None:
+        logits, after, h = norm_gemv(x, layer.experts.router, attended, layer.post_norm, eps)
+        return x, after, layer.experts(h, logits)
+    gate_up, after = gemv(x, layer.gate_up.weight, NORM, attended, layer.post_norm, eps)
+    return x, after, gemv(gate_up, layer.down.weight, SILU)[0]

@@ -22,7 +22,6 @@ no sliding windows. Everything else stays on the reference path.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -34,13 +33,14 @@ from ddtree.core import grammar
 from ddtree.core.rounds import DecodeRequest, Round
 from ddtree.core.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalties, filter_logits, token_logprobs
 from ddtree.fast.dflash2 import SelectorDraft
-from ddtree.fast.layers import Draft, Layer, Ops, TargetLayer
+from ddtree.fast.layers import Draft, Ops, TargetLayer, decoder_layer, decoder_row
+from ddtree.fast.plan import Plan, stamp
 from ddtree.fast.rope import RopeTable
-from ddtree.kernels.attention import TreeMask, tree_attention, tree_mask
+from ddtree.kernels.attention import tree_mask
 from ddtree.kernels.cache import compact
 from ddtree.kernels.gather import embed, gather_rows
 from ddtree.kernels.gemm import linear
-from ddtree.kernels.gemv import NORM, SILU, gemv, norm_gemv
+from ddtree.kernels.gemv import NORM, gemv
 from ddtree.kernels.gemv import supported as gemv_supported
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.invariant import for_fp8_targets
@@ -53,7 +53,7 @@ from ddtree.models.fp8_target import Fp8Experts
 from ddtree.models.quantize import Fp8Linear
 from ddtree.models.target import HybridTarget, Target
 
-__all__ = ["FastPath", "Plan", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
+__all__ = ["FastPath", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
 
 ARCHITECTURES = ("qwen3", "llama", "qwen3_moe")
 MAX_BUDGET = 256  # the largest tree the one-program tree build is tested at (its selections grow with B ln B)
@@ -263,7 +263,7 @@ class FastPath:
             # bookkeeping; not when this round may reach max_tokens (a stop token wastes the round queued
             # behind it), nor under a grammar, whose masks need this round's tokens.
             queue_ahead = self.queue_ahead and constraint is None
-            pending = plan.launch(before_verify, after=_stamp(plan.cuda))
+            pending = plan.launch(before_verify, after=stamp(plan.cuda))
             while True:
                 ahead = None
                 if queue_ahead and emitted + most < params.max_new_tokens:
@@ -552,130 +552,3 @@ class FastPath:
 def _adjusted(params: SamplingParams) -> bool:
     """Whether a request's logits get a bias or penalties before its picks (an adjusted plan)."""
     return params.penalized or bool(params.logit_bias)
-
-
-def decoder_layer(ops: Ops, layer: Layer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
-                  mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer whose residual adds are deferred into the next norm: the rows' new K/V go to
-    cache [2, kv, T, d] at `slots`. Returns (the residual entering the layer, i.e. the previous layer's
-    output; the residual after attention; the MLP's output, still to be added)."""
-    h, x = ops.normed(x, delta, layer.input_norm, eps, layer.fp8, layer.fp8_group)
-    entering = x
-    q = ops.attention_heads(*layer.project(h), layer.q_norm, layer.k_norm, eps, cos, sin, layer.kv_heads,
-                            layer.head_dim, cache, slots)
-    h, x = ops.normed(x, layer.o(tree_attention(q, cache, mask)), layer.post_norm, eps, layer.mlp_fp8,
-                      layer.mlp_group)
-    return entering, x, layer.mlp(ops, h)
-
-
-def decoder_row(ops: Ops, layer: TargetLayer, x: torch.Tensor, delta: torch.Tensor | None, cache: torch.Tensor,
-                mask: TreeMask, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """decoder_layer for a single row (an AR step): every projection is a Triton GEMV, and the residual adds,
-    the norms and SiLU · up are computed inside the GEMVs that read them (ddtree/kernels/gemv.py): three
-    kernels fewer per layer, and no cuBLAS split-K pass for the narrow weights. In a mixture-of-experts
-    layer the router's GEMV builds the normed row, and hands it on to the experts."""
-    qkv, x = gemv(x, layer.qkv.weight, NORM, delta, layer.input_norm, eps)
-    q = ops.attention_heads(*qkv.split(layer.splits, dim=-1), layer.q_norm, layer.k_norm, eps, cos, sin,
-                            layer.kv_heads, layer.head_dim, cache, slots)
-    attended = gemv(tree_attention(q, cache, mask), layer.o.weight)[0]
-    if layer.experts is not None:
-        logits, after, h = norm_gemv(x, layer.experts.router, attended, layer.post_norm, eps)
-        return x, after, layer.experts(h, logits)
-    gate_up, after = gemv(x, layer.gate_up.weight, NORM, attended, layer.post_norm, eps)
-    return x, after, gemv(gate_up, layer.down.weight, SILU)[0]
-
-
-class Plan:
-    """One (method, budget)'s round: its steps, replayed from their CUDA graphs when captured, else run eagerly.
-
-    A capture that fails (an op that cannot be captured on this torch build) leaves the whole plan eager,
-    on the same static buffers, with the reason in `eager_reason`: slower, never wrong.
-    """
-
-    def __init__(self, steps: list[tuple[str, Callable]], capture: Callable | None, cuda: bool,
-                 noise: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> None:
-        self.steps, self.cuda, self.noise, self.allowed = steps, cuda, noise, allowed
-        self.outputs: dict[str, object] = {}  # each step's latest output (static buffers once captured)
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.result: tuple[torch.Tensor, ...] = ()  # the verify's outputs the host reads: result, logprob rows
-        self.eager_reason = None if capture is not None else "graphs off"
-        if capture is not None:
-            out = None
-            try:
-                for name, fn in steps:
-                    graph, out = capture(fn, out)
-                    self.graphs.append(graph)
-                    self.outputs[name] = out
-                    if name == "verify":
-                        self.result = _read_back(out)
-            except RuntimeError as exc:
-                self.graphs, self.eager_reason = [], f"capture failed: {str(exc).splitlines()[0]}"
-                print(f"ddtree fast path: {self.eager_reason}; running eagerly", file=sys.stderr)
-
-    def launch(self, before_verify: Callable[[], object] | None = None,
-               after: torch.cuda.Event | float | None = None) -> Launched:
-        """Queue one round (run it, off CUDA) and a copy of its result to the host; read it with collect().
-
-        `before_verify` runs eagerly just before the verify step (a sampled plan's noise refill, a constrained
-        one's masks), inside its timing. `after` is the previous round's last stamp: the gap from it is the
-        device's wait for the host.
-        """
-        stamps: list = []
-        out = None
-        result = self.result
-        for i, (name, fn) in enumerate(self.steps):
-            stamps.append(_stamp(self.cuda))
-            if name == "verify" and before_verify is not None:
-                before_verify()
-            if self.graphs:
-                self.graphs[i].replay()
-            else:
-                out = self.outputs[name] = fn(out)
-                result = _read_back(out) if name == "verify" else result
-        stamps.append(_stamp(self.cuda))
-        if self.cuda:  # the next round's verify overwrites these buffers: copy them out in stream order
-            result = tuple(t.to("cpu", non_blocking=True) for t in result)
-        stamps.append(_stamp(self.cuda))
-        return Launched(self.steps, stamps, after, result)
-
-    def run(self, before_verify: Callable[[], object] | None = None) -> tuple[list[int], dict[str, float]]:
-        """One round, read back at once: ([accepted length, emitted tokens...], seconds per step)."""
-        return self.launch(before_verify).collect()
-
-
-class Launched:
-    """A queued round: its step stamps and its result (with its logprob rows, if any) on the way to the host."""
-
-    def __init__(self, steps: list[tuple[str, Callable]], stamps: list, after: torch.cuda.Event | float | None,
-                 result: tuple[torch.Tensor, ...]) -> None:
-        self.steps, self.stamps, self.after = steps, stamps, after
-        self.result, self.logprob_rows = result[0], result[1:] or None
-
-    def collect(self) -> tuple[list[int], dict[str, float]]:
-        """Wait for the round; returns ([accepted length, emitted tokens...], seconds per step and `host`)."""
-        if isinstance(self.stamps[-1], torch.cuda.Event):
-            self.stamps[-1].synchronize()  # the round's one synchronisation
-        spans = zip(self.steps, self.stamps[:-2], self.stamps[1:-1], strict=True)
-        phases = {name: _elapsed(a, b) for (name, _), a, b in spans}
-        waited = 0.0 if self.after is None else _elapsed(self.after, self.stamps[0])
-        phases["host"] = waited + _elapsed(self.stamps[-2], self.stamps[-1])  # idle device + the result's copy
-        return self.result.tolist(), phases
-
-
-def _read_back(verified: tuple) -> tuple[torch.Tensor, ...]:
-    """What the host reads of a verify's outputs: the result, then the logprob rows when the plan has them."""
-    return (verified[0], *(verified[5] or ()))
-
-
-def _stamp(cuda: bool) -> torch.cuda.Event | float:
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _elapsed(a: torch.cuda.Event | float, b: torch.cuda.Event | float) -> float:
-    return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
