@@ -85,6 +85,8 @@ class StepStats:
     verified_tokens: int = 0  # target rows of the decode rounds (roots and draft nodes)
     draft_nodes: int = 0
     preempted: int = 0
+    prefix_queries: int = 0  # context tokens of the admitted sequences looked up in the prefix cache
+    prefix_hits: int = 0  # of which found there (not prefilled)
     seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)  # the decode rounds' phases, summed
 
@@ -117,8 +119,9 @@ class BatchEngine:
         return len(self.scheduler.waiting)
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, *, method: str | None = None,
-            budget: int | None = None) -> Sequence:
-        """A new request: checked now (one-line errors), decoded from the next step on."""
+            budget: int | None = None, cache_salt: str | None = None) -> Sequence:
+        """A new request: checked now (one-line errors), decoded from the next step on. Only requests with the
+        same `cache_salt` share cached prompt prefixes."""
         request = self.engine.request(prompt_ids, params, method=method, budget=budget)
         generation = self.engine.generation(request, None)
         backend = next((b for b in self.backends if b.accepts(request)), None)
@@ -129,7 +132,7 @@ class BatchEngine:
             if self.blocks.blocks_for(slots) > self.blocks.num_blocks:
                 raise DDTreeError(f"the request needs {slots} KV cache slots (prompt, max_tokens and one round), "
                                   f"more than the {self.blocks.num_blocks * self.blocks.block_size} the cache holds")
-        seq = Sequence(next(self._ids), generation, backend)
+        seq = Sequence(next(self._ids), generation, backend, cache_salt=cache_salt)
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -162,7 +165,8 @@ class BatchEngine:
                 seq.backend.open(seq.seq_id, seq.request)
                 seq.opened = True
         outputs: list[tuple[Sequence, RoundOutput | Exception]] = []
-        stats = StepStats(preempted=len(plan.preempted))
+        stats = StepStats(preempted=len(plan.preempted), prefix_queries=plan.prefix_queries,
+                          prefix_hits=plan.prefix_hits)
         counted: list[dict[str, float]] = []
         for backend in self.backends if self.solo is None else [self.solo, *self.backends]:
             prefills = [self._prefill(seq, lo, hi) for seq, lo, hi in plan.prefills if seq.backend is backend]
@@ -177,6 +181,8 @@ class BatchEngine:
                 seq = self.sequences[chunk.seq_id]
                 seq.cached = chunk.start + len(chunk.tokens)
                 stats.prefill_tokens += len(chunk.tokens)
+                if not isinstance(rounds.get(chunk.seq_id), Exception):
+                    self.scheduler.written(seq)
             for seq in [self.sequences[p.seq_id] for p in prefills] + decodes:
                 raw = rounds.get(seq.seq_id)
                 if raw is None:
@@ -201,7 +207,8 @@ class BatchEngine:
     def _route(self) -> None:
         """A request alone takes the single-request path, if it has not started elsewhere and that path takes it;
         with company it moves to the batched path (`requeue`: recomputed there from its context). A sampled
-        request with a seed stays batched, so its samples never depend on what else runs."""
+        request with a seed stays batched, so its samples never depend on what else runs; so does one whose prompt
+        starts with a prefix the batched path has cached (it prefills only the rest there)."""
         if self.solo is None:
             return
         live = [*self.scheduler.running, *self.scheduler.waiting]
@@ -209,7 +216,8 @@ class BatchEngine:
             seq = live[0]
             params = seq.request.params
             if (seq.backend is self.backends[0] and not seq.opened and not seq.generation.token_ids
-                    and (params.greedy or params.seed is None) and self.solo.accepts(seq.request)):
+                    and (params.greedy or params.seed is None) and self.solo.accepts(seq.request)
+                    and not self.scheduler.cached_prefix(seq)):
                 seq.backend = self.solo
             return
         for seq in live:
@@ -256,6 +264,7 @@ class BatchOptions:
     kv_cache_tokens: int | None = None  # the pool's size in slots; None: from the GPU's memory (CUDA), else a default
     batch_budget: bool = True  # choose the round's draft nodes across requests by the measured cost model
     single_request_path: bool = True  # a request alone decodes on the single-request fast path (CUDA graphs)
+    prefix_caching: bool = True  # prompts reuse the cached K/V (and a hybrid's states) of the prefixes they share
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -316,7 +325,8 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
         return BatchEngine(engine, [reference], max_num_seqs=options.max_num_seqs,
                            max_num_batched_tokens=options.max_num_batched_tokens)
     tokens = options.kv_cache_tokens or pool_tokens(engine, options)
-    blocks = BlockManager(max(1, tokens // options.block_size), options.block_size)
+    blocks = BlockManager(max(1, tokens // options.block_size), options.block_size,
+                          prefix_caching=options.prefix_caching)
     paged = PagedBackend(engine.target, engine.draft, engine.draft_head, blocks, max_seqs=options.max_num_seqs,
                          max_rows=options.max_num_batched_tokens)
     if engine.target.device.type == "cuda":

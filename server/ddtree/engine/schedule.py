@@ -10,6 +10,12 @@
   running sequence is preempted: its blocks and caches go, and it waits at the head of the queue to be
   recomputed from its prompt and what it already emitted (vLLM's recompute preemption), which gives the same
   output.
+
+With prefix caching (core/prefix_cache.py) a sequence is matched against the cache when it is admitted: the
+cached blocks its prompt starts with join its table and its prefill starts after them. The last prompt token is
+always computed (its logits pick the first token), so a hit stops at least one token short of the prompt; a
+request that asks for prompt logprobs computes its whole prompt. Once a prompt chunk is written, the prompt's
+full blocks it completed are registered for later requests.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class StepPlan:
     decodes: list[Sequence] = field(default_factory=list)
     node_limit: int | None = None  # draft nodes the round may verify in all
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_queries: int = 0  # context tokens of the sequences admitted, looked up in the prefix cache
+    prefix_hits: int = 0  # of which found there
 
     @property
     def empty(self) -> bool:
@@ -102,14 +110,56 @@ class Scheduler:
             budget = self._chunk(seq, budget, plan)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            looked_up = self._match(seq)
             if not self._fits(seq, budget, prefilling=bool(plan.prefills)):
+                self._free(seq)
+                seq.cached = seq.cached_prompt = 0
                 break
+            if looked_up:
+                plan.prefix_queries += seq.prefill_target
+                plan.prefix_hits += seq.cached
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             budget = self._chunk(seq, budget, plan)
         plan.node_limit = max(budget, 0)
         return plan
+
+    def cached_prefix(self, seq: Sequence) -> int:
+        """Context tokens the sequence would find in the prefix cache now (nothing is taken)."""
+        if not self._caches(seq):
+            return 0
+        return self.block_size * len(self.blocks.prefix.lookup(self._lookup_hashes(seq)))
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size if self.blocks is not None else 1
+
+    def _caches(self, seq: Sequence) -> bool:
+        """Whether the sequence looks its prefix up: prefix caching on, a paged backend, no prompt logprobs."""
+        return (self.blocks is not None and self.blocks.prefix is not None and seq.backend.paged
+                and seq.request.params.prompt_logprobs is None)
+
+    def _lookup_hashes(self, seq: Sequence) -> list[bytes]:
+        """The prompt's block hashes a hit may cover: never the block of the last context token to prefill."""
+        return seq.prompt_hashes(self.block_size)[:(seq.prefill_target - 1) // self.block_size]
+
+    def _match(self, seq: Sequence) -> bool:
+        """At admission: the cached blocks the sequence's prompt starts with become its first blocks, and its
+        prefill starts after them. Returns whether it looked."""
+        if seq.cached or not self._caches(seq):
+            return False
+        seq.cached = self.block_size * self.blocks.match(seq.seq_id, self._lookup_hashes(seq))
+        seq.cached_prompt = seq.cached
+        return True
+
+    def written(self, seq: Sequence) -> None:
+        """The sequence's caches hold its first `seq.cached` context tokens: the prompt's full blocks among them
+        join the prefix cache."""
+        if self.blocks is None or self.blocks.prefix is None or not seq.backend.paged:
+            return
+        done = min(seq.cached, len(seq.request.prompt_ids)) // self.block_size
+        self.blocks.register(seq.seq_id, seq.prompt_hashes(self.block_size)[:done])
 
     def _chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Plan the sequence's next prompt chunk (as much as the token budget and the blocks allow; all of it on
@@ -124,14 +174,15 @@ class Scheduler:
     def _fits(self, seq: Sequence, budget: int, prefilling: bool) -> bool:
         """Whether a waiting sequence can start now: a token budget for at least part of its prompt (all of
         it on a backend that cannot chunk, unless nothing else prefills), and the blocks for that part."""
+        remaining = seq.prefill_target - seq.cached
         if seq.backend.chunked:
             if budget <= 0:
                 return False
-            first = min(budget, seq.prefill_target)
+            first = min(budget, remaining)
         else:
-            if seq.prefill_target > budget and prefilling:
+            if remaining > budget and prefilling:
                 return False
-            first = seq.prefill_target
+            first = remaining
         if self.blocks is None or not seq.backend.paged:
             return True
-        return self.blocks.missing(seq.seq_id, first) <= self.blocks.free_blocks
+        return self.blocks.missing(seq.seq_id, seq.cached + first) <= self.blocks.free_blocks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ddtree.core.prefix_cache import block_hashes
 from ddtree.core.rounds import BatchBackend, DecodeRequest
 from ddtree.engine.generation import Generation
 
@@ -24,6 +25,15 @@ class Sequence:
     cached: int = 0  # context tokens written to the caches so far
     preemptions: int = 0
     opened: bool = field(default=False, repr=False)
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes
+    cached_prompt: int = 0  # prompt tokens its last admission found in the prefix cache
+    _hashes: list[bytes] | None = field(default=None, repr=False)
+
+    def prompt_hashes(self, block_size: int) -> list[bytes]:
+        """The hash chain of the prompt's full blocks (core/prefix_cache.py), computed once."""
+        if self._hashes is None:
+            self._hashes = block_hashes(self.request.prompt_ids, block_size, self.cache_salt)
+        return self._hashes
 
     @property
     def request(self) -> DecodeRequest:

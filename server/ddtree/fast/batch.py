@@ -36,6 +36,7 @@ from ddtree.core.budget import FLAT, CostModel, RoundChoice, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens
 from ddtree.core.tree import selector_chain_tree, selector_tree_from_sorted
+from ddtree.fast.batch_memory import checkpoint_every
 from ddtree.fast.batch_rows import Captured, StaticRows, buckets
 from ddtree.fast.batch_seq import SeqState, logprob_rows, processed_logits, round_picks
 from ddtree.fast.batch_trees import RoundTrees, accepted_paths, dflash_trees
@@ -90,6 +91,10 @@ class PagedBackend:
                 self.ops.attention_heads = heads_kernel
         # a hybrid's recurrent layers keep a state per sequence (fast/paged_hybrid.py); only attention layers page
         self.hybrid = HybridRows(target, self.ops, max_seqs, max_rows) if isinstance(target, HybridTarget) else None
+        if self.hybrid and blocks.prefix is not None:  # a hit restores the states checkpointed after its prefix
+            if not blocks.prefix.every:
+                blocks.prefix.keep_states(max_seqs, checkpoint_every(target, draft, blocks.block_size))
+            self.hybrid.pool.keep_checkpoints(blocks.prefix.checkpoint_slots)
         # a hybrid's trees stay within the varlen Gated DeltaNet kernels' rows (fast/paged_hybrid.py)
         self.max_tree = gdn.TREE_MAX - 1 if self.hybrid else MAX_BUDGET
         self.layers = [] if self.hybrid else [TargetLayer.of(layer) for layer in self.model.layers]
@@ -188,7 +193,8 @@ class PagedBackend:
         logit_rows += [layout.row_offsets[i + 1] - 1 for i, chunk in enumerate(chunks)
                        if chunk.last and chunk.root is None and i not in wanted]
         logit_index = {row: k for k, row in enumerate(logit_rows)}
-        seqs = self._seq_rows([chunk.seq_id for chunk in chunks], layout)
+        saves = self._checkpoints(chunks) if self.hybrid and self.blocks.prefix is not None else {}
+        seqs = self._seq_rows([chunk.seq_id for chunk in chunks], layout, saves=saves)
         logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
                                          self._tensor(logit_rows), seqs)
         if self.draft is not None:
@@ -216,6 +222,25 @@ class PagedBackend:
             out[chunk.seq_id] = Round([root], 0, 0, {"prefill": time.perf_counter() - started},
                                       logprob_rows(state, processed, [root]), prompt_logits, is_prefill=True)
         return out
+
+    def _checkpoints(self, chunks: list[Prefill]) -> dict[int, tuple[tuple[int, int], ...]]:
+        """A hybrid's prefix cache (core/prefix_cache.py): a sequence whose first chunk starts after a cached
+        prefix takes the states checkpointed there; a chunk saves the states at each checkpoint boundary it
+        reaches inside its prompt. Returns each sequence's saves (rows into its chunk, checkpoint slot)."""
+        pool, every = self.hybrid.pool, self.blocks.prefix.every * self.page
+        for chunk in chunks:  # restores first: their checkpoints' blocks are held, so no save below reuses them
+            if chunk.start and self.states[chunk.seq_id].start == 0:
+                pool.restore(chunk.seq_id, self.blocks.checkpoint(chunk.seq_id, chunk.start))
+        saves = {}
+        for chunk in chunks:
+            end = min(chunk.start + len(chunk.tokens), len(self.states[chunk.seq_id].request.prompt_ids))
+            rows = []
+            for boundary in range((chunk.start // every + 1) * every, end + 1, every):
+                checkpoint = self.blocks.reserve_checkpoint(chunk.seq_id, boundary)
+                if checkpoint is not None:
+                    rows.append((boundary - chunk.start, checkpoint))
+            saves[chunk.seq_id] = tuple(rows)
+        return saves
 
     # -- one round ------------------------------------------------------------------------------------------
 
@@ -502,11 +527,12 @@ class PagedBackend:
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps
 
-    def _seq_rows(self, seq_ids: list[int], layout: PagedLayout,
-                  trees: RoundTrees | None = None) -> list[SeqRows] | None:
+    def _seq_rows(self, seq_ids: list[int], layout: PagedLayout, trees: RoundTrees | None = None,
+                  saves: dict[int, tuple[tuple[int, int], ...]] | None = None) -> list[SeqRows] | None:
         """A hybrid forward's sequences (None for a dense target): each one's state slot, rows, their visibility,
-        and their tree (each sequence's root and `trees`' nodes; without trees, causal chains: prompt chunks).
-        Before any sequence runs (measuring the cost model) the forward reads the slots in order."""
+        and their tree (each sequence's root and `trees`' nodes; without trees, causal chains: prompt chunks),
+        and a prefill's checkpoints to save (`saves`). Before any sequence runs (measuring the cost model) the
+        forward reads the slots in order."""
         if not self.hybrid:
             return None
         slots = self.hybrid.pool.slots
@@ -517,8 +543,9 @@ class PagedBackend:
                 parents, depths = np.arange(-1, n - 1), np.arange(n)
             else:
                 parents, depths = trees.lineage(b)
-            out.append(SeqRows(slots.get(seq_ids[b], b) if b < len(seq_ids) else b, layout.row_offsets[b],
-                               layout.row_offsets[b + 1], visible, parents, depths))
+            seq_id = seq_ids[b] if b < len(seq_ids) else None
+            out.append(SeqRows(slots.get(seq_id, b), layout.row_offsets[b], layout.row_offsets[b + 1], visible,
+                               parents, depths, (saves or {}).get(seq_id, ())))
         return out
 
     def _block_rule(self, layout: PagedLayout, visible: torch.Tensor) -> PagedLayout:

@@ -48,6 +48,7 @@ class SeqRows:
     visible: torch.Tensor  # [n, n] bool, on the host: ancestors and self (a causal chain for a prompt chunk)
     parents: np.ndarray  # [n]: each row's parent among the sequence's rows, -1 for the first (the root)
     depths: np.ndarray  # [n]: each row's position less the sequence's committed length
+    saves: tuple[tuple[int, int], ...] = ()  # a prefill's (rows, checkpoint): the states after its first rows
 
 
 def conv_windows(seqs: list[SeqRows], width: int) -> torch.Tensor:
@@ -99,7 +100,9 @@ class BatchRecord:
 
 class RecurrentPool:
     """The conv columns and recurrent state of every Gated DeltaNet layer, one slot per running sequence. A slot
-    is zeroed when a sequence takes it (its prompt starts from the zero state) and is free again when it leaves."""
+    is zeroed when a sequence takes it (its prompt starts from the zero state) and is free again when it leaves.
+    With prefix caching, checkpoints keep the states after cached prefixes (core/prefix_cache.py): a prefill saves
+    them at block boundaries, and a sequence whose prompt hits a cached prefix starts from the one at its end."""
 
     def __init__(self, hybrid: HybridLayers, seqs: int, dtype: torch.dtype, device: torch.device) -> None:
         layers = len(hybrid.recurrent_index)
@@ -107,6 +110,18 @@ class RecurrentPool:
         self.state = torch.zeros((layers, seqs, *hybrid.state_shape), dtype=torch.float32, device=device)
         self.free = list(range(seqs))
         self.slots: dict[int, int] = {}
+        self.saved_conv = self.saved_state = None
+
+    def keep_checkpoints(self, count: int) -> None:
+        """Room for `count` checkpoints of every recurrent layer's states."""
+        self.saved_conv = self.conv.new_zeros((self.conv.shape[0], count, *self.conv.shape[2:]))
+        self.saved_state = self.state.new_zeros((self.state.shape[0], count, *self.state.shape[2:]))
+
+    def restore(self, seq_id: int, checkpoint: int) -> None:
+        """The sequence's states become those of a checkpoint: it goes on from a cached prefix."""
+        slot = self.slots[seq_id]
+        self.conv[:, slot] = self.saved_conv[:, checkpoint]
+        self.state[:, slot] = self.saved_state[:, checkpoint]
 
     @staticmethod
     def bytes_per_sequence(target: HybridTarget) -> int:
@@ -207,8 +222,10 @@ class HybridRows:
                 out[seq.lo:seq.hi] = hybrid.recurrent(module, h[seq.lo:seq.hi], record.of(index, b, seq, self.past),
                                                       conv, state, kernel)
                 continue
-            for lo in range(seq.lo, seq.hi, PROMPT_CHUNK):  # a chunk's rows, committed piece by piece
-                hi = min(lo + PROMPT_CHUNK, seq.hi)
+            saves = {seq.lo + rows: checkpoint for rows, checkpoint in seq.saves}
+            # a chunk's rows, committed piece by piece; a piece also ends where a checkpoint is saved
+            ends = sorted({*range(seq.lo + PROMPT_CHUNK, seq.hi, PROMPT_CHUNK), *saves, seq.hi})
+            for lo, hi in zip([seq.lo, *ends[:-1]], ends, strict=True):
                 causal = seq.visible[lo - seq.lo:hi - seq.lo, lo - seq.lo:hi - seq.lo].contiguous().to(h.device)
                 piece = self._piece(causal)
                 out[lo:hi] = hybrid.recurrent(module, h[lo:hi], piece, conv, state, kernel)
@@ -216,6 +233,9 @@ class HybridRows:
                 state.copy_(path_state(piece.keys[None], piece.u[None], piece.decay[None], causal, state[None],
                                        last)[0])
                 conv.copy_(piece.inputs.index_select(0, piece.sources[hi - lo - 1, 1:]))
+                if hi in saves:
+                    pool.saved_conv[index, saves[hi]].copy_(conv)
+                    pool.saved_state[index, saves[hi]].copy_(state)
         return out
 
     def _varlen(self, module, index: int, h: torch.Tensor, mask: PagedMask, varlen: VarlenRows,
