@@ -90,14 +90,18 @@ def test_a_hybrid_hit_ends_at_a_checkpoint_and_a_checkpoint_goes_with_its_block(
     assert blocks.match(4, hashes) == 0
 
 
-def test_checkpoint_slots_in_use_are_never_taken():
+def test_checkpoints_of_held_blocks_go_last():
     blocks = BlockManager(8, 4, prefix_caching=True)
-    blocks.prefix.keep_states(slots=1, every=1)
+    blocks.prefix.keep_states(slots=2, every=1)
     blocks.ensure(1, 4)
-    slot = blocks.reserve_checkpoint(1, 4)
+    blocks.reserve_checkpoint(1, 4)
+    blocks.register(1, block_hashes([1, 2, 3, 4], 4))
     blocks.ensure(2, 4)
-    assert blocks.reserve_checkpoint(2, 4) is None  # the only slot's block is held
-    blocks.register(1, block_hashes(list(range(4)), 4))
-    blocks.free(1)  # cached, unheld: its checkpoint may now go to another block
-    assert blocks.reserve_checkpoint(2, 4) == slot
-    assert blocks.match(3, block_hashes(list(range(4)), 4)) == 0
+    blocks.reserve_checkpoint(2, 4)
+    old, held = blocks.tables[1][0], blocks.tables[2][0]
+    blocks.free(1)  # cached, unheld
+    blocks.ensure(3, 8)
+    blocks.reserve_checkpoint(3, 4)  # takes the unheld block's checkpoint, not the older held one's
+    assert old not in blocks.prefix.checkpoint_of and held in blocks.prefix.checkpoint_of
+    blocks.reserve_checkpoint(3, 8)  # every block held: the least recently used goes, the deepest stay
+    assert set(blocks.prefix.checkpoint_of) == set(blocks.tables[3])

@@ -110,9 +110,8 @@ class BlockManager:
             self.prefix.register(table[i], hashes[i])
         self._registered[seq_id] = max(done, min(len(hashes), len(table)))
 
-    def reserve_checkpoint(self, seq_id: int, slots: int) -> int | None:
-        """A checkpoint slot for a hybrid's states after the sequence's first `slots` slots (a block boundary),
-        or None when all are in use by held blocks."""
+    def reserve_checkpoint(self, seq_id: int, slots: int) -> int:
+        """A checkpoint slot for a hybrid's states after the sequence's first `slots` slots (a block boundary)."""
         block = self.tables[seq_id][slots // self.block_size - 1]
         return self.prefix.reserve_checkpoint(block, lambda b: self._refs[b] > 0)
 

@@ -92,15 +92,15 @@ class PrefixCache:
         if slot is not None:
             self._free_checkpoints.append(slot)
 
-    def reserve_checkpoint(self, block: int, held: Callable[[int], bool]) -> int | None:
+    def reserve_checkpoint(self, block: int, held: Callable[[int], bool]) -> int:
         """A checkpoint slot for the states after `block`: a free one, else the least recently used one whose
-        block no sequence holds (`held`). None when every slot is in use."""
+        block no sequence holds (`held`), else the least recently used one. A hit restores its checkpoint in the
+        step that matched it, before any checkpoint is reserved, so even a held block's checkpoint may go: the
+        deepest checkpoints of a long prompt are then kept, rather than its first ones."""
         if block in self.checkpoint_of:
             return self.checkpoint_of[block]
         if not self._free_checkpoints:
-            victim = next((b for b in self.checkpoint_of if not held(b)), None)
-            if victim is None:
-                return None
+            victim = next((b for b in self.checkpoint_of if not held(b)), next(iter(self.checkpoint_of)))
             self._free_checkpoints.append(self.checkpoint_of.pop(victim))
         slot = self._free_checkpoints.pop()
         self.checkpoint_of[block] = slot

@@ -234,12 +234,8 @@ class PagedBackend:
         saves = {}
         for chunk in chunks:
             end = min(chunk.start + len(chunk.tokens), len(self.states[chunk.seq_id].request.prompt_ids))
-            rows = []
-            for boundary in range((chunk.start // every + 1) * every, end + 1, every):
-                checkpoint = self.blocks.reserve_checkpoint(chunk.seq_id, boundary)
-                if checkpoint is not None:
-                    rows.append((boundary - chunk.start, checkpoint))
-            saves[chunk.seq_id] = tuple(rows)
+            saves[chunk.seq_id] = tuple((boundary - chunk.start, self.blocks.reserve_checkpoint(chunk.seq_id, boundary))
+                                        for boundary in range((chunk.start // every + 1) * every, end + 1, every))
         return saves
 
     # -- one round ------------------------------------------------------------------------------------------
