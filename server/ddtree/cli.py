@@ -175,6 +175,10 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-request-path", action=argparse.BooleanOptionalAction, default=True,
                    help="a request alone decodes on the single-request fast path (its whole round in CUDA graphs) "
                         "and moves to the batched path when others arrive (default on, where the fast path runs)")
+    p.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="prompts that start with a cached prefix reuse its KV blocks (and a hybrid's states) and "
+                        "prefill only the rest (default on; --no-enable-prefix-caching: every prompt in full)")
 
 
 def _batch_options(args: argparse.Namespace):
@@ -182,7 +186,8 @@ def _batch_options(args: argparse.Namespace):
 
     return BatchOptions(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-                        batch_budget=args.batch_budget, single_request_path=args.single_request_path)
+                        batch_budget=args.batch_budget, single_request_path=args.single_request_path,
+                        prefix_caching=args.prefix_caching)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -76,6 +76,7 @@ class ScriptedSequence:
     def __init__(self, generation: ScriptedGeneration) -> None:
         self.generation = generation
         self.done = False
+        self.cached_prompt = 0
 
 
 class ScriptedBatch:
@@ -101,7 +102,7 @@ class ScriptedBatch:
         """One scripted block per live request, as if the pool held max_num_seqs blocks."""
         return len(self.live) / self.max_num_seqs
 
-    def add(self, prompt_ids, params) -> ScriptedSequence:
+    def add(self, prompt_ids, params, cache_salt=None) -> ScriptedSequence:
         seq = ScriptedSequence(self.engine.stream(prompt_ids, params))
         self.live.append(seq)
         return seq

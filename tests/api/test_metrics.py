@@ -15,6 +15,7 @@ VLLM_SERIES = [
     "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
     "ddtree_spec_accepted_length_bucket", "ddtree_round_seconds_bucket", "ddtree_tree_nodes_bucket",
     "ddtree_request_tokens_per_second_bucket", "ddtree_inter_token_latency_seconds_bucket",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
 ]
 
 

@@ -150,7 +150,7 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
         """Queue a prepared request's choices (all or none) and reply, whole or streamed. Requests that were
         already in flight when a drain began are still served: only new ones were refused (require_ready)."""
         requests = [EngineRequest(prepared.prompt_ids, choice_params(prepared.params, i), stop=prepared.stop,
-                                  include_stop_str=body.include_stop_str_in_output,
+                                  include_stop_str=body.include_stop_str_in_output, cache_salt=body.cache_salt,
                                   client=body.user or (http.client.host if http.client else ""))
                     for i in range(body.n)]
         try:

@@ -111,6 +111,10 @@ class ServerMetrics:
             **labels)
         self.preemptions = counter("vllm:num_preemptions",
                                    "Requests preempted (caches dropped, recomputed later).").labels(**labels)
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.").labels(**labels)
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache (not prefilled).").labels(**labels)
         # Throughput counters (exposed with the `_total` suffix).
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(**labels)
         self.generation_tokens = TokenThroughput(counter("vllm:generation_tokens",
@@ -202,7 +206,9 @@ class ServerMetrics:
 
     def observe_step(self, step) -> None:
         """Record one engine step (engine/batch.py StepStats): tokens, batch size, the batch budget's choice,
-        preemptions and the phases of its rounds."""
+        preemptions, the prefix cache's lookups and the phases of its rounds."""
+        self.prefix_cache_queries.inc(step.prefix_queries)
+        self.prefix_cache_hits.inc(step.prefix_hits)
         if step.sequences == 0 and step.prefill_tokens == 0:
             return
         self.iteration_tokens.observe(step.prefill_tokens + step.verified_tokens)

@@ -198,6 +198,7 @@ class SamplingFields(_Tolerant):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's, non-streaming
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: only equal salts share cached prefixes
     user: str | None = None
     return_token_ids: bool = False
     return_spec_stats: bool = False

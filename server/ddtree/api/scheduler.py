@@ -173,6 +173,7 @@ class Request:
     params: SamplingParams
     stop: tuple[str, ...] = ()
     include_stop_str: bool = False
+    cache_salt: str | None = None  # only requests with the same salt share cached prompt prefixes
     client: str = ""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
@@ -180,6 +181,7 @@ class Request:
     first_token: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage.prompt_tokens_details)
     prompt_logprobs: list | None = None  # the engine's TokenLogprob per prompt token (first: None), if asked
     spec: SpecStats | None = None
     finish_reason: str | None = None
@@ -377,7 +379,7 @@ class Scheduler:
             request.scheduled = time.monotonic()
             self.metrics.queue_time.observe(request.scheduled - request.arrival)
             try:
-                sequence = self.batch.add(request.prompt_ids, request.params)
+                sequence = self.batch.add(request.prompt_ids, request.params, cache_salt=request.cache_salt)
             except Exception as exc:  # a bad request the validation missed must not kill the worker
                 log.exception("could not start request %s", request.request_id)
                 self._abort(request, str(exc))
@@ -431,6 +433,7 @@ class Scheduler:
         now = time.monotonic()
         if out.is_prefill:
             request.prompt_logprobs = out.prompt_logprobs
+            request.cached_tokens = run.sequence.cached_prompt
             self.metrics.prompt_tokens.inc(len(request.prompt_ids))
             self.metrics.prefill_time.observe(now - request.scheduled)
             self.metrics.ttft.observe(now - request.arrival)

@@ -38,11 +38,12 @@ MIN_LOGPROB = -9999.0
 
 
 def _usage(requests: list[EngineRequest]) -> dict:
-    """The prompt counts once; the completions of all n choices add up (as OpenAI counts them)."""
+    """The prompt counts once; the completions of all n choices add up (as OpenAI counts them); cached tokens are
+    the first choice's prompt tokens found in the prefix cache."""
     prompt = len(requests[0].prompt_ids)
     completion = sum(r.completion_tokens for r in requests)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": requests[0].cached_tokens}}
 
 
 def _finite(logprob: float) -> float:
