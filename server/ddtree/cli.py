@@ -480,10 +480,15 @@ def _add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="bearer token (default: $DDTREE_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="/v1/completions or /v1/chat/completions (default: completions)")
-    p.add_argument("--dataset", default="random", metavar="random|FILE.jsonl",
-                   help="random: --input-len random words per prompt; or a JSONL file with one {\"prompt\": ...} or "
-                   "{\"messages\": [...]} per line (an optional \"max_tokens\" each), cycled (default: random)")
-    p.add_argument("--input-len", type=int, default=128, help="random dataset: words per prompt (default 128)")
+    p.add_argument("--dataset", default="random", metavar="random|shared-prefix|FILE.jsonl",
+                   help="random: --input-len random words per prompt; shared-prefix: one common prefix of "
+                   "--prefix-len words, then --input-len words of each prompt's own (prefix caching); or a JSONL "
+                   "file with one {\"prompt\": ...} or {\"messages\": [...]} per line (an optional \"max_tokens\" "
+                   "each), cycled (default: random)")
+    p.add_argument("--input-len", type=int, default=128,
+                   help="random and shared-prefix datasets: a prompt's own words (default 128)")
+    p.add_argument("--prefix-len", type=int, default=1500,
+                   help="shared-prefix dataset: words of the prefix every prompt starts with (default 1500)")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per concurrency level (default 100)")
     p.add_argument("--concurrency", nargs="+", type=int, default=None, metavar="C",
                    help="most requests in flight; several values sweep them in one run (default: no limit)")

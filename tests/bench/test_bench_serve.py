@@ -18,7 +18,7 @@ REPORT_KEYS = {"base_url", "model", "endpoint", "num_prompts", "request_rate", "
                "dataset", "runs"}
 RUN_KEYS = {"concurrency", "completed", "failed", "errors", "duration_s", "request_throughput", "output_throughput",
             "total_token_throughput", "total_input_tokens", "total_output_tokens", "ttft_ms", "tpot_ms", "itl_ms",
-            "e2e_ms", "acceptance_length", "spec_decode", "requests"}
+            "e2e_ms", "acceptance_length", "spec_decode", "prefix_cache", "requests"}
 SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
 
 
@@ -81,6 +81,25 @@ def test_a_jsonl_dataset_on_the_chat_endpoint_with_its_own_max_tokens(server, tm
     (run,) = json.loads(out.read_text())["runs"]
     assert run["concurrency"] is None and run["completed"] == 3
     assert [r["output_tokens"] for r in run["requests"]] == [3, 5, 3]  # the lines cycle
+
+
+def test_a_shared_prefix_dataset_reports_the_servers_prefix_cache_hits(server, tmp_path, capsys):
+    """Prompts of one common prefix, one at a time: all but the first find it cached, and the report's hit
+    rate is the server's own counters' growth."""
+    names = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    before = {name: total(server, name) for name in names}
+    out = tmp_path / "report.json"
+    rc = main(["bench-serve", "--base-url", server.url, "--api-key", API_KEY, "--dataset", "shared-prefix",
+               "--prefix-len", "80", "--input-len", "4", "--num-prompts", "3", "--concurrency", "1",
+               "--max-tokens", "2", "--seed", "11", "--json", str(out)])
+    assert rc == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    cache = run["prefix_cache"]
+    assert cache["queries"] == total(server, names[0]) - before[names[0]] == run["total_input_tokens"]
+    assert cache["hits"] == total(server, names[1]) - before[names[1]] > 0
+    assert cache["hit_rate"] == cache["hits"] / cache["queries"]
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefix cache hit rate")]
+    assert row.split()[-1] == f"{cache['hit_rate']:.3f}"
 
 
 def test_refused_requests_are_counted_and_shown(server, tmp_path, capsys):

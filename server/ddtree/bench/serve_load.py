@@ -7,7 +7,11 @@ chunks with text: one chunk per verify round on ddtree, so a chunk may carry sev
 / (output tokens - 1)) and E2E. Output tokens come from the stream's `usage` (stream_options.include_usage),
 or the count of text chunks when a server sends none. Where the server exposes Prometheus `/metrics` with
 vLLM's spec-decode counters, the run's mean acceptance length is 1 + accepted / drafts between a scrape
-before and one after each level (as `vllm bench serve` computes it; other traffic in the window counts too).
+before and one after each level (as `vllm bench serve` computes it; other traffic in the window counts too),
+and likewise the prefix cache's hit rate (vLLM's prefix_cache_queries / hits counters).
+
+`--dataset shared-prefix` measures prefix caching: every prompt is one common prefix of --prefix-len random words
+(a system prompt) and a user turn of --input-len words of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ddtree.errors import DDTreeError
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
                  "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+PREFIX_COUNTERS = {"queries": "vllm:prefix_cache_queries_total", "hits": "vllm:prefix_cache_hits_total"}
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PERCENTILES = (("mean", None), ("median", 50), ("p90", 90), ("p99", 99))
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -83,12 +88,24 @@ class RequestResult:
 # Datasets
 
 
+def shared_prefix_prompts(count: int, prefix_len: int, input_len: int, seed: int = 0) -> list[Prompt]:
+    """`count` prompts of one common prefix of `prefix_len` random words, each followed by its own `input_len`
+    random words (a numbered turn, so no two share more than the prefix)."""
+    rng = random.Random(seed)
+    prefix = " ".join(rng.choice(WORDS) for _ in range(prefix_len))
+    return [Prompt(prompt=f"{prefix}\n{i}: " + " ".join(rng.choice(WORDS) for _ in range(input_len)))
+            for i in range(count)]
+
+
 def load_prompts(args: argparse.Namespace) -> list[Prompt]:
-    """--num-prompts prompts: random words of --input-len, or a JSONL file's lines (cycled when too few)."""
+    """--num-prompts prompts: random words of --input-len, a shared prefix of --prefix-len words before each such
+    turn, or a JSONL file's lines (cycled when too few)."""
     if args.dataset == "random":
         rng = random.Random(args.seed)
         return [Prompt(prompt=" ".join(rng.choice(WORDS) for _ in range(args.input_len)))
                 for _ in range(args.num_prompts)]
+    if args.dataset == "shared-prefix":
+        return shared_prefix_prompts(args.num_prompts, args.prefix_len, args.input_len, args.seed)
     path = Path(args.dataset)
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -218,7 +235,7 @@ def parse_counters(text: str) -> dict[str, float]:
 
 
 async def scrape(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
-    """The spec-decode counters now, or None when the server has no /metrics with them."""
+    """The spec-decode and prefix-cache counters the server has now, or None without /metrics."""
     try:
         response = await client.get(f"{base_url}/metrics", headers=headers)
     except httpx.HTTPError:
@@ -226,17 +243,29 @@ async def scrape(client: httpx.AsyncClient, base_url: str, headers: dict[str, st
     if response.status_code != 200:
         return None
     counters = parse_counters(response.text)
-    if not all(name in counters for name in SPEC_COUNTERS.values()):
+    return {key: counters[name] for key, name in (SPEC_COUNTERS | PREFIX_COUNTERS).items() if name in counters}
+
+
+def _growth(before: dict[str, float] | None, after: dict[str, float] | None, keys) -> dict[str, float] | None:
+    """Each counter's growth over a run, or None when the server lacks any of them."""
+    if before is None or after is None or not all(key in before and key in after for key in keys):
         return None
-    return {key: counters[name] for key, name in SPEC_COUNTERS.items()}
+    return {key: after[key] - before[key] for key in keys}
+
+
+def prefix_cache(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """Prompt tokens looked up in and found in the prefix cache over a run, and their ratio (None without)."""
+    delta = _growth(before, after, PREFIX_COUNTERS)
+    if delta is None or delta["queries"] <= 0:
+        return None
+    return {"queries": int(delta["queries"]), "hits": int(delta["hits"]),
+            "hit_rate": delta["hits"] / delta["queries"]}
 
 
 def spec_decode(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
     """The counters' growth over a run and its mean acceptance length (None without speculation)."""
-    if before is None or after is None:
-        return None
-    delta = {key: after[key] - before[key] for key in SPEC_COUNTERS}
-    if delta["drafts"] <= 0:
+    delta = _growth(before, after, SPEC_COUNTERS)
+    if delta is None or delta["drafts"] <= 0:
         return None
     return {**{key: int(value) for key, value in delta.items()},
             "acceptance_length": 1.0 + delta["accepted_tokens"] / delta["drafts"]}
@@ -287,7 +316,7 @@ async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, url: st
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     after = await scrape(client, args.base_url, headers)
-    return summarize(results, duration, concurrency, spec_decode(before, after))
+    return summarize(results, duration, concurrency, spec_decode(before, after), prefix_cache(before, after))
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -299,7 +328,7 @@ def _stats(values: list[float]) -> dict[str, float | None]:
 
 
 def summarize(results: list[RequestResult], duration: float, concurrency: int | None,
-              spec: dict | None) -> dict:
+              spec: dict | None, cache: dict | None = None) -> dict:
     ok = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in ok)
     prompt = sum(r.prompt_tokens or 0 for r in ok)
@@ -313,6 +342,7 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int | 
             "total_output_tokens": output,
             **{f"{name}_ms": _stats(values) for name, values in latencies.items()},
             "acceptance_length": spec["acceptance_length"] if spec else None, "spec_decode": spec,
+            "prefix_cache": cache,
             "requests": [{**asdict(r), "tpot": r.tpot} for r in results]}
 
 
@@ -340,6 +370,8 @@ def render(report: dict) -> str:
         for stat, _ in PERCENTILES:
             rows.append((f"{name.upper()} {stat} (ms)", [_fmt(r[f"{name}_ms"][stat]) for r in runs]))
     rows.append(("acceptance length", [_fmt(r["acceptance_length"]) for r in runs]))
+    rows.append(("prefix cache hit rate", [_fmt(r["prefix_cache"] and r["prefix_cache"]["hit_rate"], 3)
+                                           for r in runs]))
     width = max(len(label) for label, _ in rows)
     cols = [max(len(row[1][i]) for row in rows) for i in range(len(runs))]
     title = (f"{report['model']} at {report['base_url']}{ENDPOINTS[report['endpoint']]}: "
@@ -394,8 +426,8 @@ def bench_serve(args: argparse.Namespace) -> int:
         raise DDTreeError("--concurrency levels must be at least 1")
     if not args.request_rate > 0:
         raise DDTreeError("--request-rate must be above 0 (inf: every request at once)")
-    if args.max_tokens < 1 or args.input_len < 1:
-        raise DDTreeError("--max-tokens and --input-len must be at least 1")
+    if args.max_tokens < 1 or args.input_len < 1 or args.prefix_len < 1:
+        raise DDTreeError("--max-tokens, --input-len and --prefix-len must be at least 1")
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
     report = asyncio.run(_bench(args))
     print(render(report))
