@@ -143,7 +143,7 @@ def _batching(spec: Manifest) -> Manifest:
     b = spec.get("server", {}).get("batching", {})
     return {"maxNumSeqs": b.get("maxNumSeqs", 64), "maxNumBatchedTokens": b.get("maxNumBatchedTokens", 2048),
             "gpuMemoryUtilization": b.get("gpuMemoryUtilization", 0.9), "blockSize": b.get("blockSize", 16),
-            "batchBudget": b.get("batchBudget", True)}
+            "batchBudget": b.get("batchBudget", True), "enablePrefixCaching": b.get("enablePrefixCaching", True)}
 
 
 def _gpu(spec: Manifest) -> Manifest:
@@ -377,6 +377,9 @@ def server_args(spec: Manifest) -> list[str]:
             "--max-num-seqs", str(batching["maxNumSeqs"]),
             "--max-num-batched-tokens", str(batching["maxNumBatchedTokens"]),
             "--block-size", str(batching["blockSize"])]
+    if not batching["enablePrefixCaching"]:  # only off is passed: on is the server's default, and images that
+        # predate the flag still start
+        args += ["--no-enable-prefix-caching"]
     if spec["target"].get("quantization", "none") != "none":  # only fp8 is passed: none is the server's default
         # and images that predate --quantization still start
         args += ["--quantization", spec["target"]["quantization"]]

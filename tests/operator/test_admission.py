@@ -57,6 +57,7 @@ def create_strictly(cluster, ns: str, name: str, spec: dict[str, Any]) -> dict[s
      "spec.server.batching.gpuMemoryUtilization in body should be less than or equal to 1"),
     ({"server": {"batching": {"blockSize": 12}}}, "spec.server.batching.blockSize: Unsupported value: 12"),
     ({"server": {"batching": {"batchBudget": "auto"}}}, "must be of type boolean"),
+    ({"server": {"batching": {"enablePrefixCaching": "yes"}}}, "must be of type boolean"),
     ({"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "int4"}},
      'spec.target.quantization: Unsupported value: "int4"'),
     ({"server": {"extraArgs": ["--max-num-seqs=8"]}}, "server.extraArgs must not set flags that have spec fields"),
@@ -149,7 +150,8 @@ def test_the_kubernetes_fields_accept_what_kubernetes_accepts(cluster, crd, name
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "t", "optional": True}}}]}
     spec["server"] = {**spec["server"], "batching": {"maxNumSeqs": 256, "maxNumBatchedTokens": 8192,
-                                                     "gpuMemoryUtilization": 1, "blockSize": 128, "batchBudget": False}}
+                                                     "gpuMemoryUtilization": 1, "blockSize": 128, "batchBudget": False,
+                                                     "enablePrefixCaching": False}}
     spec["target"] = {**spec["target"], "quantization": "fp8"}
     created = create_strictly(cluster, namespace, "good", spec)
     assert created["spec"]["autoscaling"]["scaleDownDelaySeconds"] == 300  # defaulted
@@ -162,7 +164,8 @@ def test_the_kubernetes_fields_accept_what_kubernetes_accepts(cluster, crd, name
 def test_batching_defaults_are_the_servers(cluster, crd, namespace):
     created = create_strictly(cluster, namespace, "defaults", copy.deepcopy(SPEC))
     assert created["spec"]["server"]["batching"] == {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048,
-                                                     "gpuMemoryUtilization": 0.9, "blockSize": 16, "batchBudget": True}
+                                                     "gpuMemoryUtilization": 0.9, "blockSize": 16, "batchBudget": True,
+                                                     "enablePrefixCaching": True}
     assert created["spec"]["target"]["quantization"] == "none"
 
 

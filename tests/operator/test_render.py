@@ -272,14 +272,22 @@ def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
     decoding = {"method": "ar", "budget": 8, "temperature": 0.5, "generationConfig": "none", "thinking": True,
                 "draftVocab": {"configMapRef": {"name": "hot"}}, "draftQuantization": "fp8"}
     target = {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "fp8"}
-    flags = [a for batch_budget in (True, False)
-             for a in render.server_args(cr({"decoding": decoding, "target": target,
-                                             "server": {"batching": {"batchBudget": batch_budget}}})["spec"])[1:]
+    flags = [a for on in (True, False)
+             for a in render.server_args(cr({"decoding": decoding, "target": target, "server": {"batching": {
+                 "batchBudget": on, "enablePrefixCaching": on}}})["spec"])[1:]
              if a.startswith("--")]
     assert {"--generation-config", "--draft-vocab", "--draft-quantization", "--quantization", "--max-num-seqs",
             "--max-num-batched-tokens", "--gpu-memory-utilization", "--block-size", "--batch-budget",
-            "--no-batch-budget"} <= set(flags), flags
+            "--no-batch-budget", "--no-enable-prefix-caching"} <= set(flags), flags
     assert all(refused.match(f) for f in flags), flags
+
+
+def test_prefix_caching_is_the_servers_default_and_turned_off_by_name():
+    def args(batching: dict) -> list[str]:
+        return render.server_args(cr({"server": {"batching": batching}})["spec"])
+
+    assert not [a for a in args({}) + args({"enablePrefixCaching": True}) if "prefix-caching" in a]
+    assert "--no-enable-prefix-caching" in args({"enablePrefixCaching": False})
 
 
 def test_the_draft_keeps_its_dtype_unless_fp8_is_asked_for():
