@@ -203,3 +203,19 @@ def test_hybrid_prompts_sharing_a_prefix_decode_what_they_decode_alone(hybrid, p
     for (prompt, method, budget), seq in zip(requests, seqs, strict=True):
         assert seq.generation.token_ids == alone(hybrid, prompt, GREEDY, method, budget), (method, budget)
     assert batch.blocks.free_blocks == blocks
+
+
+def test_a_hybrid_checkpoints_every_prompt_piece_by_default(hybrid):
+    """Without a chosen interval the states are checkpointed every PROMPT_CHUNK tokens, one checkpoint slot per
+    sequence: a long shared prefix hits at its last piece boundary."""
+    from ddtree.fast.hybrid import PROMPT_CHUNK
+
+    batch = paged(hybrid, blocks=160, max_num_batched_tokens=512)
+    prefix = [(11 * i) % 90 + 3 for i in range(PROMPT_CHUNK + 40)]
+    assert batch.blocks.prefix.every * 8 == PROMPT_CHUNK and batch.blocks.prefix.checkpoint_slots == 4
+    batch.add([*prefix, 1], GREEDY)
+    drain(batch)
+    again = batch.add([*prefix, 2], GREEDY)
+    drain(batch)
+    assert again.cached_prompt == PROMPT_CHUNK
+    assert again.generation.token_ids == alone(hybrid, [*prefix, 2], GREEDY, "ddtree", None)

@@ -36,11 +36,11 @@ from ddtree.core.budget import FLAT, CostModel, RoundChoice, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens
 from ddtree.core.tree import selector_chain_tree, selector_tree_from_sorted
-from ddtree.fast.batch_memory import checkpoint_every
 from ddtree.fast.batch_rows import Captured, StaticRows, buckets
 from ddtree.fast.batch_seq import SeqState, logprob_rows, processed_logits, round_picks
 from ddtree.fast.batch_trees import RoundTrees, accepted_paths, dflash_trees
 from ddtree.fast.dflash2 import SelectorDraft
+from ddtree.fast.hybrid import PROMPT_CHUNK
 from ddtree.fast.layers import Draft, Ops, TargetLayer, decoder_layer
 from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, SeqRows, VarlenRows
 from ddtree.fast.rope import RopeTable
@@ -91,9 +91,11 @@ class PagedBackend:
                 self.ops.attention_heads = heads_kernel
         # a hybrid's recurrent layers keep a state per sequence (fast/paged_hybrid.py); only attention layers page
         self.hybrid = HybridRows(target, self.ops, max_seqs, max_rows) if isinstance(target, HybridTarget) else None
-        if self.hybrid and blocks.prefix is not None:  # a hit restores the states checkpointed after its prefix
+        if self.hybrid and blocks.prefix is not None:  # a hit restores the states checkpointed after its prefix:
+            # as many checkpoints as sequences (the memory the server sets aside for them: batch_memory.py), one
+            # every prompt piece (a prefill's recurrent layers end a piece there anyway)
             if not blocks.prefix.every:
-                blocks.prefix.keep_states(max_seqs, checkpoint_every(target, draft, blocks.block_size))
+                blocks.prefix.keep_states(max_seqs, max(1, PROMPT_CHUNK // blocks.block_size))
             self.hybrid.pool.keep_checkpoints(blocks.prefix.checkpoint_slots)
         # a hybrid's trees stay within the varlen Gated DeltaNet kernels' rows (fast/paged_hybrid.py)
         self.max_tree = gdn.TREE_MAX - 1 if self.hybrid else MAX_BUDGET

@@ -22,12 +22,6 @@ def slot_bytes(target: Target, draft: DFlashDraft | None) -> int:
     return size * target.dtype.itemsize
 
 
-def checkpoint_every(target: HybridTarget, draft: DFlashDraft | None, block_size: int) -> int:
-    """Blocks between a hybrid's prefix-cache checkpoints: as many as take the memory of one checkpoint (its
-    recurrent and conv states), so the checkpoints at most double what a cached prefix takes."""
-    return max(1, -(-RecurrentPool.bytes_per_sequence(target) // (block_size * slot_bytes(target, draft))))
-
-
 def pool_tokens(engine, options) -> int:
     """Cache slots for the pool: on a GPU what --gpu-memory-utilization leaves once the weights are loaded, less
     room for a full step's activations and logits; elsewhere enough for every sequence at 2048 tokens."""
@@ -35,8 +29,8 @@ def pool_tokens(engine, options) -> int:
         return options.max_num_seqs * min(engine.max_context, 2048)
     free, total = torch.cuda.mem_get_info(engine.target.device)
     activations = options.max_num_batched_tokens * engine.vocab_size * 4 * 3 + 2 * 2**30  # logits, processing, slack
-    if isinstance(engine.target, HybridTarget):  # every sequence's recurrent states (and as many checkpoints), a
-        # verify's record
+    if isinstance(engine.target, HybridTarget):  # every sequence's recurrent states (and with prefix caching as
+        # many checkpoints of them: fast/batch.py), a verify's record
         states = options.max_num_seqs * (2 if options.prefix_caching else 1)
         activations += (states * RecurrentPool.bytes_per_sequence(engine.target)
                         + HybridRows.buffer_bytes(engine.target, options.max_num_seqs, options.max_num_batched_tokens))
