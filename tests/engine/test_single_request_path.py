@@ -87,3 +87,25 @@ def test_the_single_request_path_can_be_turned_off(pairs):
     finish(batch)
     assert batch.solo is None and isinstance(seq.backend, PagedBackend)
     assert seq.generation.token_ids == engine.generate([5, 6, 7], GREEDY).token_ids
+
+
+def test_a_lone_request_whose_prompt_is_cached_stays_on_the_batched_path(pairs):
+    """The single-request path keeps its own cache: a lone request whose prompt starts with a prefix the batched
+    path has cached decodes there instead (prefilling only the rest); one that hits nothing still goes alone."""
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine)
+    shared = list(range(3, 40))
+    first = batch.add([*shared, 1], GREEDY)
+    batch.add([9, 8], GREEDY)  # together: both batched, the first's prompt cached
+    finish(batch)
+    assert isinstance(first.backend, PagedBackend)
+    hit = batch.add([*shared, 2], GREEDY)
+    finish(batch)
+    miss = batch.add(list(range(50, 60)), GREEDY)
+    finish(batch)
+    assert isinstance(hit.backend, PagedBackend) and hit.cached_prompt == 32 and miss.backend is batch.solo
+    assert hit.generation.token_ids == engine.generate([*shared, 2], GREEDY).token_ids
+    alone = batch_of(engine, prefix_caching=False)
+    lone = alone.add([*shared, 1], GREEDY)
+    finish(alone)
+    assert lone.backend is alone.solo and alone.blocks.prefix is None

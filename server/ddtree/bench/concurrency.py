@@ -60,10 +60,12 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     tokens = max(args.max_num_batched_tokens, top * (budget + 1))
     pool = top * (args.prompt_tokens + args.max_new_tokens + 2 * budget + 64)
     solo = args.single_request_path
+    # every run decodes the same prompts (after a warm-up wave of them): with prefix caching the later runs would
+    # skip the prefills the first paid for, so each prompt is prefilled every time, as the runs compare decoding
     fixed = engine.batch(BatchOptions(max_num_seqs=top, max_num_batched_tokens=tokens, kv_cache_tokens=pool,
-                                      batch_budget=False, single_request_path=solo))
+                                      batch_budget=False, single_request_path=solo, prefix_caching=False))
     budgeted = engine.batch(BatchOptions(max_num_seqs=top, max_num_batched_tokens=tokens, kv_cache_tokens=pool,
-                                         single_request_path=solo))
+                                         single_request_path=solo, prefix_caching=False))
     cost = getattr(budgeted.backends[0], "cost", None)
     runs = [("ar", None, fixed), ("dflash", None, fixed), ("ddtree", budget, fixed), ("ddtree batch", budget, budgeted)]
     curve_runs = [("ddtree", b, fixed) for b in args.budgets[1:]]
