@@ -230,7 +230,7 @@ class PagedBackend:
         prefix takes the states checkpointed there; a chunk saves the states at each checkpoint boundary it
         reaches inside its prompt. Returns each sequence's saves (rows into its chunk, checkpoint slot)."""
         pool, every = self.hybrid.pool, self.blocks.prefix.every * self.page
-        for chunk in chunks:  # restores first: their checkpoints' blocks are held, so no save below reuses them
+        for chunk in chunks:  # restores first: a save below may take any checkpoint slot, a hit's one included
             if chunk.start and self.states[chunk.seq_id].start == 0:
                 pool.restore(chunk.seq_id, self.blocks.checkpoint(chunk.seq_id, chunk.start))
         saves = {}
