@@ -339,7 +339,8 @@ def few_rows_fp8_case(rows: int, n: int, k: int, block: tuple[int, int] | None, 
     tiles, sums and roundings (an AR step's row has the bits it has in a verify). On rows whose quantization and
     sums are exact (integers, one 448 a group or row, power-of-two scales) it also equals fp8.reference_mm bit for
     bit. `block`: the weight's scale block, None for channel scales."""
-    from ddtree.kernels import fp8, gemm, rows as row_kernels
+    from ddtree.kernels import fp8, gemm
+    from ddtree.kernels import rows as row_kernels
 
     gen = torch.Generator().manual_seed(rows + n + k)
     group = block[1] if block else None
