@@ -216,3 +216,19 @@ def test_wgmma_gemm_in_a_graph_reads_what_the_kernel_before_it_wrote():
         x.copy_(torch.randn(65, 4096, generator=torch.Generator().manual_seed(seed)))
         graph.replay()
         assert torch.equal(out, step())
+
+
+@gpu
+@pytest.mark.skipif(not _hopper(), reason="wgmma needs a Hopper GPU (sm_90)")
+def test_a_prompts_rows_build_no_kernel_and_take_the_library_product():
+    """A prompt of a length no tree has (rows padded to a count not built yet) must not wait for a kernel build:
+    inside prompt_rows its projections are cuBLAS's, the same bits whenever the prompt comes."""
+    x = torch.randn(97, 4096, device="cuda").to(torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda").to(torch.bfloat16)
+    built = wgmma._kernel.cache_info().currsize
+    with gemm.prompt_rows():
+        y = gemm.linear(x, w)
+        assert gemm.silu_mul_linear(x, w) is None
+    assert wgmma._kernel.cache_info().currsize == built
+    assert torch.equal(y, torch.nn.functional.linear(x, w, torch.zeros(4096, device="cuda", dtype=torch.bfloat16)))
+    assert wgmma.supported(x, w)  # outside a prompt the same rows take the Hopper GEMM

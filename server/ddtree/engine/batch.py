@@ -280,20 +280,29 @@ class BatchOptions:
 def warm_up(batch: BatchEngine, *settings: SamplingParams) -> list[str]:
     """Short requests per sampling setting through the batch engine, so the code paths its first requests take
     are compiled now (its CUDA graphs were captured when it was built): one alone (the single-request path's
-    graphs), then a second joining it (the move to the batched path, and a batched round). Returns what was
-    warmed up."""
+    graphs) at two prompt lengths, then a second joining it (the move to the batched path, and a batched round),
+    then a prompt joining a batch whose cached prefix leaves it one row to prefill. Returns what was warmed up."""
     done = []
     engine = batch.engine
     prompt = [i % engine.vocab_size for i in range(1, 9)]
+    longer = [i % engine.vocab_size for i in range(1, min(100, engine.max_context // 2))]
     for params in settings:
         short = replace(params, max_new_tokens=2 * engine.block_size, ignore_eos=True)
-        first = batch.add(prompt, short)
-        while first.status is not Status.FINISHED:
-            batch.step()
+        for alone in (prompt, longer):  # a second length: the compiled steps' shapes become dynamic now
+            first = batch.add(alone, short)
+            while first.status is not Status.FINISHED:
+                batch.step()
         first = batch.add(prompt, short)
         batch.step()
         second = batch.add(prompt[::-1], short)
         while first.status is not Status.FINISHED or second.status is not Status.FINISHED:
+            batch.step()
+        # a prompt whose cached prefix leaves one row to prefill (rows a kernel specializes on), beside another
+        pair = [batch.add(longer, short), batch.add(prompt, short)]
+        batch.step()
+        page = batch.blocks.block_size if batch.blocks is not None else 1
+        pair.append(batch.add(longer[:len(longer) // page * page + 1], short))
+        while any(seq.status is not Status.FINISHED for seq in pair):
             batch.step()
         done.append("greedy" if params.greedy else f"temperature {params.temperature:g}")
     return done

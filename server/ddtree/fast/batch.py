@@ -36,7 +36,8 @@ from ddtree.core.budget import FLAT, CostModel, RoundChoice, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens
 from ddtree.core.tree import selector_chain_tree, selector_tree_from_sorted
-from ddtree.fast.batch_rows import Captured, StaticRows, buckets
+from ddtree.fast.batch_cost import measure_cost
+from ddtree.fast.batch_rows import Captured, ContextRows, StaticRows, buckets
 from ddtree.fast.batch_seq import SeqState, logprob_rows, processed_logits, round_picks
 from ddtree.fast.batch_trees import RoundTrees, accepted_paths, dflash_trees
 from ddtree.fast.dflash2 import SelectorDraft
@@ -48,7 +49,7 @@ from ddtree.fast.runner import MAX_BUDGET
 from ddtree.kernels import gdn
 from ddtree.kernels.fp8 import Fp8Weight
 from ddtree.kernels.gather import embed
-from ddtree.kernels.gemm import linear
+from ddtree.kernels.gemm import linear, prompt_rows
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.invariant import for_fp8_targets
 from ddtree.kernels.jit import triton_works
@@ -178,6 +179,7 @@ class PagedBackend:
 
     # -- prefill -------------------------------------------------------------------------------------------
 
+    @prompt_rows()
     def _prefill(self, chunks: list[Prefill]) -> dict[int, Round]:
         """Every chunk's rows in one causal forward; picks for new sequences whose prompt is now whole."""
         started = time.perf_counter()
@@ -200,7 +202,7 @@ class PagedBackend:
         logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
                                          self._tensor(logit_rows), seqs)
         if self.draft is not None:
-            self._extend_draft(taps, positions_t, slots_t)
+            self._extend_draft(taps, list(range(len(ids))), positions, slots)
         out: dict[int, Round] = {}
         for index, chunk in enumerate(chunks):
             state = self.states[chunk.seq_id]
@@ -299,9 +301,7 @@ class PagedBackend:
         if record is not None:
             self.hybrid.commit(record, seqs, lasts)
         if self.draft is not None and any(state.request.method != "ar" for state in states):  # drafter context
-            keep = self._tensor(accepted_rows)
-            self._extend_draft(taps.index_select(0, keep), self._tensor(accepted_positions),
-                               self._tensor(accepted_slots))
+            self._extend_draft(taps, accepted_rows, accepted_positions, accepted_slots)
         phases["commit"], _ = self._lap(t, wait=False)
         self.last_nodes = int(trees.sizes.sum())
         if self.choice is not None:
@@ -373,6 +373,10 @@ class PagedBackend:
         trees.cut(choose_nodes(trees.live_scores(), self.cost, range(limit + 1)))
         return trees
 
+    def measure_cost(self, repeats: int = 3) -> CostModel:
+        """The round's cost model on this device (fast/batch_cost.py)."""
+        return measure_cost(self, repeats)
+
     def capture_all(self) -> None:
         """Capture every bucket's verify forward, and the draft forward for every batch of blocks, before any
         sequence runs (the pools are empty, so dummy rows may write any slots): the server does this before it
@@ -388,51 +392,11 @@ class PagedBackend:
                 if bucket >= self.block and bucket < self.max_seqs * self.block + self.block:
                     self._capture("draft", bucket).rows.fill([0], [0], [self.scratch], dummy)
                     self.captured[("draft", bucket)]()
-
-    def measure_cost(self, repeats: int = 3) -> CostModel:
-        """The round's cost model on this device, measured before any sequence runs: the verify forward at each
-        bucket of rows (one sequence of that many causal rows), and the drafter's block pass per sequence (the
-        slope between one block and eight). The pools are empty, so the rows may write any slots."""
-        page = self.page
-        samples = [b for b in self.buckets if b <= max(8, self.max_rows)]
-
-        def layout(rows: int, seqs: int) -> tuple[list[int], list[int], list[int], PagedLayout]:
-            per = rows // seqs
-            lay = PagedLayout([], [0], [], [])
-            for s in range(seqs):
-                lay.starts.append(0)
-                lay.row_offsets.append(lay.row_offsets[-1] + per)
-                lay.tables.append([(s * per // page + i) % self.blocks.num_blocks for i in range(-(-per // page))])
-                lay.visible.append(torch.ones(per, per, dtype=torch.bool).tril())
-            slots = [lay.tables[r // per][(r % per) // page] * page + r % page for r in range(per * seqs)]
-            return [0] * (per * seqs), [r % per for r in range(per * seqs)], slots, lay
-
-        def timed(kind: str, rows: int, seqs: int) -> float:
-            ids, positions, slots, lay = layout(rows, seqs)
-            seq_rows = self._seq_rows([], lay)  # a hybrid's: the verify reads the (empty) state slots in order
-            record = self.hybrid.record(seq_rows) if self.hybrid and kind == "verify" else None
-            args = (ids, positions, slots, lay, seq_rows, record)
-            for _ in range(2):  # capture (on a GPU) and warm up
-                self._run(kind, *args)
-            times = []
-            for _ in range(repeats):
-                t = self._now()
-                self._run(kind, *args)
-                times.append(self._now() - t)
-            return min(times)
-
-        points, slowest = [], 0.0
-        if self.hybrid:  # a hybrid's verify holds at most TREE_MAX rows a sequence
-            samples = [b for b in samples if b <= self.max_seqs * gdn.TREE_MAX]
-        for rows in samples:  # more rows never take less time: noise is flattened out
-            seqs = max(1, min(self.max_seqs, rows // 16), -(-rows // (gdn.TREE_MAX if self.hybrid else rows)))
-            slowest = max(slowest, timed("verify", rows, seqs))
-            points.append((rows, slowest))
-        per_request = 0.0
-        if self.draft is not None and self.max_seqs >= 8 and 8 * self.block <= self.buckets[-1]:
-            one, eight = timed("draft", self.block, 1), timed("draft", 8 * self.block, 8)
-            per_request = max((eight - one) / 7, 0.0)
-        return CostModel(tuple(points), per_request)
+            taps = torch.zeros((1, len(self.taps) * self.target.config.hidden_size), dtype=self.dtype,
+                               device=self.device)
+            for bucket in self.buckets:
+                self._capture_context(bucket, taps.shape[1]).rows.fill(taps, [0], [0], [self.scratch])
+                self.captured[("context", bucket)]()
 
     # -- forwards -------------------------------------------------------------------------------------------
 
@@ -570,10 +534,22 @@ class PagedBackend:
         logits = fused.finish_logits(linear(h, self.draft_head.weight, self.draft_head.bias))
         return (logits, h) if self.selector else logits
 
-    def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Context K/V of committed rows (their tap features at their positions) into the drafter's pool."""
-        kv = self.fused_draft.context(self.ops, self.draft, feats, *self.draft_rope(positions))
-        self.draft_kv.index_copy_(3, slots, kv)
+    def _extend_draft(self, taps: torch.Tensor, rows: list[int], positions: list[int], slots: list[int]) -> None:
+        """Context K/V of committed rows (rows `rows` of a forward's `taps`, at their positions) into the drafter's
+        pool: padded to a bucket and replayed as a CUDA graph on a GPU (eagerly it is a dozen launches a step)."""
+        bucket = next(b for b in self.buckets if b >= len(rows))
+        forward = self.captured.get(("context", bucket)) or self._capture_context(bucket, taps.shape[1])
+        forward.rows.fill(taps, rows, positions, slots)
+        forward()
+
+    def _capture_context(self, bucket: int, width: int) -> Captured:
+        def run(r: ContextRows) -> None:
+            kv = self.fused_draft.context(self.ops, self.draft, r.feats, *self.draft_rope(r.positions))
+            self.draft_kv.index_copy_(3, r.slots, kv)
+
+        rows = ContextRows(bucket, width, self.scratch, self.dtype, self.device)
+        self.captured[("context", bucket)] = Captured(run, rows, self.cuda, self.pool)
+        return self.captured[("context", bucket)]
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

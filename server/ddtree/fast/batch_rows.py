@@ -1,8 +1,9 @@
 """The static buffers a batched forward reads, and its replay as a CUDA graph per bucket of rows.
 
 A captured forward (`Captured`) reads its rows (ids, positions, cache slots) and its sequences' paged layout from
-`StaticRows`, filled before each replay; a batch is padded to the next bucket (`buckets`), and padding rows write
-the pools' scratch slot. Where graphs are off (the CPU) the same forward runs eagerly on the same buffers.
+`StaticRows`, filled before each replay (a drafter context forward from `ContextRows`); a batch is padded to the
+next bucket (`buckets`), and padding rows write the pools' scratch slot. Where graphs are off (the CPU) the same
+forward runs eagerly on the same buffers.
 """
 
 from __future__ import annotations
@@ -94,11 +95,30 @@ class StaticRows:
                          self.visible if visible is None else visible, self.vis_offsets, self.tiles, page, window)
 
 
+class ContextRows:
+    """The static inputs of a drafter context forward (fast/layers.Draft.context): the committed rows' tap features,
+    gathered on the device from a forward's taps, and their positions and cache slots. Rows past the batch's
+    repeat its first row into the pools' scratch slot."""
+
+    def __init__(self, rows: int, width: int, scratch: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self.scratch = rows, scratch
+        self.feats = torch.zeros((rows, width), dtype=dtype, device=device)
+        self.index = torch.zeros((3, rows), dtype=torch.long, device=device)  # taps rows, positions, slots
+        self.positions, self.slots = self.index[1], self.index[2]
+
+    def fill(self, taps: torch.Tensor, rows: list[int], positions: list[int], slots: list[int]) -> None:
+        """Rows `rows` of `taps` at `positions`, for `slots`: one copy to the device, one gather on it."""
+        pad = self.rows - len(rows)
+        host = torch.tensor([rows + [0] * pad, positions + [0] * pad, slots + [self.scratch] * pad], dtype=torch.long)
+        self.index.copy_(host, non_blocking=True)
+        torch.index_select(taps, 0, self.index[0], out=self.feats)
+
+
 class Captured:
     """A batched forward over StaticRows, replayed as a CUDA graph (captured on first use), or run eagerly on
     the same buffers where graphs are off."""
 
-    def __init__(self, run, rows: StaticRows, cuda: bool, pool: object | None) -> None:
+    def __init__(self, run, rows: StaticRows | ContextRows, cuda: bool, pool: object | None) -> None:
         self.run, self.rows, self.cuda, self.pool = run, rows, cuda, pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: object = None

@@ -39,7 +39,7 @@ from ddtree.fast.rope import RopeTable
 from ddtree.kernels.attention import tree_mask
 from ddtree.kernels.cache import compact
 from ddtree.kernels.gather import embed, gather_rows
-from ddtree.kernels.gemm import linear
+from ddtree.kernels.gemm import linear, prompt_rows
 from ddtree.kernels.gemv import NORM, gemv
 from ddtree.kernels.gemv import supported as gemv_supported
 from ddtree.kernels.heads import attention_heads as heads_kernel
@@ -389,6 +389,7 @@ class FastPath:
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps, None
 
+    @prompt_rows()
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
                 filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False,
                 logprobs: bool = False, every_row: bool = False,

@@ -19,6 +19,10 @@ rows' 1 x 128 group scales and its blocks' scales before it is added: W8A8 block
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +56,27 @@ LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129
 _KEPT_ZEROS: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
+_PROMPTS = threading.local()  # .active: the projections running are a prompt's (`prompt_rows`)
+
+
+@contextlib.contextmanager
+def prompt_rows() -> Iterator[None]:
+    """Projections inside the block are a prompt's: their row counts are whatever the prompts' lengths are, so
+    they take the library GEMMs rather than our Hopper GEMM, which is built for each padded row count (a build
+    of a few hundred milliseconds that a request would wait for; the trees' counts are built at start-up). The
+    same prompt's rows then get the same bits whenever it comes."""
+    before = getattr(_PROMPTS, "active", False)
+    _PROMPTS.active = True
+    try:
+        yield
+    finally:
+        _PROMPTS.active = before
+
+
+def _tree_rows() -> bool:
+    return not getattr(_PROMPTS, "active", False)
+
+
 def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear through the fastest kernel for its rows: one row of a weight up to ROW_GEMV_MAX_N wide through the
@@ -69,7 +94,7 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor | Fp8Weight,
             return gemv(x, weight)[0]
         if supported(x, weight) and triton_works(x.device):
             return skinny_linear(x, weight)
-        if x.shape[0] > MAX_ROWS and wgmma.supported(x, weight):
+        if x.shape[0] > MAX_ROWS and wgmma.supported(x, weight) and _tree_rows():
             # None where NVRTC or the driver cannot build or launch it: cuBLASLt below, from then on
             y = attempt(("wgmma", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.linear, x, weight)
             if y is not None:
@@ -83,7 +108,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     """fused.silu_mul(linear(x, weight)) for a SwiGLU's fused [gate; up] weight in one launch, where our Hopper
     GEMM takes `linear`'s product (33-136 half-precision rows; its epilogue computes SiLU · up with
     ddtree/kernels/rows.py's bits); None elsewhere, where the caller runs the product and then SiLU · up."""
-    if not (wgmma.supported(x, weight) and weight.shape[0] % 2 == 0):
+    if not (wgmma.supported(x, weight) and weight.shape[0] % 2 == 0 and _tree_rows()):
         return None
     return attempt(("wgmma SiLU", x.shape[0], *weight.shape, x.dtype, x.device), wgmma.silu_mul_linear, x, weight)
 
