@@ -86,20 +86,13 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, k
 @pytest.mark.slow
 def test_an_fp8_draft_on_the_interpreted_kernels_gives_the_targets_tokens(kernels_on_cpu, tmp_path, monkeypatch):
     """A quantized drafter with every fp8 kernel in place (the row quantization, alone and folded into the norms
-    and SiLU · up or into the product's launch at up to 16 rows, and the GEMM, for the block pass, the commit's
-    context projections and the head): the output is the reference path's `ar` output."""
+    and SiLU · up, and the GEMM, for the block pass, the commit's context projections and the head): the output
+    is the reference path's `ar` output."""
     from ddtree.kernels import gemm, rows
 
     launches, folded = [], []
-    real, real_few = gemm.skinny_fp8, gemm.few_rows_fp8
-
-    def few_rows(x, weight, silu=False, config=None):  # up to 16 rows, quantized in the product's launch
-        launches.append(weight.shape)
-        folded.extend(["silu_mul_fp8"] if silu else [])
-        return real_few(x, weight, silu, config)
-
+    real = gemm.skinny_fp8
     monkeypatch.setattr(gemm, "skinny_fp8", lambda *a: launches.append(a[2].shape) or real(*a))
-    monkeypatch.setattr(gemm, "few_rows_fp8", few_rows)
     for name in ("rms_norm_fp8", "silu_mul_fp8"):
         kernel = getattr(rows, name)
         monkeypatch.setattr(rows, name, lambda *a, kernel=kernel, name=name: folded.append(name) or kernel(*a))

@@ -329,39 +329,3 @@ def block_scaled_case(rows: int, n: int, k: int, block_rows: int, device: str) -
     assert torch.equal(got.double(), dense)
     assert torch.equal(gemm.skinny_fp8(values, row_scale, weight, torch.float32), got)
     assert not gemm._counters(values.device, 1).any()
-
-
-def few_rows_fp8_case(rows: int, n: int, k: int, block: tuple[int, int] | None, dtype: torch.dtype,
-                      device: str) -> None:
-    """gemm.few_rows_fp8, which quantizes its rows in its own launch, against the launches it replaces: on rows in
-    `dtype` the row quantization kernel (rows.quantize) then the few-row GEMM, on gate/up rows the quantizing SiLU ·
-    up kernel (rows.silu_mul_fp8) then the GEMM, and on rows quantized already the GEMM, bit for bit: the same
-    tiles, sums and roundings (an AR step's row has the bits it has in a verify). On rows whose quantization and
-    sums are exact (integers, one 448 a group or row, power-of-two scales) it also equals fp8.reference_mm bit for
-    bit. `block`: the weight's scale block, None for channel scales."""
-    from ddtree.kernels import fp8, gemm
-    from ddtree.kernels import rows as row_kernels
-
-    gen = torch.Generator().manual_seed(rows + n + k)
-    group = block[1] if block else None
-    if block:
-        scale = 2.0 ** torch.randint(-10, -4, (-(-n // block[0]), k // block[1]), generator=gen).float()
-    else:
-        scale = 2.0 ** torch.randint(-10, -4, (n,), generator=gen).float()
-    weight = fp8.Fp8Weight(integer_fp8((n, k), gen).to(device), scale.to(device), block)
-    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype).to(device)
-    assert gemm.few_rows_take(x, weight)
-    got = gemm.few_rows_fp8(x, weight)
-    values, row_scale = row_kernels.quantize(x, group)
-    assert torch.equal(got, gemm.skinny_fp8(values, row_scale, weight, dtype))
-    given = fp8.QuantizedRows(values, row_scale, dtype, group)
-    assert torch.equal(gemm.few_rows_fp8(given, weight), got)
-    gate_up = (torch.randn(rows, 2 * k, generator=gen) * 3).to(dtype).to(device)
-    act = row_kernels.silu_mul_fp8(gate_up, group)
-    assert torch.equal(gemm.silu_fp8_linear(gate_up, weight), gemm.skinny_fp8(act.values, act.scale, weight, dtype))
-    exact = integer_fp8((rows, k), gen).float()
-    exact[:, ::group or k] = 448.0  # each group's (or row's) largest magnitude: its scale a power of two
-    exact = (exact * 2.0 ** torch.randint(-6, 0, (rows, 1), generator=gen).float()).to(device)
-    want = fp8.reference_mm(fp8.QuantizedRows(*fp8.quantize_rows(exact, group), torch.float32, group), weight)
-    assert torch.equal(gemm.few_rows_fp8(exact, weight), want)
-    assert not gemm._counters(x.device, 1).any()

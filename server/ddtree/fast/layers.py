@@ -31,7 +31,7 @@ from torch import nn
 from ddtree.kernels import rows
 from ddtree.kernels.attention import TreeMask, tree_attention, tree_mask
 from ddtree.kernels.fp8 import Fp8Weight, QuantizedRows, activation_group, expand_rows
-from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, silu_fp8_linear, silu_mul_linear
+from ddtree.kernels.gemm import fp8_supported, linear, pair_linear, rows_of, silu_mul_linear
 from ddtree.kernels.gemv import NORM, SILU, gemv, norm_gemv
 from ddtree.kernels.moe import Experts
 from ddtree.kernels.tree import chain, top_prefixes
@@ -253,23 +253,9 @@ def fuse(owner: nn.Module, name: str, linears: list[nn.Module]) -> Proj | Joined
 
 def swiglu(mlp: nn.Module, ops: Ops) -> Callable[[torch.Tensor], torch.Tensor]:
     """A SwiGLU MLP module (gate_proj, up_proj, down_proj) as a function of its normed rows: gate and up as one
-    weight (`fuse`), SiLU · up as one step, then down (an fp8 down: `silu_down`)."""
+    weight (`fuse`), SiLU · up as one step, then down."""
     gate_up = fuse(mlp, "ddtree_gate_up", [mlp.gate_proj, mlp.up_proj])
-    down = Proj(weight_of(mlp.down_proj), mlp.down_proj.bias)
-    if down.fp8:
-        return lambda h: silu_down(ops, gate_up(h), down)
-    return lambda h: down(ops.swiglu(h, gate_up))
-
-
-def silu_down(ops: Ops, gate_up: torch.Tensor, down: Proj) -> torch.Tensor:
-    """An fp8 down projection of SiLU · up of the gate/up rows: in one launch up to gemm.FEW_ROWS rows (an AR step:
-    SiLU · up and its quantization in the product's launch, `silu_fp8_linear`), else the quantizing SiLU · up
-    kernel, then the product. The same bits either way."""
-    if down.bias is None:
-        y = silu_fp8_linear(gate_up, down.weight)
-        if y is not None:
-            return y
-    return down(ops.silu_mul_fp8(gate_up, down.group))
+    return lambda h: linear(ops.swiglu(h, gate_up), weight_of(mlp.down_proj), mlp.down_proj.bias)
 
 
 def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -318,7 +304,7 @@ class Layer:
     def mlp(self, ops: Ops, h: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """The MLP's output for the normed rows h."""
         if self.mlp_fp8:
-            return silu_down(ops, self.gate_up(h), self.down)
+            return self.down(ops.silu_mul_fp8(self.gate_up(h), self.down.group))
         return self.down(ops.swiglu(h, self.gate_up))
 
 

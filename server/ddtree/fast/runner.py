@@ -172,9 +172,8 @@ class FastPath:
         """The target's fused layers and its static K/V cache (a hybrid target builds its own)."""
         self.layers = [TargetLayer.of(layer) for layer in self.model.layers]
         # One-row forwards (AR steps) through Triton GEMVs that fold in the norms and SiLU · up
-        # (ddtree/kernels/gemv.py). An fp8 target's one row takes the fp8 GEMM's tiles at one row instead
-        # (gemm.few_rows_fp8: the o and down projections quantize their rows in their own launch; the norms'
-        # kernels quantize theirs), so that a row has the bits it has in a verify.
+        # (ddtree/kernels/gemv.py). An fp8 target's one row takes the fp8 GEMM at one row instead (its rows are
+        # quantized by the norm's kernel, which the fused GEMV would have to compute before its first tile).
         # A mixture-of-experts layer's router is its MLP's GEMV; the experts then run their own kernels.
         lm_head = self.target.lm_head
         weights, biases = [lm_head.weight], [lm_head.bias]

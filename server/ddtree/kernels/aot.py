@@ -92,8 +92,6 @@ def choices(capability: int) -> dict[str, str]:
         "2-32 rows, bf16": "Triton few-row GEMM",
         "33-136 rows, bf16": "wgmma GEMM (NVRTC)" if capability == 90 else "cuBLASLt",
         "fp8 weights, any rows": "Triton few-row GEMM on e4m3 (fp8 tensor cores)" if capability >= 89 else "refused",
-        "fp8 weights, 1-16 rows": ("the same tiles, rows quantized in its launch (few_rows_fp8)" if capability >= 89
-                                   else "refused"),
         "programmatic dependent launch": "yes" if capability >= 90 else "no",
     }
 
@@ -123,18 +121,6 @@ def cases(pdl: int) -> list[Case]:
         out.append(Case(f"skinny fp8 128x128 blocks {n}x{k}", gemm._skinny_kernel,
                         dict(common, BLOCK_M=64, BLOCK_K=cfgb["block_k"], FP8=True, SCALE_ROWS=128,
                              SCALE_COLS=128), fp8, sizes, num_stages=cfgb["num_stages"], shrink=("BLOCK_K", 64)))
-    # an fp8 AR step's products (up to 16 rows): rows quantized by the norm before, bf16 rows (o), SiLU · up (down)
-    few = {"X": "bf16", "XS": "fp32", "W": "fp8e4nv", "WS": "fp32", "Part": "fp32", "Count": "i32"}
-    for inp, label, n, k in ((gemm.GIVEN, "quantized", 6144, 4096), (gemm.PLAIN_ROWS, "bf16", 4096, 4096),
-                             (gemm.SILU_ROWS, "SiLU", 4096, 12288), (gemm.GIVEN, "quantized", 34816, 5120),
-                             (gemm.SILU_ROWS, "SiLU", 5120, 17408), (gemm.PLAIN_ROWS, "bf16", 2048, 4096)):
-        for block, form in (((128, 128), "128x128 blocks"), (None, "channel")):
-            cfg = gemm.launch_config(n, k, fp8=True, scale_block=block[1] if block else None)
-            out.append(Case(f"few rows fp8 {label} {form} {n}x{k}", gemm._few_rows_kernel, dict(
-                K=k, INPUT=inp, BLOCK_M=16, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=cfg["split_k"],
-                SCALE_ROWS=block[0] if block else 0, SCALE_COLS=block[1] if block else 1, PDL=pdl),
-                dict(few, X="fp8e4nv") if inp == gemm.GIVEN else few, {"M": "i32", "N": "i32"},
-                num_stages=cfg["num_stages"]))
     for mode, n, k in ((gemv.NORM, 6144, 4096), (gemv.SILU, 4096, 12288), (gemv.PLAIN, 4096, 4096)):
         cfg = gemv.launch_config(n, k)
         out.append(Case(f"gemv mode {mode} {n}x{k}", gemv._gemv_kernel, dict(

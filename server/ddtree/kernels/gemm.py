@@ -50,8 +50,6 @@ except ImportError:  # CPU-only installs: the caller keeps F.linear
 MAX_ROWS = 32  # measured: 65 rows run 1.2x slower than cuBLAS (compute-bound after padding to 128)
 FP8_ROW_TILE = 64  # fp8 rows in one tile; more rows take several tiles (and no K splits)
 ROW_GEMV_MAX_N = 8192  # narrow weights: where the GEMV beat cuBLAS at one row
-FEW_ROWS = 16  # rows `few_rows_fp8` takes: one row tile of the few-row GEMM
-GIVEN, PLAIN_ROWS, SILU_ROWS = 0, 1, 2  # few_rows_fp8's inputs: rows quantized, rows to quantize, SiLU · up of them
 LT_MAX_ROWS = 128  # measured: from 33 to 80 rows cuBLASLt is the faster; at 129 and 512 rows, no faster
 _KEPT_ZEROS: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
@@ -149,20 +147,14 @@ def rows_of(x: torch.Tensor, group: int | None = None) -> QuantizedRows:
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (or rows already quantized in the weight's scheme, fp8.activation_group) @ weight^T (+ bias): the
-    fp8 GPU kernels where they run (up to FEW_ROWS rows, an AR step's, quantized in the product's own launch:
-    `few_rows_fp8`), else the reference."""
-    if isinstance(x, QuantizedRows):
-        check_rows(x, weight)
-    leading = (x.values if isinstance(x, QuantizedRows) else x).shape[:-1]
-    flat = x if isinstance(x, QuantizedRows) else x.reshape(-1, x.shape[-1])
-    if few_rows_take(flat, weight):
-        out = few_rows_fp8(flat, weight)
+    fp8 GPU kernels where they run, else the reference."""
+    rows = x if isinstance(x, QuantizedRows) else rows_of(x, activation_group(weight))
+    check_rows(rows, weight)
+    if fp8_supported(rows.values) and blocks_supported(weight):
+        out = skinny_fp8(rows.values, rows.scale, weight, rows.dtype)
     else:
-        rows = flat if isinstance(flat, QuantizedRows) else rows_of(flat, activation_group(weight))
-        if fp8_supported(rows.values) and blocks_supported(weight):
-            out = skinny_fp8(rows.values, rows.scale, weight, rows.dtype)
-        else:
-            out = reference_mm(rows, weight)
+        out = reference_mm(rows, weight)
+    leading = x.values.shape[:-1] if isinstance(x, QuantizedRows) else x.shape[:-1]
     out = out.view(*leading, weight.shape[0])
     return out if bias is None else out + bias
 
@@ -285,68 +277,6 @@ def _skinny(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
     return y
 
 
-def few_rows_take(x: torch.Tensor | QuantizedRows, weight: Fp8Weight, silu: bool = False) -> bool:
-    """Whether `few_rows_fp8` takes these rows [M, K] (with `silu`, gate/up rows [M, 2K]) and this weight: up to
-    FEW_ROWS rows with contiguous columns, in half precision or float32 (or quantized in the weight's scheme),
-    where the fp8 kernels run (`fp8_supported`) and take the weight's scales (`blocks_supported`)."""
-    values = x.values if isinstance(x, QuantizedRows) else x
-    if triton is None or values.dim() != 2 or not 0 < values.shape[0] <= FEW_ROWS or values.stride(1) != 1:
-        return False
-    k = weight.shape[1]
-    if values.shape[1] != (2 * k if silu else k) or not (weight.data.stride(1) == 1 and weight.scale.is_contiguous()):
-        return False
-    if isinstance(x, QuantizedRows):
-        if silu or x.group != activation_group(weight) or not x.scale.is_contiguous():
-            return False
-    elif x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    return fp8_supported(values[:, :k]) and blocks_supported(weight)
-
-
-def few_rows_fp8(x: torch.Tensor | QuantizedRows, weight: Fp8Weight, silu: bool = False,
-                 config: dict[str, int] | None = None) -> torch.Tensor:
-    """Up to FEW_ROWS rows (an AR step's, a small batch's) @ an fp8 weight^T -> [M, N] in the rows' dtype, the rows
-    quantized in the product's own launch (`few_rows_take` says which it takes): rows x [M, K] in their dtype, or
-    with `silu` SiLU(gate) · up of gate/up rows x [M, 2K], each quantized as fp8.quantize_rows does (rows.py's
-    kernels' bits: per row, or per 128-column group before a block-scaled weight), or rows quantized already
-    (QuantizedRows). The products are the few-row GEMM's at these rows (`skinny_fp8`: the same column and K tiles,
-    K splits and tensor-core tile products, added in the same order), so a row has the bits it has in a tree's
-    verify; what differs is the launch: no quantization kernel before it, and each program's first weight tile read
-    before it waits for the kernel before (PDL). `config`: launch_config's keys, for tuning."""
-    values = x.values if isinstance(x, QuantizedRows) else x
-    rows = values.shape[0]
-    n, k = weight.shape
-    given = isinstance(x, QuantizedRows)
-    cfg = config or launch_config(n, k, fp8=True, scale_block=weight.block[1] if weight.block else None)
-    dtype = x.dtype
-    tiles, split_k = triton.cdiv(n, cfg["block_n"]), cfg["split_k"]
-    y = torch.empty((rows, n), dtype=dtype, device=values.device)
-    partials = torch.empty((split_k, rows, n) if split_k > 1 else (1,), dtype=torch.float32, device=values.device)
-    dependent = pdl(values.device)
-    blocks = weight.block or (0, 1)
-
-    def launch(fit: dict[str, int]) -> None:
-        _few_rows_kernel[(tiles, split_k)](
-            values, x.scale if given else y, weight.data, weight.scale, y, partials, _counters(values.device, tiles),
-            rows, n, values.stride(0), weight.data.stride(0), weight.scale.stride(0) if weight.block else 0, K=k,
-            INPUT=GIVEN if given else SILU_ROWS if silu else PLAIN_ROWS, BLOCK_M=16, BLOCK_N=cfg["block_n"],
-            BLOCK_K=cfg["block_k"], SPLIT_K=split_k, SCALE_ROWS=blocks[0], SCALE_COLS=blocks[1], PDL=dependent,
-            num_warps=cfg["num_warps"], num_stages=fit["num_stages"], launch_pdl=dependent)
-
-    # the skinny kernel's tiles at 16 rows, whose K tile never shrinks on the GPUs it runs on (test_aot): only the
-    # stages may
-    launch_fitting(launch, {"num_stages": cfg["num_stages"]}, ("num_stages", 1),
-                   ("few rows fp8", dtype, values.device, cfg["block_k"]))
-    return y
-
-
-def silu_fp8_linear(gate_up: torch.Tensor, weight: Fp8Weight) -> torch.Tensor | None:
-    """SiLU(gate) · up of gate/up rows [M, 2K] (rows.silu_mul's bits) @ an fp8 weight^T in one launch, quantized
-    in it (`few_rows_fp8`): a SwiGLU's down projection at up to FEW_ROWS rows. None where that kernel does not take
-    them (the caller runs SiLU · up, then the product)."""
-    return few_rows_fp8(gate_up, weight, silu=True) if few_rows_take(gate_up, weight, silu=True) else None
-
-
 def fp8_supported(rows: torch.Tensor) -> bool:
     """Whether the fp8 kernels (skinny_fp8, rows.quantize) take these rows [M, K]: Triton runs on their device,
     which has fp8 tensor cores (or is the CPU under Triton's interpreter), and K is a multiple of 64."""
@@ -371,7 +301,6 @@ def _kept_zeros(use: str, n: int, dtype: torch.dtype, device: torch.device, leas
 
 
 if triton is not None:
-    from ddtree.kernels.rows import e4m3_scale, swiglu_tile, to_e4m3
 
     @triton.jit
     def fp8_tile(acc, w, x, s_ptrs, col_ok, x_scale, BLOCKS: tl.constexpr):
@@ -473,98 +402,6 @@ if triton is not None:
                 tl.store(out_ptrs, total.to(Y.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(Count + pid_n, 0)
 
-
-    @triton.jit
-    def _row_tile(X, rm, cols, row_ok, stride_x, K: tl.constexpr, INPUT: tl.constexpr):
-        """Columns `cols` of the rows rm as float32 [len(cols), M]: X's rows (PLAIN_ROWS), or SiLU(gate) · up of X's
-        gate/up rows (SILU_ROWS: `swiglu_tile`, rounded where rows.silu_mul rounds); rows past M are 0."""
-        src = X + rm[None, :] * stride_x + cols[:, None]
-        if INPUT == 2:
-            return swiglu_tile(src, K, row_ok[None, :], X.dtype.element_ty).to(tl.float32)
-        return tl.load(src, mask=row_ok[None, :], other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _few_rows_step(acc, w, X, XS, WS_rows, rm, row_ok, col_ok, row_scale, stride_x, k, K: tl.constexpr,
-                       INPUT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCKS: tl.constexpr):
-        """acc plus the product of weight tile w (K columns k..k + BLOCK_K) and the rows' e4m3 tile there, as
-        _skinny_kernel adds it (`fp8_tile`). GIVEN: the tile and its group scales read from X and XS. Else
-        quantized here as rows.py quantizes (`e4m3_scale`, `to_e4m3`): with BLOCKS each row's SCALE_COLS-column group
-        by its own largest magnitude (the whole group read where the K tile is narrower), else by `row_scale`."""
-        cols = k + tl.arange(0, BLOCK_K)
-        if INPUT == 0:
-            x = tl.load(X + rm[None, :] * stride_x + cols[:, None], mask=row_ok[None, :], other=0.0)
-            x_scale = group_scales(XS + rm * (K // SCALE_COLS) + k // SCALE_COLS, row_ok, BLOCKS)
-        elif BLOCKS:
-            group = _row_tile(X, rm, k // SCALE_COLS * SCALE_COLS + tl.arange(0, SCALE_COLS), row_ok, stride_x, K,
-                              INPUT)
-            x_scale = e4m3_scale(tl.max(tl.abs(group), 0))
-            if BLOCK_K == SCALE_COLS:
-                x = to_e4m3(group, x_scale[None, :])
-            else:
-                x = to_e4m3(_row_tile(X, rm, cols, row_ok, stride_x, K, INPUT), x_scale[None, :])
-        else:
-            x_scale = row_scale
-            x = to_e4m3(_row_tile(X, rm, cols, row_ok, stride_x, K, INPUT), row_scale[None, :])
-        return fp8_tile(acc, w, x, WS_rows + k // SCALE_COLS, col_ok, x_scale, BLOCKS)
-
-    @triton.jit
-    def _few_rows_kernel(X, XS, W, WS, Y, Part, Count, M, N, stride_x, stride_w, stride_s, K: tl.constexpr,
-                         INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                         PDL: tl.constexpr):
-        """Columns pid_n * BLOCK_N.. of y for M <= BLOCK_M rows over the K slice pid_k of SPLIT_K: _skinny_kernel's
-        fp8 product (its tiles, tile products, scales and split sums in its order), its rows quantized here
-        (`_few_rows_step`; INPUT: GIVEN, PLAIN_ROWS, SILU_ROWS). Per-row scales (channel-scaled weights, SCALE_ROWS
-        0) need each row's largest magnitude over all of K first: every program reads its rows once more for it
-        (K values each, from L2). The first weight tile is read before the wait for the kernel before (PDL)."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        span: tl.constexpr = K // SPLIT_K
-        blocks: tl.constexpr = SCALE_ROWS > 0
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        col_ok = rn < N
-        row_ok = rm < M
-        start = pid_k * span
-        w_ptrs = W + rn[:, None] * stride_w + start + tl.arange(0, BLOCK_K)[None, :]
-        w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
-        after_previous(PDL)
-        ws_rows = WS  # (unread without block scales)
-        if blocks:
-            ws_rows = WS + (rn // SCALE_ROWS) * stride_s
-        row_scale = tl.zeros((BLOCK_M,), tl.float32)  # (unread with block scales)
-        if not blocks:
-            if INPUT == 0:
-                row_scale = tl.load(XS + rm, mask=row_ok, other=0.0)
-            else:
-                largest = tl.zeros((BLOCK_M,), tl.float32)
-                for kk in range(0, K, BLOCK_K):
-                    tile = _row_tile(X, rm, kk + tl.arange(0, BLOCK_K), row_ok, stride_x, K, INPUT)
-                    largest = tl.maximum(largest, tl.max(tl.abs(tile), 0))
-                row_scale = e4m3_scale(largest)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        acc = _few_rows_step(acc, w, X, XS, ws_rows, rm, row_ok, col_ok, row_scale, stride_x, start, K, INPUT,
-                             BLOCK_K, SCALE_COLS, blocks)
-        for kk in range(BLOCK_K, span, BLOCK_K):
-            w = tl.load(w_ptrs + kk, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc = _few_rows_step(acc, w, X, XS, ws_rows, rm, row_ok, col_ok, row_scale, stride_x, start + kk, K,
-                                 INPUT, BLOCK_K, SCALE_COLS, blocks)
-        out_ptrs = Y + rm[None, :] * N + rn[:, None]
-        out_ok = col_ok[:, None] & row_ok[None, :]
-        if SPLIT_K == 1:
-            tl.store(out_ptrs, fp8_scaled(acc, row_scale, WS + rn, col_ok, blocks).to(Y.dtype.element_ty),
-                     mask=out_ok)
-        else:  # _skinny_kernel's split sums
-            part_ptrs = Part + rm[None, :] * N + rn[:, None]
-            tl.store(part_ptrs + pid_k * M * N, acc, mask=out_ok)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(Count + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                for s in range(SPLIT_K):
-                    total += tl.load(part_ptrs + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptrs, fp8_scaled(total, row_scale, WS + rn, col_ok, blocks).to(Y.dtype.element_ty),
-                         mask=out_ok)
-                tl.atomic_xchg(Count + pid_n, 0)
 
 @probe
 def _smoke_test(device: torch.device) -> None:

@@ -203,7 +203,7 @@ if triton is not None:
                     GROUP)
 
     @triton.jit
-    def swiglu_tile(src, half, ok, dtype):
+    def _swiglu(src, half, ok, dtype):
         """SiLU(gate) rounded to dtype, times up, rounded: the gates at `src`, the ups `half` columns further."""
         gate = tl.load(src, mask=ok, other=0.0).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
@@ -212,22 +212,22 @@ if triton is not None:
 
     @triton.jit
     def _silu_kernel(GateUp, Out, total, half, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """BLOCK consecutive outputs of the [rows, half] result (`swiglu_tile`)."""
+        """BLOCK consecutive outputs of the [rows, half] result (`_swiglu`)."""
         after_previous(PDL)
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = idx < total
         row, col = idx // half, idx % half
-        tl.store(Out + idx, swiglu_tile(GateUp + row * stride_row + col, half, ok, Out.dtype.element_ty), mask=ok)
+        tl.store(Out + idx, _swiglu(GateUp + row * stride_row + col, half, ok, Out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _quantize_kernel(X, Q, S, rows, K, stride_x, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
                          GROUP: tl.constexpr, PDL: tl.constexpr):
         """BLOCK_R rows as fp8.quantize_rows makes them (`store_e4m3`, per row or per GROUP columns): X's rows, or
-        with SILU their SiLU · up (`swiglu_tile`: the gates in X's first K columns, the ups in the next K)."""
+        with SILU their SiLU · up (`_swiglu`: the gates in X's first K columns, the ups in the next K)."""
         after_previous(PDL)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK)
         ok = (r < rows)[:, None] & (cols < K)[None, :]
         src = X + r[:, None] * stride_x + cols[None, :]
-        y = swiglu_tile(src, K, ok, X.dtype.element_ty) if SILU else tl.load(src, mask=ok, other=0.0)
+        y = _swiglu(src, K, ok, X.dtype.element_ty) if SILU else tl.load(src, mask=ok, other=0.0)
         store_e4m3(Q, S, y.to(tl.float32), r, cols, ok, rows, K, BLOCK_R, BLOCK, GROUP)

@@ -146,7 +146,7 @@ __device__ __forceinline__ float to_float(unsigned short h) {
     return v;
 }
 
-// rows.py's swiglu_tile with the instructions Triton makes of it: SiLU as g / (1 + ex2.approx(-g log2 e)) with
+// rows.py's _swiglu with the instructions Triton makes of it: SiLU as g / (1 + ex2.approx(-g log2 e)) with
 // div.full, rounded to ELEMENT, times up, rounded: the same bits as the row kernel after the plain product.
 __device__ __forceinline__ unsigned short swiglu(unsigned short gate, unsigned short up) {
     float silu, product;
