@@ -3,19 +3,35 @@ at each bucket of rows, and what each drafting request adds to the drafter's blo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import CostModel
 from ddtree.kernels import gdn
 from ddtree.kernels.paged_attention import PagedLayout
 
-if TYPE_CHECKING:
-    from ddtree.fast.batch import PagedBackend
+
+class Measured(Protocol):
+    """What the measurement needs of the paged backend (fast/batch.PagedBackend), named here so that this module
+    sits below the backend that calls it."""
+
+    page: int
+    buckets: list[int]
+    max_rows: int
+    max_seqs: int
+    block: int
+    blocks: BlockManager
+    hybrid: Any
+    draft: Any
+
+    def _seq_rows(self, seq_ids: list[int], layout: PagedLayout) -> Any: ...
+    def _run(self, kind: str, *args: Any) -> Any: ...
+    def _now(self) -> float: ...
 
 
-def measure_cost(backend: PagedBackend, repeats: int = 3) -> CostModel:
+def measure_cost(backend: Measured, repeats: int = 3) -> CostModel:
     """The round's cost model on this device, measured before any sequence runs: the verify forward at each
     bucket of rows (one sequence of that many causal rows), and the drafter's block pass per sequence (the
     slope between one block and eight). The pools are empty, so the rows may write any slots."""
