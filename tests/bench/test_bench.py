@@ -258,3 +258,23 @@ def test_bench_dtype_sets_the_models_dtype(tmp_path):
                  "--prompts", "1", "--prompt-tokens", "8", "--max-new-tokens", "4", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["dtype"] == "bfloat16" and all(r["tokens_per_second"] > 0 for r in report["results"])
+
+
+def test_the_concurrency_bench_compares_every_method_per_level_and_says_where_a_step_goes(tmp_path, capsys):
+    out = tmp_path / "concurrency.json"
+    rc = main(["bench", "--device", "cpu", "--concurrency", "1", "3", "--budgets", "4",
+               "--prompt-tokens", "12", "--max-new-tokens", "6", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    runs = [(r["concurrency"], r["method"]) for r in report["results"]]
+    assert runs == [(c, m) for c in (1, 3) for m in ("ar", "dflash", "ddtree", "ddtree batch")]
+    for r in report["results"]:
+        assert r["same_as_ar"], r  # float32 greedy: every method and the batch budget emit ar's tokens
+        assert r["tokens_per_second"] > 0 and r["tau"] >= 1
+        assert set(r["phase_ms"]) >= {"tree", "verify", "commit"}
+        assert sum(r["phase_ms"].values()) <= r["step_ms"] * 1.001  # phases are parts of the step
+    drafting = [r for r in report["results"] if r["method"] != "ar"]
+    assert all(r["tau"] > 1 for r in drafting)  # trees commit more than a token
+    assert all(r["phase_ms"]["draft"] > 0 for r in drafting if r["concurrency"] == 3)  # the batched rounds draft
+    table = capsys.readouterr().out
+    assert "| ms by phase |" in table and "verify " in table

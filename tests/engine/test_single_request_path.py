@@ -6,9 +6,10 @@ The fast path runs eagerly on the CPU here (a GPU replays the same steps as CUDA
 
 import pytest
 from ddtree.core.sampling import SamplingParams
-from ddtree.engine.batch import BatchEngine, BatchOptions
+from ddtree.engine.batch import BatchEngine, BatchOptions, alone_lengths
 from ddtree.engine.sequence import Status
 from ddtree.fast.batch import PagedBackend
+from ddtree.kernels.attention import launch_config
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -109,3 +110,17 @@ def test_a_lone_request_whose_prompt_is_cached_stays_on_the_batched_path(pairs):
     lone = alone.add([*shared, 1], GREEDY)
     finish(alone)
     assert lone.backend is alone.solo and alone.blocks.prefix is None
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("groups", range(1, 9))
+def test_the_warm_up_lengths_reach_every_attention_build_a_prompt_can_launch(groups, head_dim):
+    """A lone request's prompt forward is eager and its attention builds a kernel per launch configuration;
+    every configuration a prompt of 2 to 1,600 tokens launches must be built by a warm-up length, or the first
+    request of that length waits on a compile (a served TTFT of 370 ms where 30 ms is usual)."""
+    def config(tokens: int) -> tuple:
+        return tuple(sorted(launch_config(tokens * groups, 32768, 8, 132, head_dim).items()))
+
+    warmed = {config(n) for n in alone_lengths(16384)}
+    assert {config(n) for n in range(2, 1601)} <= warmed
+    assert max(alone_lengths(40)) <= 40

@@ -121,7 +121,8 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
                 seq = batch.add(pending.pop(0), params, method=method, budget=budget)
                 seqs.append(seq)
             batch.step()
-            steps.append((batch.last.seconds, batch.last.verified_tokens, batch.last.sequences))
+            steps.append((batch.last.seconds, batch.last.verified_tokens, batch.last.sequences,
+                          batch.last.phase_seconds))
         return seqs, time.perf_counter() - started, steps
 
     wave(prompts[:min(len(prompts), concurrency)])
@@ -137,7 +138,19 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
                  if getattr(backend, "choice", None) is not None and decode else None)
     return dict(tokens_per_second=generated / seconds, tau=committed / max(rounds, 1),
                 step_ms=1e3 * sum(s[0] for s in decode) / max(len(decode), 1), predicted_step_ms=predicted,
-                rows_per_step=rows, requests_per_step=requests, outputs=[s.generation.token_ids for s in seqs])
+                rows_per_step=rows, requests_per_step=requests, phase_ms=phase_ms(decode),
+                outputs=[s.generation.token_ids for s in seqs])
+
+
+def phase_ms(steps: list[tuple]) -> dict[str, float]:
+    """Milliseconds a decode step spends in each phase (draft, tree, verify, commit), on average: where a slow
+    step's time goes. Only the draft phase waits for the device, so queued device work lands in the phase that
+    next waits."""
+    totals: dict[str, float] = {}
+    for *_, phases in steps:
+        for name, seconds in phases.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+    return {name: 1e3 * seconds / max(len(steps), 1) for name, seconds in totals.items()}
 
 
 def projection(cost: CostModel, levels: list[int], tau: dict, depth: int) -> list[dict]:
@@ -159,14 +172,14 @@ def table(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']}: {report['prompt_tokens']} prompt tokens, "
              f"{report['max_new_tokens']} new, ddtree budget {report['budget']}", "",
              "| concurrency | method | output tok/s | tau | step ms | predicted ms | rows/step | requests/step "
-             "| == ar |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| == ar | ms by phase |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         same = "" if r["same_as_ar"] is None else "yes" if r["same_as_ar"] else "NO"
         predicted = "" if r.get("predicted_step_ms") is None else f"{r['predicted_step_ms']:.2f}"
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.0f} | {r['tau']:.2f} | "
                      f"{r['step_ms']:.2f} | {predicted} | {r['rows_per_step']:.0f} | {r['requests_per_step']:.1f} | "
-                     f"{same} |")
+                     f"{same} | {', '.join(f'{k} {v:.2f}' for k, v in r.get('phase_ms', {}).items())} |")
     if report.get("cost_model") and len(report["cost_model"]["points"]) > 1:
         model = report["cost_model"]
         lines += ["", "cost model (measured): verify ms by rows: " + ", ".join(

@@ -277,18 +277,35 @@ class BatchOptions:
             raise DDTreeError("--block-size must be a power of two")
 
 
+def alone_lengths(longest: int) -> list[int]:
+    """Prompt lengths a lone request is warmed up at on a GPU: 2 tokens, then half again each step up to 1,600
+    (or `longest`). The single path's prompt forward is eager, and its attention launches one of several kernel
+    builds by row count (kernels/attention.launch_config: rows are tokens x query heads per K/V head); steps of
+    1.5x land in each of them for any grouping, so no first request of a new length waits on a build. The
+    second length also makes the compiled steps' shapes dynamic."""
+    lengths, n = [], 2.0
+    while round(n) <= min(longest, 1600):
+        lengths.append(round(n))
+        n *= 1.5
+    return lengths or [max(1, longest)]
+
+
 def warm_up(batch: BatchEngine, *settings: SamplingParams) -> list[str]:
     """Short requests per sampling setting through the batch engine, so the code paths its first requests take
     are compiled now (its CUDA graphs were captured when it was built): one alone (the single-request path's
-    graphs) at two prompt lengths, then a second joining it (the move to the batched path, and a batched round),
-    then a prompt joining a batch whose cached prefix leaves it one row to prefill. Returns what was warmed up."""
+    graphs) at each prompt length of `alone_lengths`, then a second joining it (the move to the batched path, and
+    a batched round), then a prompt joining a batch whose cached prefix leaves it one row to prefill. Returns
+    what was warmed up."""
     done = []
     engine = batch.engine
     prompt = [i % engine.vocab_size for i in range(1, 9)]
     longer = [i % engine.vocab_size for i in range(1, min(100, engine.max_context // 2))]
+    on_gpu = engine.target.device.type == "cuda"
+    lengths = alone_lengths(engine.max_context // 2) if on_gpu else [len(prompt), len(longer)]
     for params in settings:
         short = replace(params, max_new_tokens=2 * engine.block_size, ignore_eos=True)
-        for alone in (prompt, longer):  # a second length: the compiled steps' shapes become dynamic now
+        for length in lengths:  # each starts at its own token: no cached prefix sends it to the batched path
+            alone = [(length + i) % engine.vocab_size for i in range(length)]
             first = batch.add(alone, short)
             while first.status is not Status.FINISHED:
                 batch.step()
