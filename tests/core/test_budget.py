@@ -111,10 +111,30 @@ def test_a_round_drafts_while_drafting_pays_and_explores_the_other_kind():
     choice.observe(8, False, 1e-3, 8)
     kinds = [choice.drafts(8) for _ in range(10)]
     assert kinds.count(False) == 2 and kinds.count(True) == 8  # draft, exploring plain every 5th round
-    assert choice.overhead == pytest.approx(2e-3)  # the step beyond the verify's modelled time
+    assert choice.overhead_at(8) == pytest.approx(2e-3)  # the step beyond the verify's modelled time
     choice.observe(8, True, 3e-3, 8 * 2)  # now a drafting round commits only 2 tokens a request
     kinds = [choice.drafts(8) for _ in range(10)]
     assert kinds.count(True) == 2
+
+
+def test_the_overhead_is_kept_by_batch_size_so_small_steps_do_not_dilute_large_ones():
+    """A 64-request step's host work is many times a 4-request step's: the overhead the batch budget weighs at 64
+    requests is what steps of that size measured, however many small steps a server ran in between; a size never
+    measured takes the nearest measured one's."""
+    from ddtree.core.budget import RoundChoice
+
+    choice = RoundChoice(alpha=0.5)
+    assert choice.overhead_at(64) == 0.0  # nothing measured yet
+    choice.observe(64, True, 12e-3, 64 * 4, verify=2e-3)
+    for _ in range(20):
+        choice.observe(4, True, 1.5e-3, 4 * 4, verify=1e-3)
+    assert choice.overhead_at(64) == pytest.approx(10e-3)
+    assert choice.overhead_at(60) == pytest.approx(10e-3)  # the same bucket (57-64)
+    assert choice.overhead_at(4) == pytest.approx(0.5e-3)
+    assert choice.overhead_at(5) == pytest.approx(0.5e-3)  # nearest measured: 4
+    assert choice.overhead_at(48) == pytest.approx(10e-3)  # nearest measured: 64
+    choice.observe(64, True, 6e-3, 64 * 4, verify=2e-3)
+    assert choice.overhead_at(64) == pytest.approx(7e-3)  # its own bucket's running mean
 
 
 def test_batch_sizes_are_measured_in_buckets_a_quarter_of_a_power_of_two_wide():

@@ -129,14 +129,16 @@ class RoundChoice:
     for T_plain(S): a round drafts while tau / T_draft >= 1 / T_plain at its batch size S (bucketed). Both are
     step periods as served (host work, launches, waits), so a round never drafts where drafting loses to plain
     decoding; every `explore` rounds the other kind runs once, so a measurement never goes stale. A drafting step's
-    time beyond the verify's measured cost is the cost model's `overhead`, for the batch budget to weigh."""
+    time beyond the verify's measured cost is the cost model's `overhead`, for the batch budget to weigh, kept by
+    batch bucket: the host's share of a step grows with its requests (a 64-request step's is ten times a
+    4-request step's), so one figure averaged over the sizes a server passes through fits none of them."""
 
     alpha: float = 0.2
     explore: int = 50
     draft_seconds: dict[int, float] = field(default_factory=dict)
     plain_seconds: dict[int, float] = field(default_factory=dict)
     tokens_per_request: float = 2.0  # committed per request by a drafting round (bonus included)
-    overhead: float = 0.0
+    overhead: dict[int, float] = field(default_factory=dict)  # seconds, by batch bucket
     rounds: int = 0
 
     def drafts(self, requests: int) -> bool:
@@ -148,6 +150,14 @@ class RoundChoice:
         better = self.tokens_per_request / drafting >= 1.0 / plain
         return better != (self.rounds % self.explore == 0)
 
+    def overhead_at(self, requests: int) -> float:
+        """A drafting step's seconds beyond the verify's modelled cost at this batch size: its bucket's measure,
+        else the nearest measured bucket's (the smaller on a tie), 0 before any drafting step is measured."""
+        if not self.overhead:
+            return 0.0
+        bucket = batch_bucket(requests)
+        return self.overhead[min(self.overhead, key=lambda b: (abs(b - bucket), b))]
+
     def observe(self, requests: int, drafted: bool, seconds: float, committed: int,
                 verify: float | None = None) -> None:
         """One step's period: `requests` sequences, drafting or not, committing `committed` tokens in all;
@@ -158,4 +168,6 @@ class RoundChoice:
         if drafted:
             self.tokens_per_request += self.alpha * (committed / requests - self.tokens_per_request)
             if verify is not None:
-                self.overhead += self.alpha * (max(seconds - verify, 0.0) - self.overhead)
+                sample = max(seconds - verify, 0.0)
+                last = self.overhead.get(bucket, sample)
+                self.overhead[bucket] = last + self.alpha * (sample - last)

@@ -252,7 +252,7 @@ class PagedBackend:
         t = started = time.perf_counter()
         states = [self.states[s] for s in seq_ids]
         drafting = [i for i, st in enumerate(states) if st.request.method != "ar" and self._depth(st) > 0]
-        if not self._drafts(t, len(drafting)):
+        if not self._drafts(t, len(drafting), len(states)):
             drafting = []
         drafted = self._draft(seq_ids, states, drafting) if drafting else None
         phases["draft"], t = self._lap(t, wait=drafted is not None)
@@ -309,15 +309,16 @@ class PagedBackend:
             self._previous = (started, len(states), bool(drafting), len(accepted_rows), verify)
         return out
 
-    def _drafts(self, now: float, candidates: int) -> bool:
-        """Whether this round drafts (`RoundChoice`, where on), after booking the last round's step period: from
-        its start to this one's, unless prompt chunks ran in between."""
+    def _drafts(self, now: float, candidates: int, requests: int) -> bool:
+        """Whether this round of `requests` sequences, `candidates` of them able to draft, drafts (`RoundChoice`,
+        where on), after booking the last round's step period: from its start to this one's, unless prompt chunks
+        ran in between. The cost model takes the overhead measured at this round's batch size."""
         if self.choice is None:
             return True
         if self._previous is not None and not self._prefilled:
             started, requests, drafted, committed, verify = self._previous
             self.choice.observe(requests, drafted, now - started, committed, verify if drafted else None)
-            self.cost = replace(self.cost, overhead=self.choice.overhead)
+        self.cost = replace(self.cost, overhead=self.choice.overhead_at(requests))
         return candidates > 0 and self.choice.drafts(candidates)
 
     def _depth(self, state: SeqState) -> int:
