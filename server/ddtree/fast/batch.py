@@ -319,7 +319,7 @@ class PagedBackend:
             started, requests, drafted, committed, verify = self._previous
             self.choice.observe(requests, drafted, now - started, committed, verify if drafted else None)
         self.cost = replace(self.cost, overhead=self.choice.overhead_at(requests))
-        return candidates > 0 and self.choice.drafts(candidates)
+        return candidates > 0 and self.choice.drafts(requests)  # measured by all the step's sequences
 
     def _depth(self, state: SeqState) -> int:
         """Draft depth this round: the block's, less what the context has left."""
