@@ -228,6 +228,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto",
                    help="return <think> blocks as reasoning_content: qwen3; auto (default): when the chat "
                         "template knows </think>; none: leave them in the content")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the models and their steps in a process of their own, so the HTTP front end "
+                        "(detokenizing, streaming) works while the engine steps (default: on; "
+                        "--no-engine-process: one process, e.g. to profile it whole)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(handler=_serve)
 
@@ -267,7 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
         default_chat_template_kwargs=template_kwargs, batch=_batch_options(args),
         max_request_bytes=args.max_request_bytes,
         escape_special_tokens=args.escape_special_tokens, docs=not args.disable_fastapi_docs,
-        log_level=args.log_level))
+        engine_process=args.engine_process, log_level=args.log_level))
 
 
 def _add_pull_parser(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from ddtree.api.app import create_app
-from ddtree.api.state import ServerConfig
+from ddtree.api.config import ServerConfig
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedEngine, prefill, round_
 

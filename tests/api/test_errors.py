@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 from ddtree.api.app import create_app
+from ddtree.api.config import ServerConfig
 from ddtree.api.rendering import PromptRenderer
-from ddtree.api.state import ServerConfig
 from ddtree.engine import Engine
 from fastapi.testclient import TestClient
 

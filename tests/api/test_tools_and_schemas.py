@@ -11,9 +11,9 @@ import time
 import openai
 import pytest
 from ddtree.api.app import create_app
+from ddtree.api.config import ServerConfig
 from ddtree.api.parsers.tools import START, ToolCallStream, split_tool_calls, template_message
 from ddtree.api.replies import ReplyFormat, ReplyStream, template_mentions
-from ddtree.api.state import ServerConfig
 from ddtree.engine import Engine
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletion, ChatCompletionChunk

@@ -185,7 +185,8 @@ def test_budgets_above_the_tested_tree_size_take_the_reference_path(fast_ckpt):
 
 
 def test_a_default_budget_beyond_the_fast_path_is_said_at_startup(fast_ckpt, caplog, capsys):
-    from ddtree.api.state import ServerConfig, ServerState
+    from ddtree.api.config import ServerConfig
+    from ddtree.api.state import ServerState
     from ddtree.cli import main
 
     big = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cpu", fast=True, budget=300)

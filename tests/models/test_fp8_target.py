@@ -221,7 +221,7 @@ def test_an_unknown_target_quantization_and_a_gpu_without_fp8_tensor_cores_are_r
 
 
 def test_the_server_logs_weights_drafter_and_cache_memory(fp8_ckpt):
-    from ddtree.api.state import memory_line
+    from ddtree.api.engine_setup import memory_line
 
     engine = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", fp8_ckpt / "draft", device="cpu", fast=True,
                                     fast_capacity=64)

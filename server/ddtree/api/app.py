@@ -21,6 +21,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree import __version__
+from ddtree.api.config import ServerConfig
 from ddtree.api.middleware import ApiKey, BodyLimit, InFlight
 from ddtree.api.prepare import (
     Prepared,
@@ -41,7 +42,7 @@ from ddtree.api.protocol import (
 from ddtree.api.scheduler import Draining, QueueFull, Scheduler
 from ddtree.api.scheduler import Request as EngineRequest
 from ddtree.api.serving import Call, LogprobFormatter, choice_outputs, complete_reply, stream_reply
-from ddtree.api.state import ServerConfig, ServerState
+from ddtree.api.state import ServerState
 
 log = logging.getLogger("ddtree.server")
 
@@ -120,8 +121,9 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
 
     @app.get("/health")
     async def health() -> Response:
-        """Liveness: the process is up (the model may still be loading, or the server draining)."""
-        return Response(status_code=200)
+        """Liveness: the process is up (the model may still be loading, or the server draining), and so is its
+        engine process: without it the server can never serve again, so it asks to be restarted."""
+        return Response(status_code=503 if state.engine_failed else 200)
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from ddtree.api.config import NEUTRAL_SAMPLING, merged_sampling
 from ddtree.api.parsers.reasoning import CLOSE as REASONING_CLOSE
 from ddtree.api.parsers.reasoning import OPEN as REASONING_OPEN
 from ddtree.api.parsers.tools import START as TOOL_CALL_START
@@ -32,7 +33,7 @@ from ddtree.api.protocol import (
     validate_body,
 )
 from ddtree.api.replies import ReplyFormat, template_mentions
-from ddtree.api.state import NEUTRAL_SAMPLING, ServerState, merged_sampling
+from ddtree.api.state import ServerState
 from ddtree.core import grammar
 from ddtree.core.sampling import SamplingParams, ThinkBlock
 from ddtree.errors import DDTreeError

@@ -31,6 +31,8 @@ from ddtree.core.sampling import SamplingParams
 
 log = logging.getLogger("ddtree.server")
 
+IDLE_GAUGES_S = 0.25  # how often an idle worker refreshes the gauges (an engine process reports after its aborts)
+
 
 class QueueFull(Exception):
     """The waiting queue is at capacity; the client should retry later."""
@@ -73,6 +75,23 @@ class StopStringDetokenizer:
         """Append one token; True when it completes a stop string (the text is then cut before it)."""
         self.ids.append(token_id)
         return self._advance(final=False)
+
+    def add_round(self, token_ids: Sequence[int]) -> int:
+        """Append a round's tokens with one decode for the round, not one per token; returns how many to keep:
+        all, or up to and including the one that completes a stop string. Where the round's text holds a stop
+        string or ends inside a character, it goes again one token at a time, so the cut and the text held
+        back are exactly `add`'s."""
+        if len(token_ids) > 1:
+            ids, text, prefix, read = len(self.ids), self.text, self._prefix, self._read
+            self.ids.extend(token_ids)
+            if not self._advance(final=False) and self._read == len(self.ids):
+                return len(token_ids)
+            del self.ids[ids:]
+            self.text, self._prefix, self._read, self.matched = text, prefix, read, None
+        for kept, token_id in enumerate(token_ids, 1):
+            if self.add(token_id):
+                return kept
+        return len(token_ids)
 
     def flush(self) -> None:
         """Decode whatever is still pending at the end of the generation, even a broken character."""
@@ -202,6 +221,21 @@ class Request:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.outputs.put_nowait, output)
 
+    @staticmethod
+    def post_all(posts: Sequence[tuple[Request, Output]]) -> None:
+        """`post` for a whole step's outputs at once: one wake-up of each event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Output], Output]]] = {}
+        for request, output in posts:
+            by_loop.setdefault(request._loop, []).append((request.outputs, output))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Output], Output]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
+
 
 # --------------------------------------------------------------------------------------------------------
 # The fair queue
@@ -236,11 +270,11 @@ class FairQueue:
             self._cond.notify()
             return True
 
-    def get(self, block: bool = True) -> Request | None:
-        """Next request in round-robin order; None when closed (or empty and not blocking)."""
+    def get(self, block: bool = True, timeout: float | None = None) -> Request | None:
+        """Next request in round-robin order; None when closed (or empty and not blocking, or after `timeout`)."""
         with self._cond:
-            while not self._lanes and block and not self._closed:
-                self._cond.wait()
+            if block:
+                self._cond.wait_for(lambda: self._lanes or self._closed, timeout)
             if not self._lanes:
                 return None
             client, lane = next(iter(self._lanes.items()))
@@ -302,6 +336,7 @@ class Scheduler:
         self.draining = False
         self._aborting: str | None = None  # set by abort_all: every request ends with this error
         self._running: dict[object, _Running] = {}  # touched by the worker thread only
+        self._posts: list[tuple[Request, Output]] = []  # a step's outputs, posted together at its end
         self._mean_seconds = 1.0  # moving average of request service time, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._thread.start()
@@ -369,8 +404,10 @@ class Scheduler:
     def _admit(self) -> None:
         """Move waiting requests into the batch engine while it has room (blocks for one when nothing runs)."""
         while len(self._running) < self.max_running:
-            request = self.queue.get(block=not self._running)
+            request = self.queue.get(block=not self._running, timeout=IDLE_GAUGES_S)
             if request is None:
+                if not self._running:  # idle: the engine's last aborts may have freed blocks since
+                    self._gauges()
                 return
             self.metrics.waiting.set(len(self.queue))
             if request.cancelled or self._aborting:
@@ -390,8 +427,16 @@ class Scheduler:
         self._gauges()
 
     def _step(self) -> None:
-        """One engine step: every running request's next round. A cancelled request is aborted first (its
-        blocks freed); a request whose round failed ends with the error, the others go on."""
+        """One engine step: every running request's next round, its outputs posted together at the end."""
+        try:
+            self._run_step()
+        finally:
+            Request.post_all(self._posts)
+            self._posts.clear()
+
+    def _run_step(self) -> None:
+        """A cancelled request is aborted first (its blocks freed); a request whose round failed ends with the
+        error, the others go on."""
         for run in list(self._running.values()):
             if run.request.cancelled or self._aborting:
                 self.batch.abort(run.sequence)
@@ -441,12 +486,7 @@ class Scheduler:
         else:
             self.metrics.observe_round(draft_nodes=out.draft_nodes, accepted=out.accepted)
             request.spec.add_round(out.draft_nodes, out.accepted)
-        # Cut the round at the first completed stop string.
-        kept = 0
-        for token_id in out.token_ids:
-            kept += 1
-            if run.text.add(token_id):
-                break
+        kept = run.text.add_round(out.token_ids)  # the round, cut at the first completed stop string
         tokens = list(out.token_ids[:kept])
         logprobs = out.logprobs[:kept] if out.logprobs is not None else None
         if tokens:
@@ -462,7 +502,7 @@ class Scheduler:
         if out.finish_reason is not None:
             stop_reason = out.stop_token_id if out.stop_token_id not in self.eos_token_ids else None
             return self._output(run, tokens, logprobs, out.finish_reason, stop_reason)
-        request.post(self._output(run, tokens, logprobs, None, None))
+        self._posts.append((request, self._output(run, tokens, logprobs, None, None)))
         return None
 
     def _output(self, run: _Running, tokens: list[int], logprobs: list | None, finish_reason: str | None,
@@ -480,7 +520,7 @@ class Scheduler:
         self._running.pop(run.sequence, None)
         self._gauges()
         self._finish(run.request, final.finish_reason)
-        run.request.post(final)
+        self._posts.append((run.request, final))
 
     def _abort(self, request: Request, error: str | None = None, retryable: bool = False) -> None:
         """End a request that holds no engine state (it never started)."""

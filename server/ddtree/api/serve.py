@@ -10,6 +10,7 @@ A second signal skips the drain.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from ddtree.api.app import create_app
-from ddtree.api.state import ServerConfig, ServerState
+from ddtree.api.config import ServerConfig
+from ddtree.api.state import ServerState
 from ddtree.engine.batch import BatchOptions
 
 # How long a thread may hold the GIL while another waits for it. The engine worker and the event loop share one
@@ -55,6 +57,7 @@ class ServeOptions:
     max_request_bytes: int = 4 * 2**20
     escape_special_tokens: bool = True
     docs: bool = True
+    engine_process: bool = True  # the models and their steps in a process of their own (api/engine_process.py)
     log_level: str = "info"
 
 
@@ -88,12 +91,11 @@ def run(options: ServeOptions) -> int:
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     failures: list[BaseException] = []
 
-    def load() -> Engine:
-        return Engine.from_pretrained(options.target, options.draft, method=options.method,
-                                      budget=options.budget, device=options.device, dtype=options.dtype,
-                                      fast=options.fast, draft_vocab=options.draft_vocab,
-                                      draft_quantization=options.draft_quantization,
-                                      quantization=options.quantization)
+    # A partial, not a closure: the engine process gets it pickled.
+    load = functools.partial(Engine.from_pretrained, options.target, options.draft, method=options.method,
+                             budget=options.budget, device=options.device, dtype=options.dtype, fast=options.fast,
+                             draft_vocab=options.draft_vocab, draft_quantization=options.draft_quantization,
+                             quantization=options.quantization)
 
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)
@@ -106,7 +108,8 @@ def run(options: ServeOptions) -> int:
                           tool_call_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser,
                           default_chat_template_kwargs=options.default_chat_template_kwargs, batch=options.batch,
                           max_request_bytes=options.max_request_bytes,
-                          escape_special_tokens=options.escape_special_tokens, docs=options.docs)
+                          escape_special_tokens=options.escape_special_tokens, docs=options.docs,
+                          engine_process=options.engine_process)
     app = create_app(load, config, on_load_error)
     # The drain has ended every request before uvicorn's shutdown starts: its grace period is for replies
     # still being written to slow clients.

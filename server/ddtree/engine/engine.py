@@ -24,6 +24,7 @@ from ddtree.core.sampling import SamplingParams
 from ddtree.engine.batch import BatchEngine, BatchOptions, batch_engine
 from ddtree.engine.generation import Generation, GenerationResult, TokenLogprob
 from ddtree.engine.reference import ReferenceBackend
+from ddtree.engine.text import TextCodec
 from ddtree.errors import DDTreeError
 from ddtree.fast.hybrid import HybridFastPath
 from ddtree.fast.runner import MAX_BUDGET, FastPath, unsupported
@@ -80,7 +81,7 @@ def generation_defaults(config: GenerationConfig | None) -> dict[str, float]:
     return defaults
 
 
-class Engine:
+class Engine(TextCodec):
     """A target, an optional drafter and their tokenizer, decoding one sequence at a time."""
 
     def __init__(self, target: Target, draft: DFlashDraft | None, tokenizer=None, *, method: str = "ddtree",
@@ -207,25 +208,6 @@ class Engine:
     def vocab_size(self) -> int:
         """Rows of the target's embedding: valid token ids are below this."""
         return self.target.shape.vocab_size
-
-    def encode(self, text: str, chat: bool = False) -> list[int]:
-        if self.tokenizer is None:
-            raise DDTreeError("the target has no tokenizer; pass token ids (--prompt-ids) instead of text")
-        if chat:
-            return self.chat_ids([{"role": "user", "content": text}])
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False, **template_kwargs: object) -> list[int]:
-        """Prompt ids of a chat through the tokenizer's template: one rendering for the CLI and the server."""
-        return list(self.tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=False, continue_final_message=continue_final_message,
-            add_generation_prompt=add_generation_prompt and not continue_final_message, **template_kwargs))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return " ".join(str(i) for i in ids)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, method: str | None = None,
                budget: int | None = None) -> Generation:
