@@ -1,5 +1,7 @@
 """Stop strings and incremental detokenization: what a client sees is exactly the text before the stop."""
 
+import random
+
 import pytest
 from ddtree.api.scheduler import StopStringDetokenizer
 
@@ -72,3 +74,38 @@ def test_stop_in_a_later_token_after_withheld_text(stop):
     released, _, matched = run([0, 9, 10], stop=stop)
     assert "".join(released) == "Hello" + ("" if stop == ("\n\n",) else "\n\n")
     assert matched == stop[0]
+
+
+def by_rounds(ids: list[int], sizes: list[int], stop: tuple[str, ...], include: bool):
+    """Feed ids a round at a time as the worker does (`add_round`); returns what `run` returns."""
+    text = StopStringDetokenizer(decode, stop, include)
+    released, kept, at = [], 0, 0
+    for size in sizes:
+        round_ = ids[at:at + size]
+        at += size
+        taken = text.add_round(round_)
+        kept += taken
+        if text.matched is not None:
+            break
+        released.append(text.release())
+    text.flush()
+    released.append(text.release(final=True))
+    return released, kept, text.matched
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_round_at_once_cuts_and_releases_as_token_by_token(seed):
+    """One decode a round must keep exactly the tokens, text and match of one decode a token: the same cut at a
+    stop string, the same text held back for a stop string's start or an incomplete character."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(PIECES)) for _ in range(rng.randint(1, 14))]
+    stop = rng.choice([(), ("END",), ("o w",), ("\n\n", "x"), ("€",), ("world peace",), ("!", "wor")])
+    include = rng.random() < 0.5
+    sizes, left = [], len(ids)
+    while left:
+        sizes.append(min(left, rng.randint(1, 6)))
+        left -= sizes[-1]
+    one, kept, matched = run(ids, stop, include)
+    rounds, kept_rounds, matched_rounds = by_rounds(ids, sizes, stop, include)
+    assert (kept_rounds, matched_rounds) == (kept, matched)
+    assert "".join(rounds) == "".join(one)
