@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ddtree.api.config import ServerConfig
-from ddtree.api.engine_setup import sampling_defaults, set_up
+from ddtree.api.engine_setup import set_up
 from ddtree.engine.batch import StepStats
 from ddtree.engine.text import TextCodec
 from ddtree.errors import DDTreeError
@@ -165,9 +165,11 @@ class RemoteBatch:
         return f"the engine process exited (exit code {self.process.exitcode})"
 
 
-def start(load: Callable[[], Any], config: ServerConfig, log_level: int) -> tuple[EngineView, RemoteBatch]:
+def start(load: Callable[[], Any], config: ServerConfig,
+          log_level: int) -> tuple[EngineView, RemoteBatch, dict[str, float]]:
     """Start the engine process (a fresh interpreter: CUDA does not survive a fork), load and warm the engine
-    there, and return once it serves; its load error is raised here as it was raised there."""
+    there, and return once it serves, with the sampling defaults it set up; its load error is raised here as it
+    was raised there."""
     context = multiprocessing.get_context("spawn")
     here, there = context.Pipe()
     process = context.Process(target=engine_main, args=(there, load, config, log_level), name="ddtree-engine",
@@ -182,7 +184,8 @@ def start(load: Callable[[], Any], config: ServerConfig, log_level: int) -> tupl
     if message[0] == "load_failed":
         process.join(5)
         raise message[1]
-    return message[1], RemoteBatch(here, process, config.batch.max_num_seqs)
+    _, view, defaults = message
+    return view, RemoteBatch(here, process, config.batch.max_num_seqs), defaults
 
 
 def engine_main(conn: Connection, load: Callable[[], Any], config: ServerConfig, log_level: int) -> None:
@@ -191,12 +194,12 @@ def engine_main(conn: Connection, load: Callable[[], Any], config: ServerConfig,
     logging.basicConfig(level=log_level, format="%(levelname)s:     %(name)s: %(message)s")
     try:
         engine = load()
-        batch, _ = set_up(config, engine)
+        batch, defaults = set_up(config, engine)
     except BaseException as exc:
         error = exc if isinstance(exc, DDTreeError) else DDTreeError(f"{type(exc).__name__}: {exc}")
         conn.send(("load_failed", error))
         return
-    conn.send(("ready", EngineView.of(engine)))
+    conn.send(("ready", EngineView.of(engine), defaults))
     with contextlib.suppress(EOFError, OSError):  # the front end is gone: nothing is left to serve
         _serve(conn, batch)
 
@@ -212,8 +215,8 @@ def _serve(conn: Connection, batch: Any) -> None:
     while True:
         failed: list[tuple[int, str, None]] = []
         while not (live and not conn.poll()) and not (failed and not live):
-            if not live and not conn.poll() and gauges() != said:  # idle now: the aborts freed blocks
-                said = gauges()
+            if not live and not conn.poll() and (now := gauges()) != said:  # idle: the aborts freed blocks
+                said = now
                 conn.send(("gauges", *said))
             message = conn.recv()
             if message[0] == "stop":
@@ -255,7 +258,3 @@ def _serve(conn: Connection, batch: Any) -> None:
         said = gauges()
         conn.send(("step", items, batch.last, *said))
 
-
-def view_defaults(config: ServerConfig, view: EngineView) -> dict[str, float]:
-    """The sampling defaults the front end applies (the engine process has said them in the log)."""
-    return sampling_defaults(config, view, say=False)

@@ -78,13 +78,13 @@ def warm(engine: Any, batch: Any, defaults: dict[str, float]) -> None:
     log.info("fast path warmed up in %.1f s (%s)", time.perf_counter() - started, ", ".join(done) or "nothing")
 
 
-def sampling_defaults(config: ServerConfig, engine: Any, say: bool = True) -> dict[str, float]:
+def sampling_defaults(config: ServerConfig, engine: Any) -> dict[str, float]:
     """What requests that omit a sampling field get: --default-temperature, then (auto) the checkpoint's
-    generation config, then the neutral values. Said once (`say`), as vLLM says it: replies change with it."""
+    generation config, then the neutral values. Said once, as vLLM says it: replies change with it."""
     flag = {} if config.default_temperature is None else {"temperature": config.default_temperature}
     model = engine.generation_defaults if config.generation_config == "auto" else {}
     model = {k: v for k, v in model.items() if k not in flag}
-    if model and say:
+    if model:
         log.info("default sampling parameters from the model's generation_config.json: %s (fields a request "
                  "sends win; --generation-config none ignores the file)",
                  ", ".join(f"{k}={v}" for k, v in model.items()))

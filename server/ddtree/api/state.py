@@ -87,8 +87,8 @@ class ServerState:
         """Load the engine and start the scheduler (runs in a thread; the server answers meanwhile): in the engine
         process when the config says so, else here."""
         if self.config.engine_process:
-            engine, batch = engine_process.start(load_engine, self.config, logging.getLogger().getEffectiveLevel())
-            self.sampling_defaults = engine_process.view_defaults(self.config, engine)
+            engine, batch, self.sampling_defaults = engine_process.start(load_engine, self.config,
+                                                                         logging.getLogger().getEffectiveLevel())
         else:
             engine = load_engine()
             batch, self.sampling_defaults = set_up(self.config, engine)
