@@ -3,8 +3,8 @@ detokenization, stop strings and streaming in the server's process.
 
 Why: one interpreter lock. In one process the event loop (encoding and writing every request's chunk), the
 worker's detokenization and the engine's own host work (launches, trees, commits) take turns on the lock, so a
-served step costs all three in a row: on an H100 the demo pair's ar step took 3.6 ms in process and about 12 ms
-served at 64 requests. With the engine apart, it steps back to back while the front end turns step k's tokens
+served step costs all three in a row, several times the engine's own step at 64 requests (benchmarks/RESULTS.md).
+With the engine apart, it steps back to back while the front end turns step k's tokens
 into text and chunks during step k+1 (vLLM's engine core and SGLang's scheduler process do the same).
 
 The engine process steps whenever it has requests and sends one message a step: every request's round output,
