@@ -11,7 +11,7 @@ import torch
 from ddtree.core.blocks import BlockManager
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.engine.batch import BatchEngine, SerialBackend
+from ddtree.engine.batch import BatchEngine, BatchOptions, SerialBackend
 from ddtree.engine.sequence import Status
 from ddtree.fast.batch import PagedBackend
 from ddtree.fast.hybrid import PROMPT_CHUNK
@@ -222,3 +222,19 @@ def test_the_batchs_conv_windows_are_each_sequences_own():
     for width in (4, 2):
         want = torch.cat([conv_sources(s.visible, torch.from_numpy(s.depths), width) for s in seqs])
         assert torch.equal(conv_windows(seqs, width), want)
+
+
+def test_a_lone_hybrid_request_whose_prefix_is_cached_prefills_only_the_rest_on_the_batched_path(hybrids):
+    """The single path keeps a hybrid's recurrent states in caches of its own, with no checkpoints to resume from:
+    a lone request whose prompt starts with a cached prefix decodes batched instead, prefilling only the rest (from
+    the checkpoint after the prefix's first prompt piece); one that hits nothing decodes alone."""
+    engine = hybrids["qwen3_5"]
+    fast = Engine(engine.target, engine.draft, engine.tokenizer, fast=True, fast_capacity=512)
+    batch = fast.batch(BatchOptions(max_num_seqs=4, max_num_batched_tokens=512, kv_cache_tokens=1024))
+    shared = [(7 * i) % 90 + 3 for i in range(PROMPT_CHUNK + 20)]
+    decode(batch, [([*shared, 1], "ddtree", None), ([9, 8], "ddtree", None)])  # together: batched, cached
+    hit, = decode(batch, [([*shared, 2], "ddtree", None)])
+    miss, = decode(batch, [(list(range(50, 60)), "ddtree", None)])
+    assert not batch.solo.paged and miss.backend is batch.solo
+    assert isinstance(hit.backend, PagedBackend) and hit.cached_prompt == PROMPT_CHUNK
+    assert hit.generation.token_ids == alone(engine, [*shared, 2], "ddtree", None)

@@ -4,7 +4,11 @@ batched path, and every request still decodes exactly what it decodes alone.
 The fast path runs eagerly on the CPU here (a GPU replays the same steps as CUDA graphs).
 """
 
+from dataclasses import replace
+
 import pytest
+import torch
+from ddtree.core.prefix_cache import block_hashes
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine.batch import BatchEngine, BatchOptions, alone_lengths
 from ddtree.engine.sequence import Status
@@ -90,26 +94,83 @@ def test_the_single_request_path_can_be_turned_off(pairs):
     assert seq.generation.token_ids == engine.generate([5, 6, 7], GREEDY).token_ids
 
 
-def test_a_lone_request_whose_prompt_is_cached_stays_on_the_batched_path(pairs):
-    """The single-request path keeps its own cache: a lone request whose prompt starts with a prefix the batched
-    path has cached decodes there instead (prefilling only the rest); one that hits nothing still goes alone."""
+def prompt_rows(batch: BatchEngine, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's and the drafter's pool rows of the prompt's cached full blocks."""
+    pool, size = batch.backends[0], batch.blocks.block_size
+    blocks = [batch.blocks.prefix.block_of[h] for h in block_hashes(prompt, size)]
+    slots = torch.tensor([b * size + i for b in blocks for i in range(size)])
+    return pool.kv.index_select(3, slots), pool.draft_kv.index_select(3, slots)
+
+
+@pytest.mark.parametrize("method", ["ddtree", "ar"])
+def test_a_lone_request_leaves_its_prompt_in_the_prefix_cache_as_the_batched_path_would(pairs, method):
+    """The single-request path writes its prompt's K/V (the drafter's context too, even for an ar request) into
+    the pool's blocks, which join the prefix cache: the rows equal what a batched prefill writes there."""
+    _, engine = pairs["qwen3"]
+    prompt = list(range(3, 40))
+    alone, batched = batch_of(engine), batch_of(engine, single_request_path=False)
+    seqs = [alone.add(prompt, GREEDY, method=method), batched.add(prompt, GREEDY, method=method)]
+    finish(alone)
+    finish(batched)
+    assert seqs[0].backend is alone.solo and isinstance(seqs[1].backend, PagedBackend)
+    assert len(alone.blocks.prefix.block_of) == 2  # the prompt's two full blocks (16 slots each)
+    for solo_rows, paged_rows in zip(prompt_rows(alone, prompt), prompt_rows(batched, prompt), strict=True):
+        torch.testing.assert_close(solo_rows, paged_rows, rtol=1e-4, atol=1e-5)
+    assert alone.blocks.free_blocks == alone.blocks.num_blocks  # cached, and evictable
+
+
+def test_a_lone_request_prefills_only_what_the_prefix_cache_does_not_hold(pairs):
+    """Requests over one 37-token prefix, each alone: the first fills the cache, another prompt runs, the next
+    request skips the prefix's two full blocks on the single-request path, and one batched beside a newcomer skips
+    them too; each decodes what it decodes without the cache. Prompt logprobs compute the whole prompt."""
     _, engine = pairs["qwen3"]
     batch = batch_of(engine)
     shared = list(range(3, 40))
     first = batch.add([*shared, 1], GREEDY)
-    batch.add([9, 8], GREEDY)  # together: both batched, the first's prompt cached
     finish(batch)
-    assert isinstance(first.backend, PagedBackend)
-    hit = batch.add([*shared, 2], GREEDY)
+    batch.add(list(range(50, 90)), GREEDY)  # the single path's caches now hold another prompt
     finish(batch)
-    miss = batch.add(list(range(50, 60)), GREEDY)
+    hit = batch.add([*shared, 2], GREEDY, method="dflash")
     finish(batch)
-    assert isinstance(hit.backend, PagedBackend) and hit.cached_prompt == 32 and miss.backend is batch.solo
-    assert hit.generation.token_ids == engine.generate([*shared, 2], GREEDY).token_ids
-    alone = batch_of(engine, prefix_caching=False)
-    lone = alone.add([*shared, 1], GREEDY)
-    finish(alone)
-    assert lone.backend is alone.solo and alone.blocks.prefix is None
+    together = [batch.add([*shared, 3], GREEDY, budget=4), batch.add([9, 8], GREEDY)]
+    finish(batch)
+    logprobs = batch.add([*shared, 4], replace(GREEDY, prompt_logprobs=1))
+    finish(batch)
+    assert first.backend is hit.backend is logprobs.backend is batch.solo
+    assert isinstance(together[0].backend, PagedBackend)
+    assert (first.cached_prompt, hit.cached_prompt, together[0].cached_prompt, logprobs.cached_prompt) == (0, 32, 32, 0)
+    for seq, (prompt, method, budget) in zip([first, hit, together[0]], [([*shared, 1], "ddtree", None),
+                                             ([*shared, 2], "dflash", None), ([*shared, 3], "ddtree", 4)], strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, GREEDY, method=method, budget=budget).token_ids
+
+
+def test_a_lone_request_that_moves_to_the_batched_path_finds_its_prompt_cached(pairs):
+    """Company arrives after a lone request's first rounds: on the batched path it recomputes only what it
+    emitted, its prompt's blocks read from the cache it left them in."""
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine)
+    prompt = list(range(3, 40))
+    first = batch.add(prompt, GREEDY)
+    for _ in range(3):
+        batch.step()
+    assert first.backend is batch.solo
+    other = batch.add([9, 8, 7], GREEDY)
+    batch.step()
+    assert isinstance(first.backend, PagedBackend) and first.cached_prompt == 32
+    finish(batch)
+    assert first.generation.token_ids == engine.generate(prompt, GREEDY).token_ids
+    assert other.generation.token_ids == engine.generate([9, 8, 7], GREEDY).token_ids
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+def test_without_prefix_caching_a_lone_request_holds_no_blocks(pairs):
+    _, engine = pairs["qwen3"]
+    batch = batch_of(engine, prefix_caching=False)
+    seq = batch.add(list(range(3, 40)), GREEDY)
+    batch.step()
+    assert seq.backend is batch.solo and not batch.solo.paged and batch.blocks.usage == 0
+    finish(batch)
+    assert seq.generation.token_ids == engine.generate(list(range(3, 40)), GREEDY).token_ids
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

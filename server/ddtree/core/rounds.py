@@ -76,6 +76,7 @@ class BatchBackend(Protocol):
     name: str
     chunked: bool  # takes a prompt in chunks over several steps (else whole, in one step)
     paged: bool  # its caches live in the batch engine's blocks (engine/blocks.py)
+    prompt_only: bool  # (paged) only its prompts live in the blocks: its rounds write caches of its own
 
     def accepts(self, request: DecodeRequest) -> bool:
         """Whether this backend can decode the request."""

@@ -10,10 +10,11 @@ KV blocks back at once.
 Backends that decode one request at a time (the reference path, the single-sequence fast path) take part
 through `SerialBackend`: each of their sequences runs its own rounds in turn within the step.
 
-A request alone in the engine decodes on the single-request fast path (`solo`), whose whole round runs on the
-device from CUDA graphs with the next round queued before this one is read: one user gets what `ddtree bench
---paths fast` measures. When another request comes in, the lone one moves to the batched path, recomputed from
-its prompt and what it emitted, as a preempted request is (`_route`).
+A request alone in the engine decodes on the single-request fast path (`solo`, engine/solo.py), whose whole
+round runs on the device from CUDA graphs with the next round queued before this one is read: one user gets what
+`ddtree bench --paths fast` measures. When another request comes in, the lone one moves to the batched path,
+recomputed from its prompt and what it emitted, as a preempted request is (`_route`); with prefix caching its
+prompt is in the cache by then, so only what it emitted is.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import RoundChoice
@@ -34,6 +36,9 @@ from ddtree.engine.schedule import Scheduler
 from ddtree.engine.sequence import Sequence, Status
 from ddtree.errors import DDTreeError
 
+if TYPE_CHECKING:
+    from ddtree.engine.solo import SoloBackend
+
 log = logging.getLogger("ddtree.engine")
 
 
@@ -43,6 +48,7 @@ class SerialBackend:
 
     chunked = False
     paged = False
+    prompt_only = False
 
     def __init__(self, backend: Backend, capacity: int | None = None) -> None:
         self.backend, self.capacity = backend, capacity
@@ -96,7 +102,7 @@ class BatchEngine:
 
     def __init__(self, engine, backends: Seq[BatchBackend], *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, blocks: BlockManager | None = None,
-                 solo: SerialBackend | None = None) -> None:
+                 solo: SoloBackend | None = None) -> None:
         """`solo`: the single-request path a request alone decodes on instead of the first (batched) backend."""
         if not backends:
             raise ValueError("a batch engine needs at least one backend")
@@ -208,7 +214,8 @@ class BatchEngine:
         """A request alone takes the single-request path, if it has not started elsewhere and that path takes it;
         with company it moves to the batched path (`requeue`: recomputed there from its context). A sampled
         request with a seed stays batched, so its samples never depend on what else runs; so does one whose prompt
-        starts with a prefix the batched path has cached (it prefills only the rest there)."""
+        starts with a cached prefix where the single-request path cannot read it (a hybrid's: engine/solo.py), to
+        prefill only the rest on the batched path."""
         if self.solo is None:
             return
         live = [*self.scheduler.running, *self.scheduler.waiting]
@@ -217,7 +224,7 @@ class BatchEngine:
             params = seq.request.params
             if (seq.backend is self.backends[0] and not seq.opened and not seq.generation.token_ids
                     and (params.greedy or params.seed is None) and self.solo.accepts(seq.request)
-                    and not self.scheduler.cached_prefix(seq)):
+                    and (self.solo.paged or not self.scheduler.cached_prefix(seq))):
                 seq.backend = self.solo
             return
         for seq in live:
@@ -304,7 +311,7 @@ def warm_up(batch: BatchEngine, *settings: SamplingParams) -> list[str]:
     lengths = alone_lengths(engine.max_context // 2) if on_gpu else [len(prompt), len(longer)]
     for params in settings:
         short = replace(params, max_new_tokens=2 * engine.block_size, ignore_eos=True)
-        for length in lengths:  # each starts at its own token: no cached prefix sends it to the batched path
+        for length in lengths:  # each starts at its own token: no cached prefix shortens its prompt forward
             alone = [(length + i) % engine.vocab_size for i in range(length)]
             first = batch.add(alone, short)
             while first.status is not Status.FINISHED:
@@ -332,6 +339,7 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
     not build (PagedBackend.declines: the reference path would batch them many times slower)."""
     import torch
 
+    from ddtree.engine.solo import SoloBackend
     from ddtree.fast.batch import PagedBackend
     from ddtree.fast.batch_memory import pool_tokens
     from ddtree.fast.runner import unsupported
@@ -361,6 +369,8 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
             if options.batch_budget and engine.draft is not None:
                 paged.cost = paged.measure_cost()
                 paged.choice = RoundChoice()  # rounds draft only while drafting pays, as measured while serving
-    solo = SerialBackend(engine.fast, capacity=1) if engine.fast is not None and options.single_request_path else None
+    solo = None
+    if engine.fast is not None and options.single_request_path:  # its prompts share the pool's prefix cache
+        solo = SoloBackend(engine.fast, paged if blocks.prefix is not None else None)
     return BatchEngine(engine, [paged, reference], max_num_seqs=options.max_num_seqs,
                        max_num_batched_tokens=options.max_num_batched_tokens, blocks=blocks, solo=solo)

@@ -15,7 +15,8 @@ With prefix caching (core/prefix_cache.py) a sequence is matched against the cac
 cached blocks its prompt starts with join its table and its prefill starts after them. The last prompt token is
 always computed (its logits pick the first token), so a hit stops at least one token short of the prompt; a
 request that asks for prompt logprobs computes its whole prompt. Once a prompt chunk is written, the prompt's
-full blocks it completed are registered for later requests.
+full blocks it completed are registered for later requests. A backend whose rounds run in caches of their own
+(`prompt_only`: the single-request path, engine/solo.py) holds blocks for its prompt alone.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class Scheduler:
         #    out, the newest running sequence gives its up (possibly the one asking).
         for seq in list(self.running):
             if seq not in self.running or not seq.decoding:
+                continue
+            if seq.backend.prompt_only:  # its rounds write caches of its own
+                plan.decodes.append(seq)
                 continue
             need = seq.cached + 1 + seq.backend.rows_per_round(seq.request)
             while not self._reserve(seq, need):

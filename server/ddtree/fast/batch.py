@@ -45,7 +45,7 @@ from ddtree.fast.hybrid import PROMPT_CHUNK
 from ddtree.fast.layers import Draft, Ops, TargetLayer, decoder_layer
 from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, SeqRows, VarlenRows
 from ddtree.fast.rope import RopeTable
-from ddtree.fast.runner import MAX_BUDGET
+from ddtree.fast.runner import MAX_BUDGET, PooledPrompt
 from ddtree.kernels import gdn
 from ddtree.kernels.fp8 import Fp8Weight
 from ddtree.kernels.gather import embed
@@ -65,6 +65,7 @@ class PagedBackend:
     name = "fast"
     chunked = True
     paged = True
+    prompt_only = False
 
     @staticmethod
     def declines(target: Target, draft: DFlashDraft | None) -> str | None:
@@ -373,6 +374,12 @@ class PagedBackend:
         limit = available if node_limit is None else min(node_limit, available)
         trees.cut(choose_nodes(trees.live_scores(), self.cost, range(limit + 1)))
         return trees
+
+    def pooled_prompt(self, seq_id: int, cached: int, length: int) -> PooledPrompt:
+        """A sequence's prompt of `length` tokens as the single-request path reads (its first `cached`) and writes
+        (the rest) it in this pool (engine/solo.py); its blocks are reserved."""
+        slots = self._tensor(self.blocks.slots(seq_id, 0, length))
+        return PooledPrompt(self.kv, self.draft_kv if self.draft is not None else None, slots, cached)
 
     def measure_cost(self, repeats: int = 3) -> CostModel:
         """The round's cost model on this device (fast/batch_cost.py)."""

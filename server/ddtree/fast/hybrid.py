@@ -195,6 +195,8 @@ class HybridLayers:
 class HybridFastPath(FastPath):
     """FastPath for a hybrid target: recurrent layers in closed form, attention layers over a static cache."""
 
+    pools_prompts = False  # a pooled prompt would need its recurrent states checkpointed at block boundaries
+
     def _build_target(self) -> None:
         self.row_gemv = False
         self.hybrid = HybridLayers(self.model, self.ops, self.target.config, self.device)

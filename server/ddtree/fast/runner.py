@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -53,13 +54,26 @@ from ddtree.models.fp8_target import Fp8Experts
 from ddtree.models.quantize import Fp8Linear
 from ddtree.models.target import HybridTarget, Target
 
-__all__ = ["FastPath", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
+__all__ = ["FastPath", "PooledPrompt", "ancestors", "chain", "top_prefixes", "tree_size", "unsupported"]
 
 ARCHITECTURES = ("qwen3", "llama", "qwen3_moe")
 MAX_BUDGET = 256  # the largest tree the one-program tree build is tested at (its selections grow with B ln B)
 MAX_FILTER_SETTINGS = 8  # distinct (top-k, top-p, min-p) settings with their own captured plans
 
 Filters = tuple[int, float, float]  # (top-k, top-p, min-p) of a sampled request, baked into its plans
+
+
+@dataclass(frozen=True)
+class PooledPrompt:
+    """A lone request's prompt in the batched path's paged pool (engine/solo.py): the pool slot of every prompt
+    token, the first `cached` of them a prefix the prefix cache already holds. The prefill reads those rows instead
+    of computing them and writes the rows it computes into the others, so the prompt is there for the requests
+    after it, on either path."""
+
+    kv: torch.Tensor  # the target's pool [L, 2, kv, slots, d]
+    draft_kv: torch.Tensor | None  # the drafter's context pool, when there is a drafter
+    slots: torch.Tensor  # [n] pool slots of the prompt's tokens
+    cached: int
 
 
 def sampling_filters(params: SamplingParams) -> Filters | None:
@@ -116,6 +130,10 @@ class FastPath:
     """Static caches and per-(method, budget) step graphs for one target (+ draft); one generation at a time."""
 
     name = "fast"
+
+    # Its prompt K/V can come from and go to a paged pool (PooledPrompt): its caches hold every layer's K/V and
+    # nothing else. A hybrid's recurrent states would need checkpoints at block boundaries as well.
+    pools_prompts = True
 
     def __init__(self, target: Target, draft: DFlashDraft | None, capacity: int = 4096,
                  draft_head: DraftHead | None = None) -> None:
@@ -227,8 +245,9 @@ class FastPath:
     # -- the decoding loop ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def rounds(self, request: DecodeRequest) -> Iterator[Round]:
-        """The request's rounds on the static caches: the prefill, then one replayed plan per round."""
+    def rounds(self, request: DecodeRequest, pooled: PooledPrompt | None = None) -> Iterator[Round]:
+        """The request's rounds on the static caches: the prefill (after the cached prefix of `pooled`, and
+        written back to it), then one replayed plan per round."""
         self._busy = True
         try:
             params, constraint = request.params, request.constraint
@@ -252,10 +271,12 @@ class FastPath:
             most = 1 if request.method == "ar" else self.block  # tokens one round can emit
             t0 = time.perf_counter()
             every_row = params.prompt_logprobs is not None
+            # a pooled prompt carries the drafter's context too, whatever this request's method
+            with_draft = self.draft is not None and (request.method != "ar" or pooled is not None)
             root, root_logprobs, prompt_logits = self.prefill(
-                torch.tensor(request.prompt_ids, device=self.device), with_draft=request.method != "ar",
+                torch.tensor(request.prompt_ids, device=self.device), with_draft=with_draft,
                 noise=prefill_noise, filters=filters, allowed=constraint.allowed([[]]) if constraint else None,
-                adjusted=adjusted, logprobs=logprobs, every_row=every_row)
+                adjusted=adjusted, logprobs=logprobs, every_row=every_row, pooled=pooled)
             yield Round([root], 0, 0, {"prefill": time.perf_counter() - t0}, root_logprobs, prompt_logits,
                         is_prefill=True)
             emitted = 1
@@ -391,17 +412,21 @@ class FastPath:
     @prompt_rows()
     def prefill(self, prompt: torch.Tensor, with_draft: bool, noise: torch.Tensor | None = None,
                 filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False,
-                logprobs: bool = False, every_row: bool = False,
+                logprobs: bool = False, every_row: bool = False, pooled: PooledPrompt | None = None,
                 ) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
         """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
         `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given),
         with `logprobs` its `token_logprobs` (the 20 best alternatives), and with `every_row` the raw logits of
-        every prompt row [n, V] (for prompt logprobs)."""
+        every prompt row computed [n, V] (for prompt logprobs). `pooled`: the prompt's cached prefix is read from
+        the pool, and the rows computed here are written there."""
         n = prompt.numel()
-        self.start.zero_()
-        positions = torch.arange(n, device=self.device)
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        prompt_logits, taps = self.prompt_forward(prompt, positions, causal, every_row)
+        cached = pooled.cached if pooled is not None else 0
+        if cached:
+            self._read_pool(pooled)
+        self.start.fill_(cached)
+        positions = torch.arange(cached, n, device=self.device)
+        causal = torch.ones(n - cached, n - cached, dtype=torch.bool, device=self.device).tril()
+        prompt_logits, taps = self.prompt_forward(prompt[cached:], positions, causal, every_row)
         logits = self.before_pick(prompt_logits[-1:], allowed, adjusted)
         processed = self.processed(logits, noise is not None, filters)
         root = self.pick(processed, noise)[0]
@@ -409,15 +434,31 @@ class FastPath:
             self.emitted_counts[root] += 1
         if with_draft:
             self._extend_draft(taps, positions)
+        if pooled is not None:
+            self._write_pool(pooled, n, with_draft)
         self.start.fill_(n)
         self.root.copy_(root)
         root_logprobs = self._token_logprobs(processed, root.view(1)) if logprobs else None
         return int(root), root_logprobs, prompt_logits if every_row else None
 
+    def _read_pool(self, pooled: PooledPrompt) -> None:
+        """The cached prefix's target and drafter K/V, from the pool's slots into rows 0 .. cached - 1."""
+        rows = pooled.slots[:pooled.cached]
+        self.kv[:, :, :, :pooled.cached].copy_(pooled.kv.index_select(3, rows))
+        if self.draft is not None:
+            self.draft_kv[:, :, :, :pooled.cached].copy_(pooled.draft_kv.index_select(3, rows))
+
+    def _write_pool(self, pooled: PooledPrompt, n: int, with_draft: bool) -> None:
+        """The prompt rows this prefill computed (cached .. n - 1) into their pool slots."""
+        rows = pooled.slots[pooled.cached:n]
+        pooled.kv.index_copy_(3, rows, self.kv[:, :, :, pooled.cached:n])
+        if with_draft:
+            pooled.draft_kv.index_copy_(3, rows, self.draft_kv[:, :, :, pooled.cached:n])
+
     def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
                        every_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prompt's forward from an empty cache: (the last row's logits [1, V], or with `every_row` every
-        row's [n, V]; taps of every row)."""
+        """The prompt's forward after the `start` rows cached: (the last row's logits [1, V], or with `every_row`
+        every row's [n, V]; taps of every row)."""
         logits, taps, _ = self.forward(prompt, positions, causal, last_only=not every_row)
         return logits, taps
 
