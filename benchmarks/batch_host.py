@@ -66,7 +66,7 @@ def main() -> None:
 def seq_rows(trees: RoundTrees) -> list[SeqRows]:
     """The trees' rows as a hybrid verify lays them out: each request's root and nodes, one after another."""
     out, lo = [], 0
-    for r, visible in enumerate(trees.visibility()):
+    for r, visible in enumerate(trees.visibility()[0]):
         parents, depths = trees.lineage(r)
         out.append(SeqRows(0, lo, lo + len(parents), visible, parents, depths))
         lo += len(parents)

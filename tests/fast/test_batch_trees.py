@@ -22,9 +22,12 @@ def random_trees(seed: int, requests: int = 6) -> RoundTrees:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_ancestor_matrices_of_a_round_are_each_trees_own(seed):
+    """Each request's matrix, and all of them flattened and concatenated as the verify's kernels read them."""
     trees = random_trees(seed)
-    for r, seen in enumerate(trees.visibility()):
+    each, packed = trees.visibility()
+    for r, seen in enumerate(each):
         assert torch.equal(seen, visibility(trees.tree(r)))
+    assert np.array_equal(packed, torch.cat([visibility(trees.tree(r)).reshape(-1) for r in range(len(each))]).numpy())
 
 
 @pytest.mark.parametrize("seed", range(10))

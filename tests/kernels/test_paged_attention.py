@@ -112,3 +112,19 @@ def test_a_row_sees_only_its_own_sequence_and_ancestors(sinks):
                     want = weights @ cache[1, head, slots]
                     col = (head * 2 + group) * d
                     assert torch.allclose(got[row, col:col + d], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [[], [1], [16], [17, 1, 40], [0, 5, 32, 33]])
+def test_every_sequences_rows_are_covered_by_its_own_tiles_in_order(rows):
+    """The tile list the kernel's programs take: each sequence's rows in BLOCK_M-row tiles, first rows 0, 16, ...,
+    sequence by sequence, then (-1, 0) padding to the buffer's count."""
+    from ddtree.kernels.paged_attention import BLOCK_M, tiles_for
+
+    offsets = [0]
+    for n in rows:
+        offsets.append(offsets[-1] + n)
+    expected = [(b, lo) for b, n in enumerate(rows) for lo in range(0, n, BLOCK_M)]
+    assert tiles_for(offsets).tolist() == [list(t) for t in expected]
+    assert tiles_for(offsets, len(expected) + 2).tolist() == [list(t) for t in expected] + [[-1, 0]] * 2
+    with pytest.raises(ValueError, match="do not fit"):
+        tiles_for([*offsets, offsets[-1] + 1], len(expected))

@@ -258,7 +258,7 @@ class PagedBackend:
         drafted = self._draft(seq_ids, states, drafting) if drafting else None
         phases["draft"], t = self._lap(t, wait=drafted is not None)
         trees = self._trees(states, drafting, drafted, node_limit)
-        visible = trees.visibility()
+        visible, packed = trees.visibility()
         phases["tree"], t = self._lap(t, wait=False)
         sizes = trees.sizes.tolist()
         ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
@@ -268,6 +268,7 @@ class PagedBackend:
             positions += (state.start + trees.depths[r, :n]).tolist()
             slots += self.blocks.slots(seq_id, state.start, n)
             self._describe(layout, seq_id, state.start, visible[r])
+        layout = replace(layout, packed=packed)
         seqs = self._seq_rows(seq_ids, layout, trees)
         record = self.hybrid.record(seqs) if self.hybrid else None
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)

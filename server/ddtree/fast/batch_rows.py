@@ -8,6 +8,7 @@ forward runs eagerly on the same buffers.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ddtree.fast.paged_hybrid import SeqRows
@@ -53,34 +54,35 @@ class StaticRows:
     def fill(self, ids: list[int], positions: list[int], slots: list[int], layout: PagedLayout,
              visible: bool = True) -> None:
         """The batch's rows and layout into the buffers (`visible`: also its visibility, else the buffers keep
-        theirs: `repeat_visibility`)."""
-        pad = self.rows - len(ids)
-        rows = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch] * pad], dtype=torch.long)
-        seqs = len(layout.starts)
-        per_seq = torch.zeros((3, self.seqs + 1), dtype=torch.int32)
-        per_seq[0, :seqs] = torch.tensor(layout.starts, dtype=torch.int32)
-        per_seq[1, :seqs + 1] = torch.tensor(layout.row_offsets, dtype=torch.int32)
+        theirs: `repeat_visibility`), built in host arrays and copied in one go each."""
+        n, seqs = len(ids), len(layout.starts)
+        rows = np.empty((3, self.rows), dtype=np.int64)
+        rows[:2, n:], rows[2, n:] = 0, self.scratch
+        rows[0, :n], rows[1, :n], rows[2, :n] = ids, positions, slots
+        per_seq = np.zeros((3, self.seqs + 1), dtype=np.int32)
+        per_seq[0, :seqs] = layout.starts
+        per_seq[1, :seqs + 1] = layout.row_offsets
         per_seq[1, seqs + 1:] = layout.row_offsets[-1]
-        flat = [v.reshape(-1).to(torch.int8) for v in layout.visible] if visible else []
-        offsets = [0]
-        for v in flat[:-1]:
-            offsets.append(offsets[-1] + v.numel())
-        per_seq[2, :len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
-        tables = torch.zeros(self.tables.shape, dtype=torch.int32)
+        tables = np.zeros(self.tables.shape, dtype=np.int32)
         for b, table in enumerate(layout.tables):
-            tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        tiles = torch.tensor(tiles_for(layout.row_offsets, self.tiles.shape[0]), dtype=torch.int32)
-        self.ids.copy_(rows[0], non_blocking=True)
-        self.positions.copy_(rows[1], non_blocking=True)
-        self.slots.copy_(rows[2], non_blocking=True)
-        self.starts.copy_(per_seq[0, :self.seqs], non_blocking=True)
-        self.row_offsets.copy_(per_seq[1], non_blocking=True)
-        self.tables.copy_(tables, non_blocking=True)
-        if flat:
-            self.vis_offsets.copy_(per_seq[2, :self.seqs], non_blocking=True)
-            visible = torch.cat(flat)
-            self.visible[:visible.numel()].copy_(visible, non_blocking=True)
-        self.tiles.copy_(tiles, non_blocking=True)
+            tables[b, :len(table)] = table
+        rows_t = torch.from_numpy(rows)
+        self.ids.copy_(rows_t[0], non_blocking=True)
+        self.positions.copy_(rows_t[1], non_blocking=True)
+        self.slots.copy_(rows_t[2], non_blocking=True)
+        if visible:
+            sizes = np.diff(np.asarray(layout.row_offsets, dtype=np.int64)) ** 2  # each sequence's [n, n]
+            per_seq[2, 1:seqs] = np.cumsum(sizes[:-1])
+            packed = layout.packed
+            if packed is None:
+                packed = torch.cat([v.reshape(-1) for v in layout.visible]).numpy()
+            self.vis_offsets.copy_(torch.from_numpy(per_seq[2, :self.seqs]), non_blocking=True)
+            self.visible[:packed.size].copy_(torch.from_numpy(packed.view(np.int8)), non_blocking=True)
+        per_seq_t = torch.from_numpy(per_seq)
+        self.starts.copy_(per_seq_t[0, :self.seqs], non_blocking=True)
+        self.row_offsets.copy_(per_seq_t[1], non_blocking=True)
+        self.tables.copy_(torch.from_numpy(tables), non_blocking=True)
+        self.tiles.copy_(torch.from_numpy(tiles_for(layout.row_offsets, self.tiles.shape[0])), non_blocking=True)
 
     def fill_recurrent(self, seqs: list[SeqRows], sources: torch.Tensor) -> None:
         """A hybrid verify's sequences: their state slots and their rows' conv windows (sources [R, W])."""

@@ -80,17 +80,22 @@ class RoundTrees:
         parents[0] = -1
         return parents, self.depths[r, :n]
 
-    def visibility(self) -> list[torch.Tensor]:
-        """Per request, bool [n + 1, n + 1]: row i sees its ancestors and itself (all requests in one pass)."""
+    def visibility(self) -> tuple[list[torch.Tensor], np.ndarray]:
+        """Per request, bool [n + 1, n + 1]: row i sees its ancestors and itself (all requests in one pass); and all
+        of them flattened and concatenated, as the verify's kernels read them."""
         requests, width = self.parents.shape
-        seen = np.zeros((requests, width, width), dtype=np.bool_)
-        every, node = np.arange(requests)[:, None], np.broadcast_to(np.arange(width), (requests, width))
-        up = node
-        seen[every, node, up] = True
+        seen = np.zeros(requests * width * width, dtype=np.bool_)
+        cells = (np.arange(requests)[:, None] * width + np.arange(width)) * width  # each node's row of `seen`
+        up = np.broadcast_to(np.arange(width), (requests, width))
+        seen[cells + up] = True
         for _ in range(int(self.depths.max(initial=0))):
             up = np.take_along_axis(self.parents, up, axis=1)
-            seen[every, node, up] = True
-        return [torch.from_numpy(seen[r, :n + 1, :n + 1]) for r, n in enumerate(self.sizes.tolist())]
+            seen[cells + up] = True
+        seen = seen.reshape(requests, width, width)
+        n = self.sizes + 1
+        node = np.arange(width)
+        kept = (node[None, :, None] < n[:, None, None]) & (node[None, None, :] < n[:, None, None])
+        return [torch.from_numpy(seen[r, :k, :k]) for r, k in enumerate(n.tolist())], seen[kept]
 
 
 def dflash_trees(drafted: torch.Tensor, methods: Sequence[str], budgets: Sequence[int], depths: Sequence[int],

@@ -20,6 +20,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,16 +59,22 @@ class PagedLayout:
     row_offsets: list[int]
     tables: list[list[int]]
     visible: list[torch.Tensor]  # per sequence, bool [n_b, n_b]
+    packed: np.ndarray | None = None  # all of them flattened and concatenated (the kernels' form), when made at once
 
 
-def tiles_for(row_offsets: list[int], count: int | None = None) -> list[tuple[int, int]]:
-    """(sequence, first row) of every BLOCK_M-row tile of every sequence's rows, padded with (-1, 0) to `count`."""
-    tiles = [(b, lo) for b in range(len(row_offsets) - 1)
-             for lo in range(0, row_offsets[b + 1] - row_offsets[b], BLOCK_M)]
-    if count is not None:
-        if len(tiles) > count:
-            raise ValueError(f"{len(tiles)} tiles do not fit {count}")
-        tiles += [(-1, 0)] * (count - len(tiles))
+def tiles_for(row_offsets: list[int], count: int | None = None) -> np.ndarray:
+    """(sequence, first row) of every BLOCK_M-row tile of every sequence's rows, int32 [tiles, 2], padded with
+    (-1, 0) to `count`."""
+    per_seq = -(-np.diff(np.asarray(row_offsets, dtype=np.int64)) // BLOCK_M)
+    total = int(per_seq.sum())
+    if count is not None and total > count:
+        raise ValueError(f"{total} tiles do not fit {count}")
+    tiles = np.zeros((total if count is None else count, 2), dtype=np.int32)
+    tiles[total:, 0] = -1
+    seq = np.repeat(np.arange(len(per_seq)), per_seq)
+    first = np.cumsum(per_seq) - per_seq  # each sequence's first tile
+    tiles[:total, 0] = seq
+    tiles[:total, 1] = (np.arange(total) - first[seq]) * BLOCK_M
     return tiles
 
 
