@@ -4,8 +4,9 @@ maximise expected committed tokens per second of round time under the cost model
 import math
 import random
 
+import numpy as np
 import pytest
-from ddtree.core.budget import FLAT, CostModel, choose_nodes, chosen_nodes, expected_tokens
+from ddtree.core.budget import FLAT, Calibration, CostModel, choose_nodes, chosen_nodes, expected_tokens
 from ddtree.core.tree import tree_from_candidates
 
 
@@ -146,3 +147,32 @@ def test_batch_sizes_are_measured_in_buckets_a_quarter_of_a_power_of_two_wide():
 def test_the_cost_model_adds_the_measured_overhead():
     cost = CostModel(((10, 1.0), (20, 3.0)), per_request=0.5, overhead=2.0)
     assert cost.seconds(15, 2) == pytest.approx(2.0 + 1.0 + 2.0)
+
+
+def test_the_calibration_learns_what_the_target_accepts_of_each_forecast():
+    """Nodes the drafter gives p but the target accepts with probability min(1, 2p) (an underconfident drafter):
+    after enough rounds a forecast of 0.1 is worth about 0.2, one of 0.7 at most 1; bins never observed keep the
+    drafter's own figure."""
+    rng = np.random.default_rng(0)
+    calibration = Calibration()
+    for _ in range(400):
+        p = rng.uniform(0.05, 0.4, size=32)
+        calibration.observe(np.log(p), rng.random(32) < np.minimum(1.0, 2 * p))
+    got = calibration(np.log(np.array([0.1, 0.3, 0.7, 1e-3])))
+    assert abs(got[0] - 0.2) < 0.03 and abs(got[1] - 0.6) < 0.06
+    assert got[2] <= 1.0 and got[3] == pytest.approx(1e-3)
+
+
+def test_a_calibrated_budget_verifies_the_nodes_an_underconfident_drafter_undersells():
+    """Under a cost where a node costs a tenth of a plain round, nodes the drafter gives 0.2 do not pay; once rounds
+    have shown the target accepts twice what the drafter forecasts there, they do."""
+    scores = scores_of([0.9, 0.6, 0.2, 0.2, 0.2], [0.8, 0.2, 0.2])
+    cost = CostModel(((2, 1.0), (100, 1.0 + 98 * 0.1)))
+    calibration = Calibration()
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        p = rng.uniform(0.1, 0.3, size=32)
+        calibration.observe(np.log(p), rng.random(32) < 2 * p)
+    plain, calibrated = choose_nodes(scores, cost), choose_nodes(scores, cost, calibration=calibration)
+    assert plain == [2, 1] and calibrated == [5, 3]
+    assert choose_nodes(scores, cost, calibration=Calibration()) == plain  # nothing observed: the drafter's figures

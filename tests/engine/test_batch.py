@@ -12,8 +12,9 @@ from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import CostModel
 from ddtree.core.grammar import json_schema_grammar
 from ddtree.core.sampling import SamplingParams
-from ddtree.engine.batch import BatchEngine, BatchOptions, SerialBackend
+from ddtree.engine.batch import BatchEngine, BatchOptions
 from ddtree.engine.sequence import Status
+from ddtree.engine.serial import SerialBackend
 from ddtree.fast.batch import PagedBackend
 from distributions import exact_joint, fit_p_value
 from tiny import make_draft, make_target
@@ -353,3 +354,22 @@ def test_rounds_that_do_not_draft_leave_every_request_lossless(engines):
     common = min(start, other)
     assert common > len(PROMPTS[1]) + 4
     torch.testing.assert_close(alternate[..., :common, :], every[..., :common, :], rtol=1e-4, atol=1e-5)
+
+
+def test_the_budgets_calibration_counts_every_accepted_draft_token(engines):
+    """Each drafting round tells the batch budget's calibration which verified nodes the target accepted: over a
+    run (no decay) it has counted exactly the accepted draft tokens the rounds report."""
+    batch = paged(engines["qwen3"])
+    backend = batch.backends[0]
+    backend.calibration.decay = 1.0
+    accepted, step = [], backend.step
+
+    def counting(*args):
+        rounds = step(*args)
+        accepted.extend(r.accepted for r in rounds.values() if not r.is_prefill)
+        return rounds
+
+    backend.step = counting
+    run(batch, [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS[:4], METHODS[:4], strict=True)])
+    assert sum(accepted) > 0 and backend.calibration.accepted.sum() == sum(accepted)
+    assert backend.calibration.forecast.sum() > 0

@@ -11,8 +11,9 @@ import torch
 from ddtree.core.blocks import BlockManager
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.engine.batch import BatchEngine, BatchOptions, SerialBackend
+from ddtree.engine.batch import BatchEngine, BatchOptions
 from ddtree.engine.sequence import Status
+from ddtree.engine.serial import SerialBackend
 from ddtree.fast.batch import PagedBackend
 from ddtree.fast.hybrid import PROMPT_CHUNK
 from tiny import make_draft, make_hybrid_target

@@ -7,8 +7,9 @@ import torch
 from ddtree.core.blocks import BlockManager
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.engine.batch import BatchEngine, SerialBackend
+from ddtree.engine.batch import BatchEngine
 from ddtree.engine.sequence import Status
+from ddtree.engine.serial import SerialBackend
 from ddtree.fast.batch import PagedBackend
 from tiny import make_draft, make_hybrid_target
 

@@ -448,7 +448,8 @@ def test_batched_hybrid_rounds_replay_as_graphs_and_give_each_requests_tokens(tm
     (one longer than a piece); each request gets the tokens it gets alone (float32: exactly; bf16: up to the
     reference's near-ties), and every block and state slot comes back."""
     from ddtree.core.blocks import BlockManager
-    from ddtree.engine.batch import BatchEngine, SerialBackend
+    from ddtree.engine.batch import BatchEngine
+    from ddtree.engine.serial import SerialBackend
     from ddtree.fast.batch import PagedBackend
     from tiny import make_draft, make_hybrid_target
 

@@ -91,7 +91,8 @@ def test_an_fp8_target_batches_on_the_paged_fast_path(fp8_ckpt, name):
     target decodes alone, through the same fp8 projections (fast/layers.py) and experts as the single-sequence
     path."""
     from ddtree.core.blocks import BlockManager
-    from ddtree.engine.batch import BatchEngine, SerialBackend
+    from ddtree.engine.batch import BatchEngine
+    from ddtree.engine.serial import SerialBackend
     from ddtree.fast.batch import PagedBackend
 
     engine = Engine.from_pretrained(fp8_ckpt / name, fp8_ckpt / "draft", device="cpu")

@@ -8,7 +8,7 @@ logprobs), exactly as when it runs alone. A request that finishes, is cancelled 
 KV blocks back at once.
 
 Backends that decode one request at a time (the reference path, the single-sequence fast path) take part
-through `SerialBackend`: each of their sequences runs its own rounds in turn within the step.
+through `SerialBackend` (serial.py): each of their sequences runs its own rounds in turn within the step.
 
 A request alone in the engine decodes on the single-request fast path (`solo`, engine/solo.py), whose whole
 round runs on the device from CUDA graphs with the next round queued before this one is read: one user gets what
@@ -22,64 +22,24 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import RoundChoice
-from ddtree.core.rounds import Backend, BatchBackend, DecodeRequest, Prefill, Round
+from ddtree.core.rounds import BatchBackend, Prefill, Round
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine.generation import RoundOutput
 from ddtree.engine.schedule import Scheduler
 from ddtree.engine.sequence import Sequence, Status
+from ddtree.engine.serial import SerialBackend
 from ddtree.errors import DDTreeError
 
 if TYPE_CHECKING:
     from ddtree.engine.solo import SoloBackend
 
 log = logging.getLogger("ddtree.engine")
-
-
-class SerialBackend:
-    """A one-request-at-a-time backend (`rounds` generators) as a batch backend: its sequences take turns, each
-    running its next round within the step. Prompts go in whole; nothing is paged."""
-
-    chunked = False
-    paged = False
-    prompt_only = False
-
-    def __init__(self, backend: Backend, capacity: int | None = None) -> None:
-        self.backend, self.capacity = backend, capacity
-        self.name = backend.name
-        self._rounds: dict[int, Iterator[Round]] = {}
-
-    def accepts(self, request: DecodeRequest) -> bool:
-        full = self.capacity is not None and len(self._rounds) >= self.capacity
-        return not full and self.backend.accepts(request)
-
-    def open(self, seq_id: int, request: DecodeRequest) -> None:
-        self._rounds[seq_id] = self.backend.rounds(request)
-
-    def close(self, seq_id: int) -> None:
-        rounds = self._rounds.pop(seq_id, None)
-        if rounds is not None:
-            rounds.close()
-
-    def rows_per_round(self, request: DecodeRequest) -> int:
-        return 0
-
-    def step(self, prefills: list[Prefill], decodes: list[int],
-             node_limit: int | None) -> dict[int, Round | Exception]:
-        """Each sequence's next round; one that fails gets its exception, the others go on."""
-        out: dict[int, Round | Exception] = {}
-        for seq_id in [p.seq_id for p in prefills] + decodes:
-            try:
-                out[seq_id] = next(self._rounds[seq_id])
-            except Exception as exc:  # one request's failure must not stop the others
-                out[seq_id] = exc
-        return out
 
 
 @dataclass

@@ -13,7 +13,7 @@ for them. A hybrid target's lone requests keep to their own caches (their states
 from __future__ import annotations
 
 from ddtree.core.rounds import DecodeRequest, Prefill, Round
-from ddtree.engine.batch import SerialBackend
+from ddtree.engine.serial import SerialBackend
 from ddtree.fast.batch import PagedBackend
 from ddtree.fast.runner import FastPath
 

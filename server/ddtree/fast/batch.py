@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ddtree.core.blocks import BlockManager
-from ddtree.core.budget import FLAT, CostModel, RoundChoice, choose_nodes
+from ddtree.core.budget import FLAT, Calibration, CostModel, RoundChoice, choose_nodes
 from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens
 from ddtree.core.tree import selector_chain_tree, selector_tree_from_sorted
@@ -127,6 +127,7 @@ class PagedBackend:
         self.vocab = target.lm_head.weight.shape[0]
         self.states: dict[int, SeqState] = {}
         self.last_nodes = 0  # draft nodes the last round verified in all (the batch budget's choice)
+        self.calibration = Calibration()  # what the target accepts of the drafter's forecasts, for the budget
         # Whether a round drafts, from measured step periods (on where the cost model is measured: batch_engine)
         self.choice: RoundChoice | None = None
         self._previous: tuple[float, int, bool, int, float] | None = None  # start, requests, drafted, committed, verify
@@ -261,14 +262,7 @@ class PagedBackend:
         visible, packed = trees.visibility()
         phases["tree"], t = self._lap(t, wait=False)
         sizes = trees.sizes.tolist()
-        ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
-        for r, (seq_id, state) in enumerate(zip(seq_ids, states, strict=True)):
-            n = sizes[r] + 1
-            ids += [state.root, *trees.tokens[r, :n - 1].tolist()]
-            positions += (state.start + trees.depths[r, :n]).tolist()
-            slots += self.blocks.slots(seq_id, state.start, n)
-            self._describe(layout, seq_id, state.start, visible[r])
-        layout = replace(layout, packed=packed)
+        ids, positions, slots, layout = self._verify_rows(seq_ids, states, trees, visible, packed)
         seqs = self._seq_rows(seq_ids, layout, trees)
         record = self.hybrid.record(seqs) if self.hybrid else None
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
@@ -276,6 +270,8 @@ class PagedBackend:
         picks, processed = round_picks(states, trees, logits, offsets)
         phases["verify"], t = self._lap(t, wait=False)
         paths = accepted_paths(trees, picks, offsets)
+        if drafting:
+            self._calibrate(trees, paths)
         out, accepted_rows, accepted_positions, accepted_slots, moves, lasts = {}, [], [], [], ([], []), []
         for r, (seq_id, state, path) in enumerate(zip(seq_ids, states, paths, strict=True)):
             lo = offsets[r]
@@ -286,12 +282,12 @@ class PagedBackend:
             # commit: the path's rows move down to start.. in the target's cache; their taps feed the drafter
             for j, node in enumerate(path):
                 if node != j:
-                    moves[0].append(slots[lo + node])
-                    moves[1].append(slots[lo + j])
+                    moves[0].append(int(slots[lo + node]))
+                    moves[1].append(int(slots[lo + j]))
             accepted_rows += [lo + node for node in path]
             lasts.append(path[-1])
             accepted_positions += range(state.start, state.start + len(path))
-            accepted_slots += slots[lo:lo + len(path)]
+            accepted_slots += slots[lo:lo + len(path)].tolist()
             state.start += len(path)
             state.root = emitted[-1]
             if state.history is not None:
@@ -310,6 +306,42 @@ class PagedBackend:
             verify = self.cost.seconds(len(ids), len(states)) - self.cost.overhead
             self._previous = (started, len(states), bool(drafting), len(accepted_rows), verify)
         return out
+
+    def _verify_rows(self, seq_ids: list[int], states: list[SeqState], trees: RoundTrees,
+                     visible: list[torch.Tensor], packed: np.ndarray,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, PagedLayout]:
+        """Every sequence's root and tree nodes as the verify's rows, sequence after sequence, from the trees' arrays
+        at once: ids, positions (start + depth) and cache slots (its rows' at start, start + 1, ...); and their
+        layout."""
+        count = trees.sizes + 1
+        kept = np.arange(trees.parents.shape[1])[None] < count[:, None]
+        roots = np.fromiter((state.root for state in states), np.int64, len(states))
+        starts = np.fromiter((state.start for state in states), np.int64, len(states))
+        ids = np.concatenate([roots[:, None], trees.tokens], axis=1)[kept]
+        positions = (starts[:, None] + trees.depths)[kept]
+        tables = [self.blocks.tables[seq_id] for seq_id in seq_ids]
+        slots, offsets = self._cache_slots(tables, starts, count)
+        return ids, positions, slots, PagedLayout(starts.tolist(), offsets, tables, visible, packed)
+
+    def _cache_slots(self, tables: list[list[int]], starts: np.ndarray,
+                     counts: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """The pool slots of each sequence's next counts[r] cache positions from starts[r] (by its block table
+        `tables[r]`), sequence after sequence; and the row offsets."""
+        table_array = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for r, table in enumerate(tables):
+            table_array[r, :len(table)] = table
+        owner = np.repeat(np.arange(len(tables)), counts)
+        offsets = [0, *np.cumsum(counts).tolist()]
+        cells = starts[owner] + np.arange(offsets[-1]) - np.asarray(offsets[:-1], dtype=np.int64)[owner]
+        return table_array[owner, cells // self.page] * self.page + cells % self.page, offsets
+
+    def _calibrate(self, trees: RoundTrees, paths: list[list[int]]) -> None:
+        """The round's verified nodes and which of them the target accepted, for the budget's calibration."""
+        accepted = np.zeros(trees.scores.shape, dtype=np.bool_)
+        for r, path in enumerate(paths):
+            accepted[r, [node - 1 for node in path[1:]]] = True
+        verified = np.arange(trees.scores.shape[1]) < trees.sizes[:, None]
+        self.calibration.observe(trees.scores[verified], accepted[verified])
 
     def _drafts(self, now: float, candidates: int, requests: int) -> bool:
         """Whether this round of `requests` sequences, `candidates` of them able to draft, drafts (`RoundChoice`,
@@ -333,15 +365,15 @@ class PagedBackend:
         logits [S, D, V] over the draft head's tokens; for a DFlash2 drafter, its selector's transition models
         (SelectorDraft.batch_transitions)."""
         mask_id = self.draft.config.mask_token_id
-        ids, positions, slots, layout = [], [], [], PagedLayout([], [0], [], [])
         block_visible = torch.ones(self.block, self.block, dtype=torch.bool)  # each layer's rule: _draft_rows
-        for i in drafting:
-            state = states[i]
-            ids += [state.root] + [mask_id] * (self.block - 1)
-            positions += range(state.start, state.start + self.block)
-            slots += self.blocks.slots(seq_ids[i], state.start, self.block)
-            self._describe(layout, seq_ids[i], state.start, block_visible)
-        out = self._run("draft", ids, positions, slots, layout)
+        starts = np.fromiter((states[i].start for i in drafting), np.int64, len(drafting))
+        ids = np.full((len(drafting), self.block), mask_id, dtype=np.int64)
+        ids[:, 0] = [states[i].root for i in drafting]
+        tables = [self.blocks.tables[seq_ids[i]] for i in drafting]
+        slots, offsets = self._cache_slots(tables, starts, np.full(len(drafting), self.block))
+        positions = (starts[:, None] + np.arange(self.block)).reshape(-1)
+        layout = PagedLayout(starts.tolist(), offsets, tables, [block_visible] * len(drafting))
+        out = self._run("draft", ids.reshape(-1), positions, slots, layout)
         if not self.selector:
             return out.view(len(drafting), self.block, -1)[:, 1:]
         logits, h = (o.view(len(drafting), self.block, -1)[:, 1:] for o in out)
@@ -373,7 +405,7 @@ class PagedBackend:
         trees.put(drafting, part)
         available = int(trees.sizes.sum())
         limit = available if node_limit is None else min(node_limit, available)
-        trees.cut(choose_nodes(trees.live_scores(), self.cost, range(limit + 1)))
+        trees.cut(choose_nodes(trees.live_scores(), self.cost, range(limit + 1), self.calibration))
         return trees
 
     def pooled_prompt(self, seq_id: int, cached: int, length: int) -> PooledPrompt:
