@@ -161,3 +161,25 @@ def test_without_httpx_the_command_says_what_to_install(monkeypatch, capsys):
     assert main(["bench-serve"]) == 2
     err = capsys.readouterr().err
     assert err == "ddtree bench-serve: error: bench-serve needs httpx: pip install 'ddtree[server]'\n"
+
+
+def test_each_concurrency_level_draws_its_own_generated_prompts(tmp_path):
+    """A level must not find the one before it in the server's prefix cache: random and shared-prefix prompts (the
+    shared prefix too) are new at each level, the same for the same seed; a dataset file's are the same at all."""
+    import argparse
+
+    from ddtree.bench.serve_load import load_prompts
+
+    def prompts(dataset: str, level: int, seed: int = 0) -> list[str]:
+        args = argparse.Namespace(dataset=dataset, seed=seed, input_len=6, prefix_len=20, num_prompts=4,
+                                  endpoint="completions")
+        return [p.prompt for p in load_prompts(args, level)]
+
+    for dataset in ("random", "shared-prefix"):
+        first, second = prompts(dataset, 0), prompts(dataset, 1)
+        assert not set(first) & set(second) and first == prompts(dataset, 0)
+        assert prompts(dataset, 1) == prompts(dataset, 0, seed=1)
+    assert prompts("shared-prefix", 0)[0][:60] != prompts("shared-prefix", 1)[0][:60]
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"prompt": "a b c"}\n{"prompt": "d e"}\n')
+    assert prompts(str(lines), 0) == prompts(str(lines), 3) == ["a b c", "d e", "a b c", "d e"]

@@ -97,15 +97,18 @@ def shared_prefix_prompts(count: int, prefix_len: int, input_len: int, seed: int
             for i in range(count)]
 
 
-def load_prompts(args: argparse.Namespace) -> list[Prompt]:
+def load_prompts(args: argparse.Namespace, level: int = 0) -> list[Prompt]:
     """--num-prompts prompts: random words of --input-len, a shared prefix of --prefix-len words before each such
-    turn, or a JSONL file's lines (cycled when too few)."""
+    turn, or a JSONL file's lines (cycled when too few). The generated datasets draw new prompts (and a new shared
+    prefix) for each concurrency level (`level`: its index), so no level finds the one before it in the server's
+    prefix cache; a file's prompts are the same at every level."""
+    seed = args.seed + level
     if args.dataset == "random":
-        rng = random.Random(args.seed)
+        rng = random.Random(seed)
         return [Prompt(prompt=" ".join(rng.choice(WORDS) for _ in range(args.input_len)))
                 for _ in range(args.num_prompts)]
     if args.dataset == "shared-prefix":
-        return shared_prefix_prompts(args.num_prompts, args.prefix_len, args.input_len, args.seed)
+        return shared_prefix_prompts(args.num_prompts, args.prefix_len, args.input_len, seed)
     path = Path(args.dataset)
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -405,14 +408,15 @@ async def _bench(args: argparse.Namespace) -> dict:
     key = args.api_key or os.environ.get("DDTREE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     levels = args.concurrency or [None]
-    prompts = load_prompts(args)
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(c or args.num_prompts for c in levels))
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = await _model(client, args.base_url, headers, args.model)
-        bodies = [request_body(p, args, model) for p in prompts]
         url = args.base_url + ENDPOINTS[args.endpoint]
-        runs = [await run_level(client, args, url, bodies, headers, c) for c in levels]
+        runs = []
+        for level, concurrency in enumerate(levels):
+            bodies = [request_body(p, args, model) for p in load_prompts(args, level)]
+            runs.append(await run_level(client, args, url, bodies, headers, concurrency))
     return {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_prompts": args.num_prompts,
             "request_rate": args.request_rate, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "dataset": args.dataset, "runs": runs}
