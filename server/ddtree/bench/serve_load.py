@@ -408,6 +408,7 @@ async def _bench(args: argparse.Namespace) -> dict:
     key = args.api_key or os.environ.get("DDTREE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     levels = args.concurrency or [None]
+    prompts = [load_prompts(args, level) for level in range(len(levels))]  # a bad dataset fails before any request
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(c or args.num_prompts for c in levels))
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -415,7 +416,7 @@ async def _bench(args: argparse.Namespace) -> dict:
         url = args.base_url + ENDPOINTS[args.endpoint]
         runs = []
         for level, concurrency in enumerate(levels):
-            bodies = [request_body(p, args, model) for p in load_prompts(args, level)]
+            bodies = [request_body(p, args, model) for p in prompts[level]]
             runs.append(await run_level(client, args, url, bodies, headers, concurrency))
     return {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_prompts": args.num_prompts,
             "request_rate": args.request_rate, "max_tokens": args.max_tokens, "temperature": args.temperature,
