@@ -25,3 +25,19 @@ def test_running_out_allocates_nothing_and_freeing_returns_every_block():
     blocks.free(1)  # twice is harmless
     assert blocks.free_blocks == 4 and blocks.usage == 0
     assert len(blocks.ensure(2, 16)) == 4
+
+
+def test_the_slots_of_many_sequences_at_once_are_each_ones_slots_in_turn():
+    """A batched forward's rows: sequence after sequence, each one's slots from its start, across block boundaries
+    and through tables of different lengths and block orders."""
+    import numpy as np
+
+    blocks = BlockManager(32, 4)
+    for seq_id, slots in ((7, 9), (3, 30), (5, 2)):
+        blocks.ensure(seq_id, slots)
+    blocks.free(3)
+    blocks.ensure(3, 22)  # a table that reuses freed blocks, out of order with the others
+    seq_ids, starts, counts = [7, 3, 5], np.array([2, 13, 0]), np.array([7, 9, 2])
+    slots, offsets = blocks.slots_of(seq_ids, starts, counts)
+    expected = [slot for s, lo, n in zip(seq_ids, starts, counts, strict=True) for slot in blocks.slots(s, lo, n)]
+    assert slots.tolist() == expected and offsets == [0, 7, 16, 18]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from ddtree.core.prefix_cache import PrefixCache
 
 
@@ -123,3 +125,16 @@ class BlockManager:
         """Physical slots of the sequence's cache slots start .. start + count - 1."""
         table, size = self.tables[seq_id], self.block_size
         return [table[i // size] * size + i % size for i in range(start, start + count)]
+
+    def slots_of(self, seq_ids: Sequence[int], starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """`slots` of many sequences at once, one after another: each one's counts[r] slots from starts[r]; and the
+        offsets where each sequence's begin (and the last ends)."""
+        tables = [self.tables[seq_id] for seq_id in seq_ids]
+        table_array = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for r, table in enumerate(tables):
+            table_array[r, :len(table)] = table
+        owner = np.repeat(np.arange(len(tables)), counts)
+        offsets = [0, *np.cumsum(counts).tolist()]
+        cells = starts[owner] + np.arange(offsets[-1]) - np.asarray(offsets[:-1], dtype=np.int64)[owner]
+        size = self.block_size
+        return table_array[owner, cells // size] * size + cells % size, offsets

@@ -319,21 +319,9 @@ class PagedBackend:
         starts = np.fromiter((state.start for state in states), np.int64, len(states))
         ids = np.concatenate([roots[:, None], trees.tokens], axis=1)[kept]
         positions = (starts[:, None] + trees.depths)[kept]
+        slots, offsets = self.blocks.slots_of(seq_ids, starts, count)
         tables = [self.blocks.tables[seq_id] for seq_id in seq_ids]
-        slots, offsets = self._cache_slots(tables, starts, count)
         return ids, positions, slots, PagedLayout(starts.tolist(), offsets, tables, visible, packed)
-
-    def _cache_slots(self, tables: list[list[int]], starts: np.ndarray,
-                     counts: np.ndarray) -> tuple[np.ndarray, list[int]]:
-        """The pool slots of each sequence's next counts[r] cache positions from starts[r] (by its block table
-        `tables[r]`), sequence after sequence; and the row offsets."""
-        table_array = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-        for r, table in enumerate(tables):
-            table_array[r, :len(table)] = table
-        owner = np.repeat(np.arange(len(tables)), counts)
-        offsets = [0, *np.cumsum(counts).tolist()]
-        cells = starts[owner] + np.arange(offsets[-1]) - np.asarray(offsets[:-1], dtype=np.int64)[owner]
-        return table_array[owner, cells // self.page] * self.page + cells % self.page, offsets
 
     def _calibrate(self, trees: RoundTrees, paths: list[list[int]]) -> None:
         """The round's verified nodes and which of them the target accepted, for the budget's calibration."""
@@ -369,8 +357,9 @@ class PagedBackend:
         starts = np.fromiter((states[i].start for i in drafting), np.int64, len(drafting))
         ids = np.full((len(drafting), self.block), mask_id, dtype=np.int64)
         ids[:, 0] = [states[i].root for i in drafting]
-        tables = [self.blocks.tables[seq_ids[i]] for i in drafting]
-        slots, offsets = self._cache_slots(tables, starts, np.full(len(drafting), self.block))
+        drafting_ids = [seq_ids[i] for i in drafting]
+        slots, offsets = self.blocks.slots_of(drafting_ids, starts, np.full(len(drafting), self.block))
+        tables = [self.blocks.tables[seq_id] for seq_id in drafting_ids]
         positions = (starts[:, None] + np.arange(self.block)).reshape(-1)
         layout = PagedLayout(starts.tolist(), offsets, tables, [block_visible] * len(drafting))
         out = self._run("draft", ids.reshape(-1), positions, slots, layout)
