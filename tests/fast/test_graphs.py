@@ -3,6 +3,7 @@ bf16 parting only at a near-tie of the reference's own logits)."""
 
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.fast import layers
+from ddtree.fast.prompt import PROMPT_BUCKETS, PromptGraphs
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.jit import triton_works
 from ddtree.switches import override
@@ -37,6 +39,24 @@ def test_graphs_and_compiled_steps_give_the_reference_tokens(fast_ckpt, arch, dr
             assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
             assert gen.token_ids == ref.token_ids, (method, budget)
             assert [r.accepted for r in rounds] == [r.accepted for r in ref_rounds]
+    assert set(fast.fast.prompt_graphs._graphs) == {b for b in PROMPT_BUCKETS if b <= 256}  # prompts replayed
+
+
+@gpu
+def test_prompts_in_chunks_of_their_buckets_give_the_reference_tokens(fast_ckpt):
+    """A prompt padded to its bucket, and one in chunks of the largest, each chunk a graph replay."""
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype="float32", fast=True,
+                                  fast_capacity=256)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    path = fast.fast
+    capture = partial(path._capture, pool=torch.cuda.graph_pool_handle())
+    path.prompt_graphs = PromptGraphs(path, (8, 16), capture=capture)
+    for prompt in ([3], list(range(60, 90))):  # 1 row in 8; 30 rows as 16 + 14 padded to 16
+        for method, budget in (("ar", None), ("ddtree", 8)):
+            gen = fast.stream(prompt, GREEDY, method=method, budget=budget)
+            list(gen)
+            assert gen.token_ids == reference.generate(prompt, GREEDY, method=method, budget=budget).token_ids
+    assert set(path.prompt_graphs._graphs) == {8, 16}
 
 
 @gpu

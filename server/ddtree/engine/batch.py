@@ -246,10 +246,10 @@ class BatchOptions:
 
 def alone_lengths(longest: int) -> list[int]:
     """Prompt lengths a lone request is warmed up at on a GPU: 2 tokens, then half again each step up to 1,600
-    (or `longest`). The single path's prompt forward is eager, and its attention launches one of several kernel
-    builds by row count (kernels/attention.launch_config: rows are tokens x query heads per K/V head); steps of
-    1.5x land in each of them for any grouping, so no first request of a new length waits on a build. The
-    second length also makes the compiled steps' shapes dynamic."""
+    (or `longest`). A hybrid's prompt forward is eager (a dense target's replays graphs by bucket), and its
+    attention launches one of several kernel builds by row count (kernels/attention.launch_config: rows are
+    tokens x query heads per K/V head); steps of 1.5x land in each of them for any grouping, so no first request
+    of a new length waits on a build. The second length also makes the compiled steps' shapes dynamic."""
     lengths, n = [], 2.0
     while round(n) <= min(longest, 1600):
         lengths.append(round(n))

@@ -234,8 +234,9 @@ class Engine(TextCodec):
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise DDTreeError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise DDTreeError(f"prompt token ids must be in [0, {self.vocab_size})")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise DDTreeError(f"the prompt has {len(prompt_ids)} tokens; the context length is {self.max_context}")
         return prompt_ids

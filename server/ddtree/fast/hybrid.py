@@ -196,6 +196,7 @@ class HybridFastPath(FastPath):
     """FastPath for a hybrid target: recurrent layers in closed form, attention layers over a static cache."""
 
     pools_prompts = False  # a pooled prompt would need its recurrent states checkpointed at block boundaries
+    graphs_prompts = False  # its prompt commits the recurrent states chunk by chunk (prompt_forward)
 
     def _build_target(self) -> None:
         self.row_gemv = False

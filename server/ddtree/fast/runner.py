@@ -36,6 +36,7 @@ from ddtree.core.sampling import MAX_TOP_LOGPROBS, SamplingParams, apply_penalti
 from ddtree.fast.dflash2 import SelectorDraft
 from ddtree.fast.layers import Draft, Ops, TargetLayer, decoder_layer, decoder_row
 from ddtree.fast.plan import Plan, stamp
+from ddtree.fast.prompt import PromptGraphs
 from ddtree.fast.rope import RopeTable
 from ddtree.kernels.attention import tree_mask
 from ddtree.kernels.cache import compact
@@ -134,6 +135,9 @@ class FastPath:
     # Its prompt K/V can come from and go to a paged pool (PooledPrompt): its caches hold every layer's K/V and
     # nothing else. A hybrid's recurrent states would need checkpoints at block boundaries as well.
     pools_prompts = True
+    # Its prompt's forward is one pass over the static caches, so it replays as a graph per bucket of rows
+    # (fast/prompt.py); a hybrid's commits its recurrent states chunk by chunk on the host.
+    graphs_prompts = True
 
     def __init__(self, target: Target, draft: DFlashDraft | None, capacity: int = 4096,
                  draft_head: DraftHead | None = None) -> None:
@@ -185,6 +189,9 @@ class FastPath:
         # Queue each round before reading the previous one: on CUDA that overlaps the host's bookkeeping with
         # the device's work; on the CPU a round runs when it is launched, so it would only delay the output.
         self.queue_ahead = self.device.type == "cuda"
+        self.prompt_graphs: PromptGraphs | None = None
+        if self.graphs_prompts and self.device.type == "cuda":
+            self.prompt_graphs = PromptGraphs(self, capture=partial(self._capture, pool=torch.cuda.graph_pool_handle()))
 
     def _build_target(self) -> None:
         """The target's fused layers and its static K/V cache (a hybrid target builds its own)."""
@@ -353,12 +360,13 @@ class FastPath:
             self._plans[key] = Plan(steps, self._capture if cuda else None, cuda, noise, allowed)
         return self._plans[key]
 
-    def _capture(self, fn: Callable, arg: object) -> tuple[torch.cuda.CUDAGraph, object]:
-        """Warm up, capture, replay once. Runs move `start`, so it is reset after each; the captures happen
-        before a prefill, which rewrites every row that a later round reads."""
+    def _capture(self, fn: Callable, arg: object, pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Warm up, capture (into memory `pool` when given: graphs that never run at once), replay once. Runs
+        move `start`, so it is reset after each; the captures happen before a prefill, which rewrites every row
+        that a later round reads."""
         self._warm_up(fn, arg)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             out = fn(arg)
         graph.replay()  # a capture runs nothing: the next step's warm-ups must read real outputs, not fresh memory
         self.start.zero_()
@@ -379,11 +387,13 @@ class FastPath:
 
     @for_fp8_targets
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+                last_only: bool = False, last_row: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
         """Target rows ids [N] at positions [N], written to cache slots start.. start+N-1.
 
         visible [N, N] says which of the new rows each row sees (the tree's ancestors, or causal); every
-        row also sees the committed rows 0 .. start-1. Returns (logits [N or 1, V], taps [N, k*H], what the
+        row also sees the committed rows 0 .. start-1. Returns (logits [N, V], or [1, V] of the last row with
+        `last_only` or of row `last_row` [1] (a padded prompt's last real one), taps [N, k*H], what the
         commit of recurrent layers needs: None here, as attention layers keep everything in the K/V cache).
         A layer's residual add is deferred into the next layer's norm, so a tapped layer's output is the
         residual that the next norm (or the final norm) returns.
@@ -400,11 +410,12 @@ class FastPath:
         for i, layer in enumerate(self.layers):  # layer i hands back layer i-1's output (-1: the embeddings)
             tapped[i - 1], x, delta = step(ops, layer, x, delta, self.kv[i], mask, slots, cos, sin, eps)
         norm = self.model.norm
-        if one_row:
+        if one_row and last_row is None:
             logits, x = gemv(x, self.target.lm_head.weight, NORM, delta, norm.weight, norm.variance_epsilon)
         else:
             h, x = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
-            logits = linear(h[-1:] if last_only else h, self.target.lm_head.weight, self.target.lm_head.bias)
+            rows = h.index_select(0, last_row) if last_row is not None else h[-1:] if last_only else h
+            logits = linear(rows, self.target.lm_head.weight, self.target.lm_head.bias)
         tapped[len(self.layers) - 1] = x
         taps = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits, taps, None
@@ -414,26 +425,32 @@ class FastPath:
                 filters: Filters | None = None, allowed: torch.Tensor | None = None, adjusted: bool = False,
                 logprobs: bool = False, every_row: bool = False, pooled: PooledPrompt | None = None,
                 ) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
-        """Fill the caches with the prompt (eager: its length varies); returns the first token (sampled with
-        `noise` [1, V] and `filters`, and restricted to the packed mask `allowed` [1, words], when given),
-        with `logprobs` its `token_logprobs` (the 20 best alternatives), and with `every_row` the raw logits of
-        every prompt row computed [n, V] (for prompt logprobs). `pooled`: the prompt's cached prefix is read from
-        the pool, and the rows computed here are written there."""
+        """Fill the caches with the prompt (CUDA graphs by bucket of rows where they fit, else eagerly); returns the
+        first token (sampled with `noise` [1, V] and `filters`, and restricted to the packed mask `allowed`
+        [1, words], when given), with `logprobs` its `token_logprobs` (the 20 best alternatives), and with
+        `every_row` the raw logits of every prompt row computed [n, V] (for prompt logprobs). `pooled`: the
+        prompt's cached prefix is read from the pool, and the rows computed here are written there."""
         n = prompt.numel()
         cached = pooled.cached if pooled is not None else 0
-        if cached:
-            self._read_pool(pooled)
-        self.start.fill_(cached)
-        positions = torch.arange(cached, n, device=self.device)
-        causal = torch.ones(n - cached, n - cached, dtype=torch.bool, device=self.device).tril()
-        prompt_logits, taps = self.prompt_forward(prompt[cached:], positions, causal, every_row)
+        if self.prompt_graphs is not None and not every_row and self.prompt_graphs.fits(cached, n - cached):
+            self.prompt_graphs.capture()  # before the pool's rows are read: a capture writes cache rows
+            if cached:
+                self._read_pool(pooled)
+            prompt_logits = self.prompt_graphs.run(prompt[cached:], cached)  # the drafter's context too
+        else:
+            if cached:
+                self._read_pool(pooled)
+            self.start.fill_(cached)
+            positions = torch.arange(cached, n, device=self.device)
+            causal = torch.ones(n - cached, n - cached, dtype=torch.bool, device=self.device).tril()
+            prompt_logits, taps = self.prompt_forward(prompt[cached:], positions, causal, every_row)
+            if with_draft:
+                self._extend_draft(taps, positions)
         logits = self.before_pick(prompt_logits[-1:], allowed, adjusted)
         processed = self.processed(logits, noise is not None, filters)
         root = self.pick(processed, noise)[0]
         if adjusted:
             self.emitted_counts[root] += 1
-        if with_draft:
-            self._extend_draft(taps, positions)
         if pooled is not None:
             self._write_pool(pooled, n, with_draft)
         self.start.fill_(n)
