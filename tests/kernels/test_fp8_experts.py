@@ -85,8 +85,10 @@ def test_the_fp8_expert_kernels_equal_the_fp8_experts_bit_for_bit(layout, rows, 
     kernels at any row count, MAX_PAIRS at a time). The few-row GEMM's K tiles and splits (gemm.launch_config) made
     64 wide and 2 to a K for these small widths, as wide weights get them (Qwen3-30B-A3B's gate/up: 4 slices of
     2 x 256 with channel scales, of 4 x 128 with blocks): the same float32 sums in the same order, the same
-    rounding points and the interpreter's same e4m3 cast, so the same bits (also the PyTorch steps', which run
-    fp8_linear per expert)."""
+    rounding points and the interpreter's same e4m3 cast, so the same bits. Also the PyTorch steps', which run
+    fp8_linear per expert over every pair: where the pairs fill one 16-row tile, as each expert's rows do in the
+    reference (24 pairs take a 32-row tile, whose products the interpreter's NumPy matmul may sum in another order,
+    as the machine's BLAS picks its kernel by shape)."""
     from ddtree.kernels import gemm, moe
 
     def launch_config(n: int, k: int, fp8: bool = False, scale_block: int | None = None) -> dict[str, int]:
@@ -97,8 +99,9 @@ def test_the_fp8_expert_kernels_equal_the_fp8_experts_bit_for_bit(layout, rows, 
     monkeypatch.setattr(moe, "launch_config", launch_config)
     experts, h, logits, want = fp8_case(layout, rows, hidden=256, inter=256)
     assert torch.equal(experts.routed_by_kernels(h, logits), want)
-    if rows == 12:
+    if rows * 2 <= 16:
         assert torch.equal(experts.routed_by_torch(h, logits), want)
+    if rows == 12:
         monkeypatch.setattr(moe, "MAX_PAIRS", 8)
         assert torch.equal(experts(h, logits), want)
 

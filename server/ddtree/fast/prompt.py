@@ -16,12 +16,9 @@ overwrites them (as the rows a round rejects). The logits are the last real row'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from ddtree.fast.runner import FastPath
 
 PROMPT_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -37,12 +34,26 @@ def chunk_lengths(rows: int, largest: int) -> list[int]:
     return [largest] * full + ([rest] if rest else [])
 
 
+class PromptPath(Protocol):
+    """What a prompt's graphs drive (fast/runner.py's FastPath): static caches of `capacity` rows, the cached
+    length `start` [1] and row offsets `steps`, and one chunk's forward."""
+
+    capacity: int
+    device: torch.device
+    start: torch.Tensor
+    steps: torch.Tensor
+
+    def prompt_chunk(self, ids: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
+                     last: torch.Tensor) -> torch.Tensor:
+        """The target's forward of a chunk (logits of row `last`), then the drafter's context of every row."""
+
+
 class PromptGraphs:
     """The prompt's forward (logits of its last row, drafter context of every row) for each bucket, replayed
     with the prompt's ids copied into a static buffer; `capture` None (the CPU) runs the same padded steps
     eagerly."""
 
-    def __init__(self, path: FastPath, buckets: tuple[int, ...] = PROMPT_BUCKETS,
+    def __init__(self, path: PromptPath, buckets: tuple[int, ...] = PROMPT_BUCKETS,
                  capture: Callable[[Callable[[int], torch.Tensor], int], tuple[object, torch.Tensor]] | None = None,
                  ) -> None:
         self.path, self._capture = path, capture
@@ -87,8 +98,4 @@ class PromptGraphs:
     def _step(self, bucket: int) -> torch.Tensor:
         """One padded chunk of `bucket` rows at path.start: the target's forward, then the drafter's context."""
         path = self.path
-        positions = path.start + path.steps[:bucket]
-        logits, taps, _ = path.forward(self.ids[:bucket], positions, self.causal[bucket], last_row=self.last)
-        if path.draft is not None:
-            path._extend_draft(taps, positions)
-        return logits
+        return path.prompt_chunk(self.ids[:bucket], path.start + path.steps[:bucket], self.causal[bucket], self.last)

@@ -602,6 +602,14 @@ class FastPath:
         self.start += length
         self.root.copy_(bonus)
 
+    def prompt_chunk(self, ids: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
+                     last: torch.Tensor) -> torch.Tensor:
+        """A padded prompt chunk (fast/prompt.py): the target's logits of row `last`, the drafter's context."""
+        logits, taps, _ = self.forward(ids, positions, causal, last_row=last)
+        if self.draft is not None:
+            self._extend_draft(taps, positions)
+        return logits
+
     def _extend_draft(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of committed rows (tap features at their positions) into the draft cache rows = positions."""
         kv = self.fused_draft.context(self.ops, self.draft, feats, *self.draft_rope(positions))
