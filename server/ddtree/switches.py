@@ -5,6 +5,8 @@
     DDTREE_WGMMA=0     a tree's projections through cuBLASLt instead of our Hopper GEMM (ddtree/kernels/wgmma.py)
     DDTREE_COMPILE=0   the fast path's elementwise steps run eagerly instead of as torch.compile's kernels: for a
                        machine where torch.compile cannot build
+    DDTREE_DEVICE_ROUND=0  a batch's greedy rounds take the host path (trees, walk and commit in Python) instead of
+                       running whole on the device (fast/batch_round.py): for A/B runs
 
 Every other choice of kernel is made by what the device and the shapes support. Tests and A/B scripts change a
 switch for a block of code with `override`; a CUDA graph captured before keeps what it captured, so an A/B
@@ -25,6 +27,7 @@ class Switches:
     pdl: bool = True
     wgmma: bool = True
     compile: bool = True
+    device_round: bool = True
 
 
 def from_environment(environ: Mapping[str, str] = os.environ) -> Switches:

@@ -442,6 +442,44 @@ def test_batched_rounds_replay_as_graphs_and_give_each_requests_tokens(fast_ckpt
     assert batch.blocks.free_blocks == batch.blocks.num_blocks
 
 
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_greedy_rounds_run_whole_on_the_device_and_give_each_requests_tokens(fast_ckpt, dtype, monkeypatch):
+    """Greedy ddtree and ar requests batched: every round is one CUDA graph (fast/batch_round.py) captured when the
+    engine was built, and each request gets the reference's greedy tokens, with requests joining mid-run."""
+    from ddtree.engine.batch import BatchOptions
+    from ddtree.fast.batch_round import DeviceRound
+
+    rounds = []
+    run = DeviceRound.run
+    monkeypatch.setattr(DeviceRound, "run",
+                        lambda self, starts, *more: rounds.append(len(starts)) or run(self, starts, *more))
+    fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype=dtype, fast=True,
+                                  fast_capacity=512)
+    reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    batch = fast.batch(BatchOptions(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_tokens=4096))
+    paged = batch.backends[0]
+    captured = dict(paged.device_round._rounds)
+    assert captured and all(c.graph is not None for c in captured.values())
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 80)) * 4, list(range(30, 60)), [7] * 40]
+    requests = [(p, r) for p in prompts for r in [("ar", None), ("ddtree", 5), ("ddtree", 32)]]
+    seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests[:6]]
+    for _ in range(3):
+        batch.step()
+    seqs += [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests[6:]]
+    while batch.has_work():
+        batch.step()
+    assert len(rounds) > 10 and max(rounds) > 1
+    assert set(paged.device_round._rounds) == set(captured)  # no capture while serving
+    for (prompt, (method, budget)), seq in zip(requests, seqs, strict=True):
+        want = reference.generate(prompt, GREEDY, method="ar").token_ids
+        got = seq.generation.token_ids
+        if got != want:
+            assert dtype != "float32", (method, budget)
+            assert reference_margin(reference, prompt, want, got) < NEAR_TIE, (method, budget)
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
 def batch_matches_ar(batch, reference: Engine, prompts: list[list[int]], dtype: str) -> None:
     """Every prompt under every method in one batch, all on the paged path: each request's tokens are the
     reference's own greedy `ar` tokens (float32: exactly; bf16: parting only at a near-tie of its logits)."""

@@ -16,7 +16,9 @@ Each step (engine/batch.py schedules it):
 The target's and the drafter's caches are pools of slots shared by every sequence through the block tables of
 core/blocks.py (one table per sequence serves both pools). The layers are the single-sequence fast path's
 (fast/layers.py), so each row is computed as it is there. On CUDA the draft and verify forwards are replayed as
-CUDA graphs, one per bucket of rows (`BatchGraphs`); elsewhere they run eagerly.
+CUDA graphs, one per bucket of rows (`Captured`); elsewhere they run eagerly. A round whose requests are all plainly
+greedy (`ddtree` or `ar`) on a dense target with a DFlash drafter runs whole on the device instead, one graph per
+bucket of requests and tree size (fast/batch_round.py); the host path above serves every other round.
 
 Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's) and Qwen3.5 / Qwen3.6 / Qwen3-Next
 hybrids (their Gated DeltaNet layers keep a state per sequence: fast/paged_hybrid.py), with DFlash, DFlash2 and
@@ -37,6 +39,7 @@ from ddtree.core.rounds import PHASES, DecodeRequest, Prefill, Round
 from ddtree.core.sampling import History, make_generator, pick_tokens
 from ddtree.core.tree import selector_chain_tree, selector_tree_from_sorted
 from ddtree.fast.batch_cost import measure_cost
+from ddtree.fast.batch_round import DeviceRound
 from ddtree.fast.batch_rows import Captured, ContextRows, StaticRows, buckets
 from ddtree.fast.batch_seq import SeqState, logprob_rows, processed_logits, round_picks
 from ddtree.fast.batch_trees import RoundTrees, accepted_paths, dflash_trees
@@ -57,6 +60,7 @@ from ddtree.kernels.paged_attention import PagedLayout, PagedMask, kernel_works,
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.target import HybridTarget, Target
+from ddtree.switches import SWITCHES
 
 
 class PagedBackend:
@@ -79,7 +83,10 @@ class PagedBackend:
         return None
 
     def __init__(self, target: Target, draft: DFlashDraft | None, draft_head: DraftHead | None,
-                 blocks: BlockManager, *, max_seqs: int = 64, max_rows: int = 2048, cost: CostModel = FLAT) -> None:
+                 blocks: BlockManager, *, max_seqs: int = 64, max_rows: int = 2048, cost: CostModel = FLAT,
+                 device_round: bool | None = None) -> None:
+        """`device_round`: plainly greedy rounds run whole on the device (fast/batch_round.py); None: where they
+        replay as CUDA graphs (a dense target with a DFlash drafter, the paged kernels, a GPU)."""
         cfg = target.config
         self.target, self.draft, self.draft_head, self.blocks, self.cost = target, draft, draft_head, blocks, cost
         self.model = target.model.model
@@ -140,6 +147,9 @@ class PagedBackend:
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.captured: dict[tuple[str, int], Captured] = {}
         self.buckets = buckets(max_rows)
+        pair = draft is not None and not self.hybrid and not self.selector
+        self.device_round = DeviceRound(self) if pair and (
+            device_round or (device_round is None and self.cuda and self.static)) else None
 
     # -- the batch backend's interface ---------------------------------------------------------------------
 
@@ -256,6 +266,10 @@ class PagedBackend:
         drafting = [i for i, st in enumerate(states) if st.request.method != "ar" and self._depth(st) > 0]
         if not self._drafts(t, len(drafting), len(states)):
             drafting = []
+        if drafting and self.device_round is not None and SWITCHES.device_round:
+            out = self.device_round.step(seq_ids, states, node_limit, started)
+            if out is not None:
+                return out
         drafted = self._draft(seq_ids, states, drafting) if drafting else None
         phases["draft"], t = self._lap(t, wait=drafted is not None)
         trees = self._trees(states, drafting, drafted, node_limit)
@@ -521,24 +535,8 @@ class PagedBackend:
 
     def _seq_rows(self, seq_ids: list[int], layout: PagedLayout, trees: RoundTrees | None = None,
                   saves: dict[int, tuple[tuple[int, int], ...]] | None = None) -> list[SeqRows] | None:
-        """A hybrid forward's sequences (None for a dense target): each one's state slot, rows, their visibility,
-        and their tree (each sequence's root and `trees`' nodes; without trees, causal chains: prompt chunks),
-        and a prefill's checkpoints to save (`saves`). Before any sequence runs (measuring the cost model) the
-        forward reads the slots in order."""
-        if not self.hybrid:
-            return None
-        slots = self.hybrid.pool.slots
-        out = []
-        for b, visible in enumerate(layout.visible):
-            n = visible.shape[0]
-            if trees is None:
-                parents, depths = np.arange(-1, n - 1), np.arange(n)
-            else:
-                parents, depths = trees.lineage(b)
-            seq_id = seq_ids[b] if b < len(seq_ids) else None
-            out.append(SeqRows(slots.get(seq_id, b), layout.row_offsets[b], layout.row_offsets[b + 1], visible,
-                               parents, depths, (saves or {}).get(seq_id, ())))
-        return out
+        """A hybrid forward's sequences (fast/paged_hybrid.py `HybridRows.seq_rows`); None for a dense target."""
+        return self.hybrid.seq_rows(seq_ids, layout, trees, saves) if self.hybrid else None
 
     def _block_rule(self, layout: PagedLayout, visible: torch.Tensor) -> PagedLayout:
         """A draft forward's layout with every block's rows seeing one another as a layer's rule shows."""

@@ -26,6 +26,7 @@ class SeqState:
     generator: torch.Generator | None = None
     history: History | None = None
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks' raw logits, for prompt logprobs
+    scores: np.ndarray | None = None  # its last device round's tree: node log-probabilities, best first
 
 
 def plain_greedy(state: SeqState) -> bool:

@@ -23,6 +23,7 @@ commit reads. A sequence's tree is then at most gdn.TREE_MAX rows (its root and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,9 +34,12 @@ from ddtree.kernels import gdn
 from ddtree.kernels.gather import embed
 from ddtree.kernels.gemm import linear
 from ddtree.kernels.jit import triton_works
-from ddtree.kernels.paged_attention import PagedMask
+from ddtree.kernels.paged_attention import PagedLayout, PagedMask
 from ddtree.models.hybrid import project
 from ddtree.models.target import HybridTarget
+
+if TYPE_CHECKING:
+    from ddtree.fast.batch_trees import RoundTrees
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,23 @@ class HybridRows:
         m, rows = layers[0], HybridRows.record_rows(seqs, rows)
         per_row = m.num_v_heads * (m.head_k_dim + m.head_v_dim + 1) * 4 + m.conv_dim * target.dtype.itemsize
         return len(layers) * (per_row * rows + (m.conv_kernel_size - 1) * seqs * m.conv_dim * target.dtype.itemsize)
+
+    def seq_rows(self, seq_ids: list[int], layout: PagedLayout, trees: RoundTrees | None = None,
+                 saves: dict[int, tuple[tuple[int, int], ...]] | None = None) -> list[SeqRows]:
+        """A forward's sequences: each one's state slot, rows, their visibility, and their tree (each sequence's
+        root and `trees`' nodes; without trees, causal chains: prompt chunks), and a prefill's checkpoints to save
+        (`saves`). Before any sequence runs (measuring the cost model) the forward reads the slots in order."""
+        out = []
+        for b, visible in enumerate(layout.visible):
+            n = visible.shape[0]
+            if trees is None:
+                parents, depths = np.arange(-1, n - 1), np.arange(n)
+            else:
+                parents, depths = trees.lineage(b)
+            seq_id = seq_ids[b] if b < len(seq_ids) else None
+            out.append(SeqRows(self.pool.slots.get(seq_id, b), layout.row_offsets[b], layout.row_offsets[b + 1],
+                               visible, parents, depths, (saves or {}).get(seq_id, ())))
+        return out
 
     def record(self, seqs: list[SeqRows]) -> BatchRecord:
         """The record a verify of these sequences fills (its buffers, and each sequence's conv window sources)."""

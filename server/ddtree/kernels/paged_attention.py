@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -120,9 +120,20 @@ _WORKS: dict[tuple, bool] = {}
 
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:
     """Grouped queries q [kv, groups*N, d] over a paged cache [2, kv, slots, d] -> [N, H*d]."""
-    if mask.host is None or kernel_works(q.device, q.shape[2]):
+    if kernel_works(q.device, q.shape[2]):
         return _triton_paged(q, cache, mask)
+    if mask.host is None:  # a layout built on the device (fast/batch_round.py): read back, where no kernel runs
+        mask = replace(mask, host=read_layout(mask))
     return paged_attention_sdpa(q, cache, mask)
+
+
+def read_layout(mask: PagedMask) -> PagedLayout:
+    """A mask's device layout as host lists (the SDPA path's form): every sequence's start, rows, table and
+    visibility."""
+    offsets, vis_offsets = mask.row_offsets.tolist(), mask.vis_offsets.tolist()
+    visible = [mask.visible[at:at + (hi - lo) ** 2].view(hi - lo, hi - lo).bool().cpu()
+               for at, lo, hi in zip(vis_offsets, offsets, offsets[1:], strict=False)]
+    return PagedLayout(mask.starts.tolist(), offsets, mask.tables.tolist(), visible)
 
 
 def paged_attention_sdpa(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:

@@ -1,0 +1,341 @@
+"""A batch's whole greedy DDTree round on the device: draft, trees, verify, acceptance walk and commit in one
+CUDA graph per bucket of requests, with one small copy in and one out.
+
+The host path (fast/batch.py `_round`) waits for the device twice a round and builds, walks and commits every
+tree in Python: at 8 requests its round took 5 ms of host time for well under 1 ms of GPU work, and served
+ddtree fell below plain decoding as soon as two users shared the server. Here the host writes each request's
+(start, root, node allowance, draft depth) and block table into one buffer, replays the bucket's graph, and reads
+back each request's accepted length, verified nodes and emitted tokens:
+
+    draft    [root, mask x D] for every request at its start, over its own context (the captured block pass)
+    trees    the vocabulary top-k of every draft row, then every request's best-first tree (kernels/tree.py
+             `batch_prefixes`), cut to its first `nodes` nodes and its allowance (0: an `ar` request)
+    verify   the roots and trees as rows start, start + 1, ... in the paged pool, each seeing its own ancestors
+             (the transitive closure of its parent edges)
+    walk     the argmax at every row; a node is accepted when every node on its root path matches its parent's
+             pick; the path is one node per depth, and its last node's pick is the bonus token
+    commit   the path's K/V rows move down to start.. and their taps extend the drafter's context
+
+Every request in such a round is plainly greedy (no processor, penalty, grammar or logprobs) on a dense target
+with a DFlash drafter; the others, and rounds the batch budget would cut below a tree a request, take the host
+path. The trees are not cut across requests here: each request verifies its own first `nodes` nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ddtree.core.rounds import PHASES, Round
+from ddtree.fast.batch_rows import Captured, StaticRows
+from ddtree.fast.batch_seq import SeqState, plain_greedy
+from ddtree.fast.runner import MAX_BUDGET
+from ddtree.kernels.paged_attention import BLOCK_M, tiles_for
+from ddtree.kernels.tree import batch_prefixes, tree_size, vocab_argmax, vocab_top
+
+
+class RoundBackend(Protocol):
+    """What a device round needs of the paged backend (fast/batch.PagedBackend), named here so that this module
+    sits below the backend that calls it: its pools, drafter and target row forwards, and round bookkeeping."""
+
+    block: int
+    page: int
+    max_context: int
+    max_rows: int
+    max_seqs: int
+    max_tree: int
+    device: torch.device
+    cuda: bool
+    pool: Any
+    scratch: int
+    blocks: Any
+    kv: torch.Tensor
+    draft_kv: torch.Tensor
+    draft: Any
+    draft_head: Any
+    draft_rope: Any
+    fused_draft: Any
+    ops: Any
+    cost: Any
+    calibration: Any
+    choice: Any
+    last_nodes: int
+    _previous: Any
+
+    def _depth(self, state: SeqState) -> int: ...
+    def _draft_rows(self, *args: Any) -> Any: ...
+    def _target_rows(self, *args: Any) -> Any: ...
+
+REQUEST_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+INPUTS = 4  # per request: start, root, node allowance, draft depth (-1: a padding request)
+
+
+def request_bucket(requests: int, largest: int) -> int:
+    """The smallest bucket of requests that holds `requests` (the largest is the backend's max_seqs)."""
+    return next((b for b in REQUEST_BUCKETS if b >= requests and b <= largest), largest)
+
+
+@dataclass
+class RoundResult:
+    """What a device round hands back per request (host arrays): the accepted length (path nodes, the root
+    included), the draft nodes verified, the emitted tokens and the accepted path's nodes (the first `length`
+    of each row), and the tree's nodes' prefix log-probabilities under the drafter, best first (-inf: none)."""
+
+    lengths: np.ndarray  # [S] int64
+    nodes: np.ndarray  # [S] int64
+    emitted: np.ndarray  # [S, D + 1] int64
+    path: np.ndarray  # [S, D + 1] int64
+    scores: np.ndarray  # [S, N] float64: every node of the trees built (at the budget), verified or not
+
+
+class DeviceRound:
+    """One captured round per (bucket of requests, nodes a tree verifies, the trees' budget): `step` chooses the
+    size and turns the result into each request's round, `run` fills the inputs, replays and reads the result."""
+
+    def __init__(self, backend: RoundBackend) -> None:
+        self.backend = backend
+        self.depth = backend.block - 1
+        # block-table entries a round may read: a request's rows run past its context's end by up to a tree
+        self.width = -(-(backend.max_context + max(MAX_BUDGET, backend.block) + 1) // backend.page) + 1
+        self._rounds: dict[tuple[int, int, int], _Captured] = {}
+
+    def step(self, seq_ids: list[int], states: list[SeqState], node_limit: int | None,
+             started: float) -> dict[int, Round] | None:
+        """These requests' round on the device, or None where it takes the host path (`size`). Each request's
+        result moves its state on; the verified nodes and the accepted ones feed the budget's calibration."""
+        backend = self.backend
+        size = self.size(states, node_limit)
+        if size is None:
+            return None
+        nodes, budget = size
+        count = len(states)
+        ddtree = [state.request.method == "ddtree" for state in states]
+        allowed = [min(state.request.budget, nodes) if tree else 0 for state, tree in zip(states, ddtree, strict=True)]
+        result = self.run(np.fromiter((state.start for state in states), np.int64, count),
+                          np.fromiter((state.root for state in states), np.int64, count), np.array(allowed),
+                          np.fromiter((backend._depth(state) for state in states), np.int64, count),
+                          [backend.blocks.tables[seq_id] for seq_id in seq_ids], nodes, budget)
+        phases = dict.fromkeys(PHASES, 0.0)
+        phases["verify"] = time.perf_counter() - started  # the whole round, up to its one wait
+        verified = np.arange(result.scores.shape[1]) < result.nodes[:, None]
+        accepted = np.zeros_like(verified)
+        out = {}
+        for r, (seq_id, state) in enumerate(zip(seq_ids, states, strict=True)):
+            length = int(result.lengths[r])
+            emitted = result.emitted[r, :length].tolist()
+            accepted[r, result.path[r, 1:length] - 1] = True
+            state.start += length
+            state.root = emitted[-1]
+            if ddtree[r]:
+                state.scores = result.scores[r]
+            out[seq_id] = Round(emitted, int(result.nodes[r]), length - 1, phases)
+        backend.calibration.observe(result.scores[verified], accepted[verified])
+        backend.last_nodes = int(result.nodes.sum())
+        if backend.choice is not None:
+            verify = backend.cost.seconds(self.rows(count, nodes), count) - backend.cost.overhead
+            backend._previous = (started, count, True, int(result.lengths.sum()), verify)
+        return out
+
+    def size(self, states: list[SeqState], node_limit: int | None) -> tuple[int, int] | None:
+        """(nodes a tree verifies, the trees' budget) for this round, or None where it takes the host path: a
+        request that is not plainly greedy `ddtree` or `ar`, or no tree that fits the step's rows. The size is the
+        power of two up to the largest budget (or that budget) that maximises expected tokens per second under the
+        cost model, each request's expected accepted tokens from its tree of the last round, calibrated."""
+        backend = self.backend
+        for state in states:
+            request = state.request
+            if request.method not in ("ddtree", "ar") or not plain_greedy(state) or request.params.logprobs is not None:
+                return None
+        budgets = [min(state.request.budget, backend.max_tree) for state in states
+                   if state.request.method == "ddtree"]
+        if not budgets or max(budgets) < 1:
+            return None
+        budget, limit = max(budgets), min(node_limit or backend.max_rows, backend.max_rows)
+        sizes = [n for n in sorted({budget, *(1 << i for i in range(budget.bit_length()))}, reverse=True)
+                 if n <= budget and self.rows(len(states), n) <= limit]
+        if not sizes:
+            return None
+        known = [state.scores for state in states if state.scores is not None]
+        if len(sizes) == 1 or not known:
+            return sizes[0], budget
+        width = min(len(scores) for scores in known)
+        gains = np.cumsum(backend.calibration(np.stack([scores[:width] for scores in known])), axis=1).mean(axis=0)
+        expected = len(states) + len(budgets) * gains[np.minimum(sizes, width) - 1]  # each tree's first n nodes
+        rows = np.array([self.rows(len(states), n) for n in sizes])
+        rates = expected / backend.cost.seconds_at(rows, len(states))
+        return sizes[int(np.argmax(rates))], budget
+
+    def rows(self, requests: int, nodes: int) -> int:
+        """Target rows a round of `requests` requests at `nodes` nodes a tree verifies (padding included)."""
+        return request_bucket(requests, self.backend.max_seqs) * (self._tree_nodes(nodes) + 1)
+
+    def run(self, starts: np.ndarray, roots: np.ndarray, allowed: np.ndarray, depths: np.ndarray,
+            tables: list[list[int]], nodes: int, budget: int) -> RoundResult:
+        """One round of these requests (their starts, roots, node allowances, draft depths and block tables), each
+        verifying at most the first `nodes` draft nodes of its best-first tree of budget `budget` (>= nodes: the
+        result holds every node's score, for the next round's choice of size)."""
+        count = len(starts)
+        bucket = request_bucket(count, self.backend.max_seqs)
+        key = (bucket, self._tree_nodes(nodes), budget)
+        captured = self._rounds.get(key) or self._capture(*key)
+        io = captured.rows
+        host = np.zeros((bucket, INPUTS + self.width), dtype=np.int64)
+        host[:, 3] = -1
+        host[:count, 0], host[:count, 1], host[:count, 2], host[:count, 3] = starts, roots, allowed, depths
+        for r, table in enumerate(tables):
+            host[r, INPUTS:INPUTS + len(table)] = table[:self.width]
+        io.inputs.copy_(torch.from_numpy(host), non_blocking=True)
+        captured()
+        out = io.result.cpu().numpy()[:count]
+        ints, block = out[:, :2 + 2 * self.backend.block].astype(np.int64), self.backend.block
+        return RoundResult(ints[:, 0], ints[:, 1], ints[:, 2:2 + block], ints[:, 2 + block:], out[:, 2 + 2 * block:])
+
+    def _tree_nodes(self, nodes: int) -> int:
+        """Nodes a tree of budget `nodes` holds at this drafter's depth and vocabulary."""
+        vocab = self.backend.draft_head.weight.shape[0]
+        return tree_size(self.depth, min(nodes, vocab), nodes)
+
+    def _capture(self, bucket: int, nodes: int, budget: int) -> _Captured:
+        io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width)
+        self._rounds[(bucket, nodes, budget)] = captured = _Captured(lambda rows: _round(self.backend, rows), io,
+                                                             self.backend.cuda, self.backend.pool)
+        return captured
+
+    def capture_all(self, budget: int) -> None:
+        """Capture every bucket's round at every size the batch may choose under `budget` (before any sequence runs:
+        dummy requests write only the scratch slot)."""
+        sizes = {budget, *(1 << i for i in range(budget.bit_length()))}
+        for bucket in REQUEST_BUCKETS:
+            for nodes in sorted(n for n in sizes if n <= budget):
+                if bucket > self.backend.max_seqs or self.rows(bucket, nodes) > self.backend.max_rows:
+                    continue
+                key = (bucket, self._tree_nodes(nodes), budget)
+                if key not in self._rounds:
+                    captured = self._capture(*key)
+                    captured.rows.inputs.zero_()
+                    captured.rows.inputs[:, 3] = -1
+                    captured()
+
+
+class _Captured(Captured):
+    rows: _RoundIO
+
+
+class _RoundIO:
+    """A round's static buffers: its inputs and result, and the draft and verify forwards' rows."""
+
+    def __init__(self, backend: RoundBackend, bucket: int, nodes: int, tree: int, budget: int, width: int) -> None:
+        device, block = backend.device, backend.block
+        self.bucket, self.nodes, self.budget, self.width = bucket, nodes, budget, width
+        self.inputs = torch.zeros((bucket, INPUTS + width), dtype=torch.long, device=device)
+        self.result = torch.zeros((bucket, 2 + 2 * block + tree), dtype=torch.float64, device=device)
+        rows = nodes + 1
+        self.draft = _layout_rows(bucket, block, width, backend)
+        self.draft.rule_visible = {rule: torch.zeros_like(self.draft.visible)
+                                   for rule in backend.fused_draft.block_visible}
+        self.draft.repeat_visibility(block, backend.fused_draft.block_visible)
+        self.verify = _layout_rows(bucket, rows, width, backend)
+        self.verify.vis_offsets.copy_(torch.arange(bucket, device=device) * rows * rows)
+        self.verify.starts, self.verify.tables = self.draft.starts, self.draft.tables  # one request, one layout
+
+
+def _layout_rows(bucket: int, per_request: int, width: int, backend: RoundBackend) -> StaticRows:
+    """Static rows of `bucket` requests with `per_request` rows each, back to back (a fixed layout)."""
+    rows = StaticRows(bucket * per_request, bucket, width, bucket * per_request * per_request, backend.scratch,
+                      backend.device)
+    offsets = np.arange(bucket + 1, dtype=np.int64) * per_request
+    rows.row_offsets.copy_(torch.from_numpy(offsets.astype(np.int32)))
+    rows.tiles = torch.from_numpy(tiles_for(offsets.tolist(), bucket * per_request // BLOCK_M + bucket)).to(
+        backend.device)
+    return rows
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """Pool slots of cache positions [S, n] through each request's block table [S, W]."""
+    return tables.gather(1, (positions // page).clamp(max=tables.shape[1] - 1)) * page + positions % page
+
+
+def _round(backend: RoundBackend, io: _RoundIO) -> None:
+    """The round itself (module docstring), on static buffers, with no host synchronisation."""
+    device, page, scratch = backend.device, backend.page, backend.scratch
+    bucket, nodes, block, depth = io.bucket, io.nodes, backend.block, backend.block - 1
+    start, root, allowed, draft_depth = (io.inputs[:, i] for i in range(INPUTS))
+    tables = io.inputs[:, INPUTS:]
+    live = draft_depth >= 0
+    drafting = live & (allowed > 0)  # an `ar` request's block rows write nothing: it has no rows reserved for them
+    io.draft.starts.copy_(start)
+    io.draft.tables.copy_(tables)
+
+    # draft: every request's block at its start
+    steps = torch.arange(block, device=device)
+    positions = start[:, None] + steps
+    mask_id = backend.draft.config.mask_token_id
+    io.draft.ids.copy_(torch.where(steps == 0, root[:, None], mask_id).flatten())
+    io.draft.positions.copy_(positions.flatten())
+    io.draft.slots.copy_(torch.where(drafting[:, None], _slots(tables, positions, page), scratch).flatten())
+    rules = backend.fused_draft.block_visible
+    drafted = backend._draft_rows(io.draft.ids, io.draft.positions, io.draft.slots, {
+        rule: io.draft.mask(page, rule[0], io.draft.rule_visible[rule]) for rule in rules})
+    drafted = drafted.view(bucket, block, -1)[:, 1:]
+
+    # trees: each request's best-first tree, its first `nodes` nodes, within its allowance and depth
+    k = min(io.budget, drafted.shape[-1])
+    logp, tok = vocab_top(drafted.reshape(bucket * depth, -1), k, backend.draft_head.token_ids)
+    logp = logp.view(bucket, depth, k).masked_fill(
+        torch.arange(depth, device=device)[None, :, None] >= draft_depth.clamp(min=0)[:, None, None], float("-inf"))
+    tokens, parents, depths, tree = batch_prefixes(logp, tok.view(bucket, depth, k), io.budget)
+    tokens, scores, parents, depths = tokens[:, :nodes], tree[:, :nodes], parents[:, :nodes + 1], depths[:, :nodes + 1]
+    node = torch.arange(nodes + 1, device=device)
+    drafts = (scores > float("-inf")) & (node[None, 1:] <= allowed[:, None])
+    exists = torch.cat([torch.ones_like(drafts[:, :1]), drafts], dim=1) & live[:, None]
+
+    # verify: root and nodes as rows start.., each seeing its ancestors
+    ids = torch.cat([root[:, None], tokens], dim=1)
+    io.verify.ids.copy_(ids.flatten())
+    io.verify.positions.copy_((start[:, None] + depths).clamp(max=backend.max_context - 1).flatten())
+    io.verify.slots.copy_(torch.where(exists, _slots(tables, start[:, None] + node, page), scratch).flatten())
+    visible = _ancestors(parents, depth)
+    io.verify.visible.copy_(visible.flatten().to(torch.int8))
+    logits, taps = backend._target_rows(io.verify.ids, io.verify.positions, io.verify.slots, io.verify.mask(page))
+    picks = vocab_argmax(logits).view(bucket, nodes + 1)
+
+    # walk: accepted nodes form one root path, one node per depth
+    matches = (ids == picks.gather(1, parents)) & exists
+    matches[:, 0] = True
+    accepted = ~(visible & ~matches[:, None, :]).any(dim=2) & exists
+    length = accepted.sum(dim=1)
+    at_depth = torch.where(accepted, depths, depth + 1)  # the rejected land in a dropped last column
+    path = torch.zeros((bucket, depth + 2), dtype=torch.long, device=device).scatter_(
+        1, at_depth, node.expand(bucket, -1))[:, :depth + 1]
+    emitted = picks.gather(1, path)
+
+    # commit: the path's rows down to start.. in the target's pool; their taps into the drafter's context
+    steps = torch.arange(depth + 1, device=device)
+    kept = (steps < length[:, None]) & live[:, None]
+    moved = kept & (path != steps)
+    src = torch.where(moved, _slots(tables, start[:, None] + path, page), scratch).flatten()
+    dst = torch.where(moved, _slots(tables, start[:, None] + steps, page), scratch).flatten()
+    backend.kv.index_copy_(3, dst, backend.kv.index_select(3, src))
+    rows = torch.where(kept, torch.arange(bucket, device=device)[:, None] * (nodes + 1) + path, 0).flatten()
+    context = (start[:, None] + steps).clamp(max=backend.max_context - 1)
+    slots = torch.where(kept, _slots(tables, context, page), scratch).flatten()
+    kv = backend.fused_draft.context(backend.ops, backend.draft, taps.index_select(0, rows),
+                                     *backend.draft_rope(context.flatten()))
+    backend.draft_kv.index_copy_(3, slots, kv)
+    io.result[:, :2 + 2 * block].copy_(torch.cat([length[:, None], (exists.sum(dim=1) - 1)[:, None], emitted, path],
+                                                 dim=1))
+    io.result[:, 2 + 2 * block:].copy_(tree.masked_fill(~live[:, None], float("-inf")))
+
+
+def _ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """bool [S, n, n]: row i of tree s holds i and its ancestors (the parent edges' closure, by squaring)."""
+    bucket, n = parents.shape
+    reach = torch.eye(n, device=parents.device).expand(bucket, n, n).clone()
+    reach.scatter_(2, parents[:, :, None], 1.0)
+    for _ in range(max(max_depth, 1).bit_length()):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+    return reach > 0

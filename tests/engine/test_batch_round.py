@@ -1,0 +1,165 @@
+"""The batch's greedy round on the device (fast/batch_round.py) is lossless and takes only what it can.
+
+Run eagerly on the CPU (attention through SDPA over a layout read back from the device buffers), and once with
+every kernel in Triton's interpreter, as a GPU's graph replays them: each request decodes exactly what it decodes
+alone, whatever joins and leaves the batch, and requests the device round does not take (sampled, logprobs,
+`dflash`) send their rounds to the host path.
+"""
+
+import numpy as np
+import pytest
+import torch
+from ddtree.core.blocks import BlockManager
+from ddtree.core.budget import CostModel
+from ddtree.core.sampling import SamplingParams
+from ddtree.engine.batch import BatchEngine
+from ddtree.engine.serial import SerialBackend
+from ddtree.fast.batch import PagedBackend
+from ddtree.fast.batch_round import DeviceRound
+from ddtree.switches import override
+
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+PROMPTS = [[1, 2, 3], list(range(4, 40)), [8, 9], list(range(10, 60)), [13], list(range(20, 30)) * 3]
+
+
+def paged(engine, *, blocks: int = 96, max_num_seqs: int = 6, max_rows: int = 256,
+          cost: CostModel | None = None) -> BatchEngine:
+    pool = BlockManager(blocks, 8)
+    backend = PagedBackend(engine.target, engine.draft, engine.draft_head, pool, max_seqs=max_num_seqs,
+                           max_rows=max_rows, device_round=True, **({"cost": cost} if cost else {}))
+    return BatchEngine(engine, [backend, SerialBackend(engine.reference)], max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_rows, blocks=pool)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many device rounds ran, and how many requests they held in all."""
+    calls = {"rounds": 0, "requests": 0}
+    run = DeviceRound.run
+
+    def counting(self, starts, *args):
+        calls["rounds"] += 1
+        calls["requests"] += len(starts)
+        return run(self, starts, *args)
+
+    monkeypatch.setattr(DeviceRound, "run", counting)
+    return calls
+
+
+def decode(batch: BatchEngine, requests: list[tuple[list[int], SamplingParams, str, int | None]],
+           joining: int = 0) -> list:
+    """Every request to the end; the last `joining` of them join once the others have decoded a few rounds."""
+    first = len(requests) - joining
+    seqs = [batch.add(p, params, method=m, budget=b) for p, params, m, b in requests[:first]]
+    for _ in range(4):
+        batch.step()
+    seqs += [batch.add(p, params, method=m, budget=b) for p, params, m, b in requests[first:]]
+    while batch.has_work():
+        batch.step()
+    return seqs
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_requests_on_the_device_round_decode_what_they_decode_alone(engines, arch, counted):
+    engine = engines[arch]
+    methods = [("ddtree", 8), ("ar", None), ("ddtree", 32), ("ddtree", 3), ("ddtree", 16), ("ar", None)]
+    requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS, methods, strict=True)]
+    batch = paged(engine)
+    seqs = decode(batch, requests, joining=2)
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    assert counted["rounds"] > 5 and counted["requests"] > counted["rounds"]  # batched rounds on the device
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+def test_requests_the_device_round_does_not_take_send_their_rounds_to_the_host(engines, counted):
+    """A sampled request, one asking for logprobs and a `dflash` one share the batch with greedy ddtree ones:
+    while any of them runs, rounds take the host path; once they finish, the device round takes over."""
+    engine = engines["qwen3"]
+    short = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    requests = [(PROMPTS[0], GREEDY, "ddtree", 8), (PROMPTS[1], GREEDY, "ddtree", 16),
+                (PROMPTS[2], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=3), "ddtree", 8),
+                (PROMPTS[3], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2), "ddtree", 8),
+                (PROMPTS[4], short, "dflash", None)]
+    batch = paged(engine)
+    seqs = decode(batch, requests)
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        if params.greedy:
+            assert seq.generation.token_ids == engine.generate(prompt, params, method=method,
+                                                               budget=budget).token_ids
+    assert all(len(seq.generation.token_ids) == 6 for seq in seqs[2:])
+    assert counted["rounds"] > 0  # after the short ones finished
+    with override(device_round=False):
+        counted["rounds"] = 0
+        decode(paged(engine), requests[:2])
+    assert counted["rounds"] == 0
+
+
+def test_the_device_round_verifies_smaller_trees_when_verified_rows_cost_time(engines):
+    """Under a cost model where rows cost more than what they add, the batch picks a smaller tree size from its
+    requests' last trees (and the same tokens); under a flat one, every request's own budget."""
+    engine = engines["qwen3"]
+    requests = [([i, i + 1, i + 2], GREEDY, "ddtree", 16) for i in range(1, 5)]
+
+    def nodes_per_round(batch: BatchEngine) -> tuple[list, list[int]]:
+        seqs = [batch.add(p, params, method=m, budget=b) for p, params, m, b in requests]
+        nodes = []
+        while batch.has_work():
+            batch.step()
+            if batch.last.sequences == len(requests):
+                nodes.append(batch.last.draft_nodes)
+        return seqs, nodes
+
+    steep, steep_nodes = nodes_per_round(paged(engine, cost=CostModel(((4, 1.0), (200, 197.0)))))
+    flat, flat_nodes = nodes_per_round(paged(engine))
+    assert all(s.generation.token_ids == f.generation.token_ids for s, f in zip(steep, flat, strict=True))
+    assert max(flat_nodes) == 4 * 16 and max(steep_nodes[1:]) < 4 * 16
+
+
+def test_a_round_near_the_context_end_drafts_only_what_fits(engines):
+    """Requests decoding up to the last position of the target's context (1,024 here): their trees stop at its
+    end, and their output is the target's own to the last token."""
+    engine = engines["qwen3"]
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    requests = [([3 + (i * 7 + k) % 90 for i in range(990 + k)], params, "ddtree", 16) for k in (0, 5)]
+    batch = paged(engine, blocks=300, max_rows=128)
+    seqs = decode(batch, requests)
+    for (prompt, p, method, budget), seq in zip(requests, seqs, strict=True):
+        assert len(prompt) + len(seq.generation.token_ids) >= engine.max_context - engine.block_size
+        assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
+
+
+@pytest.mark.slow
+def test_the_interpreted_kernels_run_the_device_round_as_the_gpu_replays(engines, kernels_on_cpu, counted):
+    """Vocabulary top-k, the tree build, the argmax and paged attention in Triton's interpreter, on the round's
+    static buffers."""
+    engine = engines["qwen3"]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "ar", None), (PROMPTS[2], params, "ddtree", 4)]
+    batch = paged(engine, blocks=32, max_num_seqs=3, max_rows=64)
+    assert batch.backends[0].static
+    seqs = decode(batch, requests)
+    for (prompt, p, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
+    assert counted["rounds"] > 0
+
+
+def test_a_device_rounds_result_reports_each_requests_path_and_scores(engines):
+    """Accepted lengths, emitted tokens and paths agree: the path starts at the root, goes one depth a node, and
+    the scores of the nodes verified are finite and best first."""
+    engine = engines["qwen3"]
+    batch = paged(engine)
+    backend = batch.backends[0]
+    seqs = [batch.add(p, GREEDY, method="ddtree", budget=8) for p in PROMPTS[:3]]
+    batch.step()  # the prefills
+    states = [backend.states[seq.seq_id] for seq in seqs]
+    with torch.inference_mode():
+        result = backend.device_round.run(
+            np.array([s.start for s in states]), np.array([s.root for s in states]), np.array([8, 8, 0]),
+            np.array([backend._depth(s) for s in states]), [batch.blocks.tables[seq.seq_id] for seq in seqs], 8, 8)
+    assert list(result.nodes) == [8, 8, 0] and result.lengths[2] == 1
+    for r in range(3):
+        length = result.lengths[r]
+        assert result.path[r, 0] == 0 and len(set(result.path[r, :length])) == length
+        verified = result.scores[r, :result.nodes[r]]
+        assert np.isfinite(verified).all() and (np.diff(verified) <= 0).all()
