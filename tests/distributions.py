@@ -14,9 +14,13 @@ from scipy.stats import binomtest, chisquare
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
-    """The intended distribution of one pick: softmax(logits / T), then top-k, then top-p."""
+    """The intended distribution of one pick: softmax(logits / T), then top-k, then top-p over what top-k kept
+    (its mass renormalized, as vLLM applies them)."""
     probs = torch.softmax(logits.double() / temperature, dim=-1).numpy()
     order = np.argsort(-probs, kind="stable")
+    if top_k:
+        probs = np.where(np.isin(np.arange(len(probs)), order[:top_k]), probs, 0.0)
+        probs = probs / probs.sum()
     keep = np.zeros_like(probs, dtype=bool)
     mass = 0.0
     for rank, token in enumerate(order):
@@ -74,7 +78,10 @@ def fit_p_value(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...],
         else:
             pool_o += counts.get(cell, 0)
             pool_e += e
-    return float(chisquare([*observed, pool_o], [*expected, pool_e]).pvalue)
+    if pool_e > 0:  # a small support can leave no rare cells
+        observed.append(pool_o)
+        expected.append(pool_e)
+    return float(chisquare(observed, expected).pvalue)
 
 
 def event_p_value(counts: dict[tuple[int, ...], int], joint: dict[tuple[int, ...], float], event) -> float:

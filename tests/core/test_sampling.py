@@ -144,3 +144,25 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_kept():
     for top_k in (0, 2, 4):  # after top-k 2 the tie at the kth value already keeps all three 1.0s
         kept = filter_logits(logits, top_k, 0.5, 0.0).isfinite()
         assert kept.tolist() == [[True, True, True, True, False]]
+
+
+@pytest.mark.parametrize("cap", [4, 64])
+def test_a_floor_per_row_keeps_what_filter_logits_keeps_with_each_rows_own_settings(cap):
+    """The batch's device round keeps `logits >= filter_floor(...)` for rows with their own temperature,
+    min-p, top-k (<= cap) and top-p (with a top-k): exactly the tokens filter_logits keeps for each row alone.
+    Logits rounded to steps of 0.25 tie often, also past the ranked `cap` (whose mass top-p must still count)."""
+    from ddtree.core.sampling import filter_floor
+
+    gen = torch.Generator().manual_seed(cap)
+    settings = [(t, k, p, m) for t in (0.5, 1.0, 1.7) for k in (0, 1, 3, cap) for p in (1.0, 0.3, 0.9)
+                for m in (0.0, 0.05) if k > 0 or p == 1.0] + [(1.0, 2, 0.3, 0.0)]
+    logits = (torch.randn(len(settings), 200, generator=gen) * 2).mul(4).round().div(4).to(torch.bfloat16)
+    logits[::2, :12] = logits[::2].max(dim=1, keepdim=True).values  # ties at the top, wider than the small cap
+    logits[-1] = -5.0
+    logits[-1, 0], logits[-1, 1:11] = 5.0, 4.0  # the first token alone holds 0.21 of the mass with its 10 ties
+    temperature, top_k, top_p, min_p = (torch.tensor([s[i] for s in settings]) for i in range(4))
+    floor = filter_floor(logits, temperature, top_k, top_p.float(), min_p.float(), cap)
+    kept = logits >= floor[:, None]
+    for row, (t, k, p, m) in enumerate(settings):
+        want = filter_logits(logits[row:row + 1].float() / t, k, p, m).isfinite()[0]
+        assert torch.equal(kept[row], want), (t, k, p, m)

@@ -8,6 +8,7 @@ small pools force preemption, small token budgets chunked prefill.
 
 import pytest
 import torch
+from batching import draft_nodes_while_all_run
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import CostModel
 from ddtree.core.grammar import json_schema_grammar
@@ -17,7 +18,7 @@ from ddtree.engine.sequence import Status
 from ddtree.engine.serial import SerialBackend
 from ddtree.fast.batch import PagedBackend
 from distributions import exact_joint, fit_p_value
-from tiny import make_draft, make_target
+from tiny import make_draft
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 2, 3], list(range(4, 40)), [8, 9], list(range(10, 80)), [13], list(range(20, 30)) * 3]
@@ -164,19 +165,9 @@ def test_the_batch_budget_shrinks_trees_when_verified_tokens_cost_time(engines):
     fewer draft nodes a step than the requests' own budgets add up to, and still gives their tokens."""
     engine = engines["qwen3"]
     requests = [([i, i + 1, i + 2], GREEDY, "ddtree", 16) for i in range(1, 5)]
-
-    def nodes_per_step(batch: BatchEngine) -> tuple[list, list[int]]:
-        seqs = [batch.add(prompt, params, method=method, budget=budget) for prompt, params, method, budget in requests]
-        nodes = []
-        while batch.has_work():
-            batch.step()
-            if batch.last.sequences == len(requests):
-                nodes.append(batch.last.draft_nodes)
-        return seqs, nodes
-
-    steep, steep_nodes = nodes_per_step(paged(engine, max_num_batched_tokens=256,
-                                              cost=CostModel(((4, 1.0), (200, 197.0)))))
-    flat, flat_nodes = nodes_per_step(paged(engine, max_num_batched_tokens=256))
+    steep, steep_nodes = draft_nodes_while_all_run(
+        paged(engine, max_num_batched_tokens=256, cost=CostModel(((4, 1.0), (200, 197.0)))), requests)
+    flat, flat_nodes = draft_nodes_while_all_run(paged(engine, max_num_batched_tokens=256), requests)
     assert all(s.generation.token_ids == f.generation.token_ids for s, f in zip(steep, flat, strict=True))
     assert max(flat_nodes) == 4 * 16 and max(steep_nodes) < 4 * 16
 
@@ -188,16 +179,6 @@ def test_batch_options_refuse_nonsense_in_one_line():
                 dict(gpu_memory_utilization=1.5), dict(block_size=12)):
         with pytest.raises(DDTreeError):
             BatchOptions(**bad)
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    from ddtree.engine import Engine
-
-    root = tmp_path_factory.mktemp("batch_small_vocab")
-    make_target(root / "t", vocab=12, seed=11)
-    make_draft(root / "d", vocab=12, seed=12, block_size=4)
-    return Engine.from_pretrained(root / "t", root / "d", device="cpu")
 
 
 @pytest.mark.slow

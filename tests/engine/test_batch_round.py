@@ -1,14 +1,15 @@
-"""The batch's greedy round on the device (fast/batch_round.py) is lossless and takes only what it can.
+"""The batch's round on the device (fast/batch_round.py) is lossless and takes only what it can.
 
 Run eagerly on the CPU (attention through SDPA over a layout read back from the device buffers), and once with
-every kernel in Triton's interpreter, as a GPU's graph replays them: each request decodes exactly what it decodes
-alone, whatever joins and leaves the batch, and requests the device round does not take (sampled, logprobs,
-`dflash`) send their rounds to the host path.
+every kernel in Triton's interpreter, as a GPU's graph replays them: each greedy request decodes exactly what it
+decodes alone, whatever joins and leaves the batch; sampled ones draw the target's own distribution; requests the
+device round does not take (seeded or filtered samples, logprobs, `dflash`) send their rounds to the host path.
 """
 
 import numpy as np
 import pytest
 import torch
+from batching import draft_nodes_while_all_run
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import CostModel
 from ddtree.core.sampling import SamplingParams
@@ -17,6 +18,7 @@ from ddtree.engine.serial import SerialBackend
 from ddtree.fast.batch import PagedBackend
 from ddtree.fast.batch_round import DeviceRound
 from ddtree.switches import override
+from distributions import exact_joint, fit_p_value
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 PROMPTS = [[1, 2, 3], list(range(4, 40)), [8, 9], list(range(10, 60)), [13], list(range(20, 30)) * 3]
@@ -72,15 +74,54 @@ def test_greedy_requests_on_the_device_round_decode_what_they_decode_alone(engin
     assert batch.blocks.free_blocks == batch.blocks.num_blocks
 
 
+def test_greedy_requests_keep_their_tokens_beside_sampled_ones_in_a_device_round(engines, counted):
+    """Unseeded requests that sample at a temperature share device rounds with greedy ones (ddtree and ar each):
+    the greedy requests' tokens stay the target's own, and every request gets all its tokens."""
+    engine = engines["qwen3"]
+    torch.manual_seed(0)
+    sampled = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9)
+    methods = [(GREEDY, "ddtree", 8), (sampled, "ddtree", 16), (GREEDY, "ar", None), (sampled, "ar", None),
+               (GREEDY, "ddtree", 32), (sampled, "ddtree", 4)]
+    requests = [(prompt, *how) for prompt, how in zip(PROMPTS, methods, strict=True)]
+    batch = paged(engine)
+    seqs = decode(batch, requests, joining=2)
+    for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
+        assert len(seq.generation.token_ids) == 20
+        if params.greedy:
+            assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    assert counted["rounds"] > 5 and counted["requests"] > 3 * counted["rounds"]  # all six together, mostly
+    assert batch.blocks.free_blocks == batch.blocks.num_blocks
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.2, top_k=4, top_p=0.8),
+                                dict(temperature=0.7, top_k=3)])
+def test_sampled_requests_on_the_device_round_follow_the_targets_distribution(small_vocab, counted, kw):
+    """1000 unseeded requests, 64 at a time, every round on the device: their first three tokens follow the
+    target's exact joint distribution under their temperature and filters (chi-square, as the host path's test)."""
+    torch.manual_seed(1)
+    joint = exact_joint(small_vocab.target.model, [1, 2, 3], 12, 3, **kw)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, **kw)
+    batch = paged(small_vocab, blocks=512, max_num_seqs=64, max_rows=1024)
+    seqs = decode(batch, [([1, 2, 3], params, "ddtree", 6)] * 1000)
+    counts: dict[tuple[int, ...], int] = {}
+    for seq in seqs:
+        key = tuple(seq.generation.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert counted["requests"] >= 1000 and fit_p_value(counts, joint) > 1e-4
+
+
 def test_requests_the_device_round_does_not_take_send_their_rounds_to_the_host(engines, counted):
-    """A sampled request, one asking for logprobs and a `dflash` one share the batch with greedy ddtree ones:
-    while any of them runs, rounds take the host path; once they finish, the device round takes over."""
+    """A seeded sampled request, one with top-p but no top-k, one asking for logprobs and a `dflash` one share
+    the batch with greedy ddtree ones: while any of them runs, rounds take the host path; once they finish, the
+    device round takes over."""
     engine = engines["qwen3"]
     short = SamplingParams(max_new_tokens=6, ignore_eos=True)
     requests = [(PROMPTS[0], GREEDY, "ddtree", 8), (PROMPTS[1], GREEDY, "ddtree", 16),
                 (PROMPTS[2], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=3), "ddtree", 8),
                 (PROMPTS[3], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2), "ddtree", 8),
-                (PROMPTS[4], short, "dflash", None)]
+                (PROMPTS[4], short, "dflash", None),
+                (PROMPTS[5], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9), "ddtree",
+                 8)]
     batch = paged(engine)
     seqs = decode(batch, requests)
     for (prompt, params, method, budget), seq in zip(requests, seqs, strict=True):
@@ -88,7 +129,7 @@ def test_requests_the_device_round_does_not_take_send_their_rounds_to_the_host(e
             assert seq.generation.token_ids == engine.generate(prompt, params, method=method,
                                                                budget=budget).token_ids
     assert all(len(seq.generation.token_ids) == 6 for seq in seqs[2:])
-    assert counted["rounds"] > 0  # after the short ones finished
+    assert 0 < counted["requests"] <= 2 * counted["rounds"]  # the two greedy ones, after the short ones finished
     with override(device_round=False):
         counted["rounds"] = 0
         decode(paged(engine), requests[:2])
@@ -100,18 +141,8 @@ def test_the_device_round_verifies_smaller_trees_when_verified_rows_cost_time(en
     requests' last trees (and the same tokens); under a flat one, every request's own budget."""
     engine = engines["qwen3"]
     requests = [([i, i + 1, i + 2], GREEDY, "ddtree", 16) for i in range(1, 5)]
-
-    def nodes_per_round(batch: BatchEngine) -> tuple[list, list[int]]:
-        seqs = [batch.add(p, params, method=m, budget=b) for p, params, m, b in requests]
-        nodes = []
-        while batch.has_work():
-            batch.step()
-            if batch.last.sequences == len(requests):
-                nodes.append(batch.last.draft_nodes)
-        return seqs, nodes
-
-    steep, steep_nodes = nodes_per_round(paged(engine, cost=CostModel(((4, 1.0), (200, 197.0)))))
-    flat, flat_nodes = nodes_per_round(paged(engine))
+    steep, steep_nodes = draft_nodes_while_all_run(paged(engine, cost=CostModel(((4, 1.0), (200, 197.0)))), requests)
+    flat, flat_nodes = draft_nodes_while_all_run(paged(engine), requests)
     assert all(s.generation.token_ids == f.generation.token_ids for s, f in zip(steep, flat, strict=True))
     assert max(flat_nodes) == 4 * 16 and max(steep_nodes[1:]) < 4 * 16
 
@@ -131,16 +162,20 @@ def test_a_round_near_the_context_end_drafts_only_what_fits(engines):
 
 @pytest.mark.slow
 def test_the_interpreted_kernels_run_the_device_round_as_the_gpu_replays(engines, kernels_on_cpu, counted):
-    """Vocabulary top-k, the tree build, the argmax and paged attention in Triton's interpreter, on the round's
-    static buffers."""
+    """Vocabulary top-k, the tree build, the picks (a filtered sample's too) and paged attention in Triton's
+    interpreter, on the round's static buffers."""
     engine = engines["qwen3"]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "ar", None), (PROMPTS[2], params, "ddtree", 4)]
-    batch = paged(engine, blocks=32, max_num_seqs=3, max_rows=64)
+    sampled = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, top_k=3, top_p=0.9)
+    requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "ar", None), (PROMPTS[2], params, "ddtree", 4),
+                (PROMPTS[3], sampled, "ddtree", 8)]
+    batch = paged(engine, blocks=32, max_num_seqs=4, max_rows=64)
     assert batch.backends[0].static
     seqs = decode(batch, requests)
     for (prompt, p, method, budget), seq in zip(requests, seqs, strict=True):
-        assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
+        assert len(seq.generation.token_ids) == 6
+        if p.greedy:
+            assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
     assert counted["rounds"] > 0
 
 
@@ -156,7 +191,8 @@ def test_a_device_rounds_result_reports_each_requests_path_and_scores(engines):
     with torch.inference_mode():
         result = backend.device_round.run(
             np.array([s.start for s in states]), np.array([s.root for s in states]), np.array([8, 8, 0]),
-            np.array([backend._depth(s) for s in states]), [batch.blocks.tables[seq.seq_id] for seq in seqs], 8, 8)
+            np.array([backend._depth(s) for s in states]), np.tile([0.0, 0.0, 1.0, 0.0], (3, 1)),
+            [batch.blocks.tables[seq.seq_id] for seq in seqs], 8, 8)
     assert list(result.nodes) == [8, 8, 0] and result.lengths[2] == 1
     for r in range(3):
         length = result.lengths[r]

@@ -2,6 +2,7 @@
 PyTorch reference, so the same check runs compiled on a GPU and interpreted on a CPU."""
 
 
+import numpy as np
 import torch
 from ddtree.kernels import jit
 
@@ -120,6 +121,46 @@ def argmax_case(rows: int, vocab: int, dtype: torch.dtype, device: str, chunk: i
     got = _vocab_argmax_on_gpu(logits, chunk)
     assert torch.equal(got, logits.argmax(dim=-1))
     assert got[:5].tolist() == [chunk - 1, vocab // 2, 0, vocab - 1, 3]
+
+
+def sample_case(rows: int, vocab: int, dtype: torch.dtype, device: str, chunk: int | None = None) -> None:
+    """The device round's picks (ddtree/kernels/tree.py: vocab_sample): a row at temperature 0 picks what
+    vocab_argmax picks (ties, NaN and -inf rows included); rows at temperature 0.7 sample softmax(logits / 0.7)
+    (chi-square over the tokens expected 5 times or more, the rest pooled), the same draws for the same seed and
+    others for another; with a floor at each row's third-best logit, the softmax of its best three."""
+    from ddtree.kernels.tree import ARGMAX_CHUNK, _vocab_argmax_on_gpu, _vocab_sample_on_gpu
+    from scipy.stats import chisquare
+
+    chunk = chunk or ARGMAX_CHUNK
+    greedy = distinct_logits(5, vocab, seed=vocab).div(2).round() + 0.0
+    greedy[1, vocab // 2] = float("nan")
+    greedy[2] = -float("inf")
+    greedy[3, chunk - 1] = greedy[3, vocab - 1] = greedy[3].max() + 1
+    shared = (torch.randn(vocab, generator=torch.Generator().manual_seed(rows)) * 2).expand(rows, vocab)
+    logits = torch.cat([greedy, shared]).to(dtype).to(device)
+    temperature = torch.cat([torch.zeros(5), torch.full((rows,), 0.7)]).to(device)
+    seed = torch.tensor([20261206], device=device)
+    scaled = logits[5].float() / 0.7
+    third = logits[5].float().topk(3).values[-1]
+    floor = torch.cat([torch.zeros(5, device=device), third.expand(rows)])
+
+    def fits(picks: torch.Tensor, probs: torch.Tensor) -> None:
+        probs = probs.double().cpu().numpy()
+        counts = np.bincount(picks.cpu().numpy(), minlength=vocab)
+        common, rare = probs * len(picks) >= 5, (probs * len(picks) < 5) & (probs > 0)
+        assert counts[probs == 0].sum() == 0
+        observed = np.append(counts[common], counts[rare].sum())
+        expected = np.append(probs[common], probs[rare].sum() + 1e-12) * len(picks)
+        assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-4
+
+    got = _vocab_sample_on_gpu(logits, temperature, seed, None, chunk)
+    assert torch.equal(got[:5], _vocab_argmax_on_gpu(logits[:5], chunk))
+    assert torch.equal(got[:30], _vocab_sample_on_gpu(logits[:30], temperature[:30], seed, None, chunk))
+    assert not torch.equal(got[5:30], _vocab_sample_on_gpu(logits[:30], temperature[:30], seed + 1, None, chunk)[5:])
+    fits(got[5:], torch.softmax(scaled.double(), dim=-1))
+    filtered = _vocab_sample_on_gpu(logits, temperature, seed, floor, chunk)
+    assert torch.equal(filtered[:5], got[:5])
+    fits(filtered[5:], torch.softmax(torch.where(logits[5].float() >= third, scaled.double(), float("-inf")), dim=-1))
 
 
 def compaction_case(path: list[int], start: int, dtype: torch.dtype, device: str) -> None:

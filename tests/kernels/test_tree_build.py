@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from cases import argmax_case, distinct_logits
+from cases import argmax_case, distinct_logits, sample_case
 from marks import gpu, interpreted
 
 
@@ -12,6 +12,14 @@ from marks import gpu, interpreted
 @pytest.mark.parametrize(("rows", "vocab"), [(5, 151936), (65, 151936), (129, 151936), (16, 16384), (5, 4097)])
 def test_the_argmax_kernels_equal_torchs_argmax_on_a_gpu(dtype, rows, vocab):
     argmax_case(rows, vocab, dtype, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(20000, 4097), (2000, 151936)])
+def test_the_sampling_kernels_pick_the_argmax_at_temperature_0_and_sample_the_softmax_above_it_on_a_gpu(dtype, rows,
+                                                                                                      vocab):
+    sample_case(rows, vocab, dtype, "cuda")
 
 
 @gpu
@@ -49,6 +57,12 @@ def test_vocab_top_kernels_equal_topk_and_logsumexp_on_a_gpu(dtype, vocab, k):
 @pytest.mark.parametrize(("vocab", "chunk"), [(300, 64), (200, 128)])
 def test_the_argmax_kernels_equal_torchs_argmax_interpreted(dtype, vocab, chunk):
     argmax_case(5, vocab, dtype, "cpu", chunk)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sampling_kernels_pick_the_argmax_at_temperature_0_and_sample_the_softmax_above_it_interpreted(dtype):
+    sample_case(400, 12, dtype, "cpu", chunk=8)
 
 
 @interpreted

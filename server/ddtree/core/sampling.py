@@ -158,6 +158,31 @@ def filter_logits(out: torch.Tensor, top_k: int, top_p: float, min_p: float) -> 
     return out
 
 
+def filter_floor(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, cap: int) -> torch.Tensor:
+    """filter_logits as one number a row, for rows that each have their own settings (the batch's device round):
+    the least logit the row keeps, so that `logits >= floor` is what filter_logits keeps of `logits / T`. A floor
+    on the logits themselves, not the scaled ones, so that a kernel that scales them its own way keeps the same
+    tokens. Each row's top `cap` logits are ranked once; a row's top-k is at most `cap`, and its top-p < 1 needs
+    a top-k (the nucleus then lies inside the ranked ones). Every filter keeps by value, as filter_logits does, so
+    the tokens tied with the top-k's last one that rank past `cap` are counted and kept too (the top-p's mass
+    counts them). logits [N, V]; temperature (> 0), top_k (0: off), top_p, min_p: [N]; returns float32 [N]."""
+    raw = logits.topk(min(cap, logits.shape[1]), dim=-1).values.float()
+    ranked = raw / temperature[:, None]  # the scaled logits' own ranking: dividing by T > 0 keeps the order
+    none = torch.full_like(raw[:, 0], float("-inf"))
+    floor = torch.where(min_p > 0, raw[:, 0] + temperature * torch.log(min_p), none)  # p >= min_p x the top p
+    kth = raw.gather(1, (top_k - 1).clamp(0, raw.shape[1] - 1)[:, None])[:, 0]
+    floor = torch.where(top_k > 0, torch.maximum(floor, kth), floor)
+    kept = raw >= floor[:, None]
+    past_cap = (logits >= floor[:, None]).sum(dim=-1) - kept.sum(dim=-1)  # ties of the last ranked, if any
+    weights = torch.where(kept, torch.exp(ranked - ranked[:, :1]), 0.0)
+    mass = weights.sum(dim=-1) + past_cap * torch.exp(ranked[:, -1] - ranked[:, 0])
+    probs = weights / mass[:, None]
+    nucleus = ((torch.cumsum(probs, dim=-1) - probs < top_p[:, None]) & kept).sum(dim=-1)
+    last = raw.gather(1, (nucleus - 1).clamp(min=0)[:, None])[:, 0]
+    return torch.where(top_p < 1.0, torch.maximum(floor, last), floor)
+
+
 def pick_tokens(
     processed: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:

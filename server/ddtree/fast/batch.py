@@ -16,9 +16,9 @@ Each step (engine/batch.py schedules it):
 The target's and the drafter's caches are pools of slots shared by every sequence through the block tables of
 core/blocks.py (one table per sequence serves both pools). The layers are the single-sequence fast path's
 (fast/layers.py), so each row is computed as it is there. On CUDA the draft and verify forwards are replayed as
-CUDA graphs, one per bucket of rows (`Captured`); elsewhere they run eagerly. A round whose requests are all plainly
-greedy (`ddtree` or `ar`) on a dense target with a DFlash drafter runs whole on the device instead, one graph per
-bucket of requests and tree size (fast/batch_round.py); the host path above serves every other round.
+CUDA graphs, one per bucket of rows (`Captured`); elsewhere they run eagerly. A round of `ddtree` or `ar` requests
+that are greedy or unseeded samples, on a dense target with a DFlash drafter, runs whole on the device instead (one
+graph per bucket of requests and tree size, fast/batch_round.py); the host path above serves every other round.
 
 Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's) and Qwen3.5 / Qwen3.6 / Qwen3-Next
 hybrids (their Gated DeltaNet layers keep a state per sequence: fast/paged_hybrid.py), with DFlash, DFlash2 and
@@ -85,7 +85,7 @@ class PagedBackend:
     def __init__(self, target: Target, draft: DFlashDraft | None, draft_head: DraftHead | None,
                  blocks: BlockManager, *, max_seqs: int = 64, max_rows: int = 2048, cost: CostModel = FLAT,
                  device_round: bool | None = None) -> None:
-        """`device_round`: plainly greedy rounds run whole on the device (fast/batch_round.py); None: where they
+        """`device_round`: rounds the device can pick for run whole on it (fast/batch_round.py); None: where they
         replay as CUDA graphs (a dense target with a DFlash drafter, the paged kernels, a GPU)."""
         cfg = target.config
         self.target, self.draft, self.draft_head, self.blocks, self.cost = target, draft, draft_head, blocks, cost

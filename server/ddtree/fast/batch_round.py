@@ -1,24 +1,30 @@
-"""A batch's whole greedy DDTree round on the device: draft, trees, verify, acceptance walk and commit in one
-CUDA graph per bucket of requests, with one small copy in and one out.
+"""A batch's whole DDTree round on the device, greedy or sampled: draft, trees, verify, acceptance walk and
+commit in one CUDA graph per bucket of requests, with one small copy in and one out.
 
 The host path (fast/batch.py `_round`) waits for the device twice a round and builds, walks and commits every
 tree in Python: at 8 requests its round took 5 ms of host time for well under 1 ms of GPU work, and served
 ddtree fell below plain decoding as soon as two users shared the server. Here the host writes each request's
-(start, root, node allowance, draft depth) and block table into one buffer, replays the bucket's graph, and reads
-back each request's accepted length, verified nodes and emitted tokens:
+(start, root, node allowance, draft depth, sampling settings) and block table into one buffer, replays the bucket's
+graph, and reads back each request's accepted length, verified nodes and emitted tokens:
 
     draft    [root, mask x D] for every request at its start, over its own context (the captured block pass)
     trees    the vocabulary top-k of every draft row, then every request's best-first tree (kernels/tree.py
              `batch_prefixes`), cut to its first `nodes` nodes and its allowance (0: an `ar` request)
     verify   the roots and trees as rows start, start + 1, ... in the paged pool, each seeing its own ancestors
              (the transitive closure of its parent edges)
-    walk     the argmax at every row; a node is accepted when every node on its root path matches its parent's
-             pick; the path is one node per depth, and its last node's pick is the bonus token
+    walk     the target's pick at every row (its argmax, or for a sampling request an independent sample of
+             softmax(logits / T) over what its filters keep, kernels/tree.py `vocab_sample` above
+             core/sampling.py `filter_floor`); a node is accepted when every node on its root
+             path matches its parent's pick; the path is one node per depth, and its last node's pick is the
+             bonus token. A sampled path is the target's own sampling: each pick is a fresh draw given the path
+             above it, whatever tree the drafter offered
     commit   the path's K/V rows move down to start.. and their taps extend the drafter's context
 
-Every request in such a round is plainly greedy (no processor, penalty, grammar or logprobs) on a dense target
+Every request in such a round picks on the device (`picks_on_device`: greedy, or an unseeded sample with min-p, a
+top-k up to FILTER_CAP and top-p within it; no processor, penalty, bias, grammar or logprobs) on a dense target
 with a DFlash drafter; the others, and rounds the batch budget would cut below a tree a request, take the host
-path. The trees are not cut across requests here: each request verifies its own first `nodes` nodes.
+path. A round with filtered samples is its own graph, captured the first time one runs. The trees are not cut across
+requests here: each request verifies its own first `nodes` nodes.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ import numpy as np
 import torch
 
 from ddtree.core.rounds import PHASES, Round
+from ddtree.core.sampling import SamplingParams, filter_floor
 from ddtree.fast.batch_rows import Captured, StaticRows
-from ddtree.fast.batch_seq import SeqState, plain_greedy
+from ddtree.fast.batch_seq import SeqState, plain_greedy, plain_sampled
 from ddtree.fast.runner import MAX_BUDGET
 from ddtree.kernels.paged_attention import BLOCK_M, tiles_for
-from ddtree.kernels.tree import batch_prefixes, tree_size, vocab_argmax, vocab_top
+from ddtree.kernels.tree import batch_prefixes, tree_size, vocab_sample, vocab_top
 
 
 class RoundBackend(Protocol):
@@ -71,7 +78,26 @@ class RoundBackend(Protocol):
     def _target_rows(self, *args: Any) -> Any: ...
 
 REQUEST_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-INPUTS = 4  # per request: start, root, node allowance, draft depth (-1: a padding request)
+# per request: start, root, node allowance, draft depth (-1: a padding request), temperature (a float64's bits;
+# 0: greedy), the round's Philox seed (the first request's is read), top-k, top-p and min-p (float64 bits)
+INPUTS = 9
+FILTER_CAP = 64  # the most logits a filtered sample ranks a row: its top-k's bound (top-p needs a top-k)
+
+
+def _settings(params: SamplingParams) -> tuple[float, float, float, float]:
+    """(temperature, top-k, top-p, min-p) as the round reads them; a greedy request's filters off."""
+    if params.greedy:
+        return 0.0, 0.0, 1.0, 0.0
+    return params.temperature, float(max(params.top_k, 0)), params.top_p, params.min_p
+
+
+def picks_on_device(state: SeqState) -> bool:
+    """Whether the round's picking kernel makes this request's picks: greedy, or an unseeded sample whose filters
+    filter_floor takes (min-p, a top-k up to FILTER_CAP, top-p only with such a top-k)."""
+    params = state.request.params
+    if plain_greedy(state):
+        return True
+    return plain_sampled(state) and params.top_k <= FILTER_CAP and (params.top_p >= 1.0 or params.top_k > 0)
 
 
 def request_bucket(requests: int, largest: int) -> int:
@@ -101,7 +127,8 @@ class DeviceRound:
         self.depth = backend.block - 1
         # block-table entries a round may read: a request's rows run past its context's end by up to a tree
         self.width = -(-(backend.max_context + max(MAX_BUDGET, backend.block) + 1) // backend.page) + 1
-        self._rounds: dict[tuple[int, int, int], _Captured] = {}
+        self._rounds: dict[tuple[int, int, int, bool], _Captured] = {}
+        self._seeds = np.random.default_rng()
 
     def step(self, seq_ids: list[int], states: list[SeqState], node_limit: int | None,
              started: float) -> dict[int, Round] | None:
@@ -118,6 +145,7 @@ class DeviceRound:
         result = self.run(np.fromiter((state.start for state in states), np.int64, count),
                           np.fromiter((state.root for state in states), np.int64, count), np.array(allowed),
                           np.fromiter((backend._depth(state) for state in states), np.int64, count),
+                          np.array([_settings(state.request.params) for state in states], dtype=np.float64),
                           [backend.blocks.tables[seq_id] for seq_id in seq_ids], nodes, budget)
         phases = dict.fromkeys(PHASES, 0.0)
         phases["verify"] = time.perf_counter() - started  # the whole round, up to its one wait
@@ -142,13 +170,15 @@ class DeviceRound:
 
     def size(self, states: list[SeqState], node_limit: int | None) -> tuple[int, int] | None:
         """(nodes a tree verifies, the trees' budget) for this round, or None where it takes the host path: a
-        request that is not plainly greedy `ddtree` or `ar`, or no tree that fits the step's rows. The size is the
+        request that is not `ddtree` or `ar` with picks the device makes (`picks_on_device`), or no tree that fits
+        the step's rows. The size is the
         power of two up to the largest budget (or that budget) that maximises expected tokens per second under the
         cost model, each request's expected accepted tokens from its tree of the last round, calibrated."""
         backend = self.backend
         for state in states:
             request = state.request
-            if request.method not in ("ddtree", "ar") or not plain_greedy(state) or request.params.logprobs is not None:
+            if (request.method not in ("ddtree", "ar") or not picks_on_device(state)
+                    or request.params.logprobs is not None):
                 return None
         budgets = [min(state.request.budget, backend.max_tree) for state in states
                    if state.request.method == "ddtree"]
@@ -174,18 +204,24 @@ class DeviceRound:
         return request_bucket(requests, self.backend.max_seqs) * (self._tree_nodes(nodes) + 1)
 
     def run(self, starts: np.ndarray, roots: np.ndarray, allowed: np.ndarray, depths: np.ndarray,
-            tables: list[list[int]], nodes: int, budget: int) -> RoundResult:
-        """One round of these requests (their starts, roots, node allowances, draft depths and block tables), each
-        verifying at most the first `nodes` draft nodes of its best-first tree of budget `budget` (>= nodes: the
-        result holds every node's score, for the next round's choice of size)."""
+            sampling: np.ndarray, tables: list[list[int]], nodes: int, budget: int) -> RoundResult:
+        """One round of these requests (their starts, roots, node allowances, draft depths, sampling settings
+        [count, 4]: temperature (0: greedy), top-k, top-p, min-p; and block tables), each verifying at most the
+        first `nodes` draft nodes of its best-first tree of budget `budget` (>= nodes: the result holds every
+        node's score, for the next round's choice of size)."""
         count = len(starts)
         bucket = request_bucket(count, self.backend.max_seqs)
-        key = (bucket, self._tree_nodes(nodes), budget)
+        filtered = bool(((sampling[:, 1] > 0) | (sampling[:, 2] < 1) | (sampling[:, 3] > 0)).any())
+        key = (bucket, self._tree_nodes(nodes), budget, filtered)
         captured = self._rounds.get(key) or self._capture(*key)
         io = captured.rows
         host = np.zeros((bucket, INPUTS + self.width), dtype=np.int64)
         host[:, 3] = -1
         host[:count, 0], host[:count, 1], host[:count, 2], host[:count, 3] = starts, roots, allowed, depths
+        host[:count, 4] = sampling[:, 0].copy().view(np.int64)
+        host[0, 5] = self._seeds.integers(1 << 62)  # fresh Philox draws every round
+        host[:count, 6] = sampling[:, 1]
+        host[:count, 7], host[:count, 8] = sampling[:, 2].copy().view(np.int64), sampling[:, 3].copy().view(np.int64)
         for r, table in enumerate(tables):
             host[r, INPUTS:INPUTS + len(table)] = table[:self.width]
         io.inputs.copy_(torch.from_numpy(host), non_blocking=True)
@@ -199,10 +235,10 @@ class DeviceRound:
         vocab = self.backend.draft_head.weight.shape[0]
         return tree_size(self.depth, min(nodes, vocab), nodes)
 
-    def _capture(self, bucket: int, nodes: int, budget: int) -> _Captured:
-        io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width)
-        self._rounds[(bucket, nodes, budget)] = captured = _Captured(lambda rows: _round(self.backend, rows), io,
-                                                             self.backend.cuda, self.backend.pool)
+    def _capture(self, bucket: int, nodes: int, budget: int, filtered: bool) -> _Captured:
+        io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width, filtered)
+        captured = _Captured(lambda rows: _round(self.backend, rows), io, self.backend.cuda, self.backend.pool)
+        self._rounds[(bucket, nodes, budget, filtered)] = captured
         return captured
 
     def capture_all(self, budget: int) -> None:
@@ -213,7 +249,7 @@ class DeviceRound:
             for nodes in sorted(n for n in sizes if n <= budget):
                 if bucket > self.backend.max_seqs or self.rows(bucket, nodes) > self.backend.max_rows:
                     continue
-                key = (bucket, self._tree_nodes(nodes), budget)
+                key = (bucket, self._tree_nodes(nodes), budget, False)
                 if key not in self._rounds:
                     captured = self._capture(*key)
                     captured.rows.inputs.zero_()
@@ -228,9 +264,10 @@ class _Captured(Captured):
 class _RoundIO:
     """A round's static buffers: its inputs and result, and the draft and verify forwards' rows."""
 
-    def __init__(self, backend: RoundBackend, bucket: int, nodes: int, tree: int, budget: int, width: int) -> None:
+    def __init__(self, backend: RoundBackend, bucket: int, nodes: int, tree: int, budget: int, width: int,
+                 filtered: bool) -> None:
         device, block = backend.device, backend.block
-        self.bucket, self.nodes, self.budget, self.width = bucket, nodes, budget, width
+        self.bucket, self.nodes, self.budget, self.width, self.filtered = bucket, nodes, budget, width, filtered
         self.inputs = torch.zeros((bucket, INPUTS + width), dtype=torch.long, device=device)
         self.result = torch.zeros((bucket, 2 + 2 * block + tree), dtype=torch.float64, device=device)
         rows = nodes + 1
@@ -263,7 +300,8 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
     """The round itself (module docstring), on static buffers, with no host synchronisation."""
     device, page, scratch = backend.device, backend.page, backend.scratch
     bucket, nodes, block, depth = io.bucket, io.nodes, backend.block, backend.block - 1
-    start, root, allowed, draft_depth = (io.inputs[:, i] for i in range(INPUTS))
+    start, root, allowed, draft_depth = (io.inputs[:, i] for i in range(4))
+    temperature, top_p, min_p = (io.inputs[:, i].contiguous().view(torch.float64).float() for i in (4, 7, 8))
     tables = io.inputs[:, INPUTS:]
     live = draft_depth >= 0
     drafting = live & (allowed > 0)  # an `ar` request's block rows write nothing: it has no rows reserved for them
@@ -301,7 +339,14 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
     visible = _ancestors(parents, depth)
     io.verify.visible.copy_(visible.flatten().to(torch.int8))
     logits, taps = backend._target_rows(io.verify.ids, io.verify.positions, io.verify.slots, io.verify.mask(page))
-    picks = vocab_argmax(logits).view(bucket, nodes + 1)
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return values[:, None].expand(bucket, nodes + 1).reshape(-1)
+
+    floor = None
+    if io.filtered:  # greedy rows' floors (temperature 1 here) go unread
+        floor = filter_floor(logits, per_row(torch.where(temperature > 0, temperature, 1.0)), per_row(io.inputs[:, 6]),
+                             per_row(top_p), per_row(min_p), FILTER_CAP)
+    picks = vocab_sample(logits, per_row(temperature), io.inputs[:1, 5], floor).view(bucket, nodes + 1)
 
     # walk: accepted nodes form one root path, one node per depth
     matches = (ids == picks.gather(1, parents)) & exists

@@ -35,6 +35,14 @@ def plain_greedy(state: SeqState) -> bool:
     return params.greedy and not params.penalized and not params.logit_bias and state.request.constraint is None
 
 
+def plain_sampled(state: SeqState) -> bool:
+    """Whether the sequence samples with its temperature and filters alone: no processor, penalty, bias or grammar,
+    and no seed (a seeded request draws from its own generator, so that its output repeats)."""
+    params, request = state.request.params, state.request
+    return (not params.greedy and params.seed is None and not params.penalized and not params.logit_bias
+            and request.constraint is None)
+
+
 def round_picks(states: list[SeqState], trees: RoundTrees, logits: torch.Tensor,
                 offsets: list[int]) -> tuple[np.ndarray, dict[int, torch.Tensor]]:
     """Every row's pick: the argmax of every row in one launch and one copy where some sequence picks plainly

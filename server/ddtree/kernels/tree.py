@@ -125,6 +125,44 @@ def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def vocab_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+                 floor: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] -> [N] int64: row r's vocab_argmax where temperature[r] (float32 [N]) is 0, else a sample of
+    softmax(logits[r] / temperature[r]) by Gumbel-max (the logits divided in float32, as process_logits does),
+    over the tokens whose logit is at least floor[r] where `floor` (float32 [N]) is given: the filters' survivors
+    (core/sampling.py `filter_floor`).
+    On CUDA the uniforms come from Philox at (the int64 at `seed` [1]; r * V + column) inside the argmax kernels:
+    greedy rows cost what vocab_argmax costs, and a graph replays with whatever seed its buffer holds, so a new
+    seed each round gives independent draws. A uniform of exactly 0 gives its token -inf (never picked), the
+    safe side. Elsewhere torch.rand draws them."""
+    if triton_works(logits.device) and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] < 2 ** 31:
+        best = attempt(("vocabulary sample", *logits.shape, logits.dtype, floor is not None, logits.device),
+                       _vocab_sample_on_gpu,
+                       logits, temperature, seed, floor,
+                       min(program_block(logits.shape[1], logits.device, ARGMAX_CHUNK), 1 << 16))
+        if best is not None:
+            return best
+    wide = logits.float()
+    gumbel = -torch.log(-torch.log(torch.rand(wide.shape, device=wide.device)))
+    scaled = wide / temperature[:, None].clamp(min=1e-30)
+    if floor is not None:
+        gumbel = torch.where(wide >= floor[:, None], gumbel, float("-inf"))
+    return torch.where(temperature[:, None] > 0, scaled + gumbel, wide).argmax(dim=-1)
+
+
+def _vocab_sample_on_gpu(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+                         floor: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    candidates = torch.empty((rows, chunks), dtype=torch.int64, device=logits.device)
+    best = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _chunk_sample_kernel[(rows, chunks)](logits, logits.stride(0), vocab, temperature, seed,
+                                         temperature if floor is None else floor, candidates, chunks, CHUNK=chunk,
+                                         FLOOR=floor is not None, num_warps=4)
+    _merge_argmax_kernel[(rows,)](candidates, best, chunks, CHUNKS=_pow2(chunks, least=2), PDL=False, num_warps=1)
+    return best
+
+
 ARGMAX_CHUNK = 4096  # logits per chunk program on a GPU (`jit.program_block`); 16-bit keys hold at most 2**16
 
 
@@ -312,6 +350,28 @@ if triton is not None:
             key = tl.where(nan, (tl.full(key.shape, 0x7FFFFFFF, tl.int64) << 32) | (2147483647 - col), key)
             best = tl.max(tl.where(col < vocab, key, -9223372036854775807), axis=0)
         tl.store(Candidates + row * chunks + chunk, best)
+
+    @triton.jit
+    def _chunk_sample_kernel(Logits, stride, vocab, Temperature, Seed, Floor, Candidates, chunks, CHUNK: tl.constexpr,
+                             FLOOR: tl.constexpr):
+        """_chunk_argmax_kernel's float32 keys over logit / T + Gumbel noise where the row samples (T > 0; with
+        FLOOR, -inf where the logit is below the row's floor), over the logits themselves where it does not (the
+        same order as their 16-bit keys, so the same pick)."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        local = tl.arange(0, CHUNK)
+        col = chunk * CHUNK + local
+        wide = tl.load(Logits + row.to(tl.int64) * stride + col, mask=col < vocab, other=float("-inf")).to(tl.float32)
+        temperature = tl.load(Temperature + row)
+        if temperature > 0:
+            uniform = tl.rand(tl.load(Seed), row.to(tl.int64) * vocab + col)
+            sample = wide / temperature - tl.log(-tl.log(uniform))
+            if FLOOR:
+                sample = tl.where(wide >= tl.load(Floor + row), sample, float("-inf"))
+            wide = sample
+        nan = wide != wide
+        key = _key(tl.where(wide == 0.0, 0.0, wide), 2147483647 - col)  # -0.0 ties +0.0
+        key = tl.where(nan, (tl.full(key.shape, 0x7FFFFFFF, tl.int64) << 32) | (2147483647 - col), key)
+        tl.store(Candidates + row * chunks + chunk, tl.max(tl.where(col < vocab, key, -9223372036854775807), axis=0))
 
     @triton.jit
     def _merge_argmax_kernel(Candidates, Best, chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr):
