@@ -147,6 +147,33 @@ def test_the_device_round_verifies_smaller_trees_when_verified_rows_cost_time(en
     assert max(flat_nodes) == 4 * 16 and max(steep_nodes[1:]) < 4 * 16
 
 
+def test_the_device_round_weighs_tree_sizes_by_the_rounds_measured_times(engines):
+    """capture_all times every bucket's round (every bucket a batch of up to max_num_seqs requests pads to) at
+    every tree size; the size choice weighs those times: where they say each node costs as much as the round,
+    rounds verify small trees; where every size costs the same, each request's whole tree. Same tokens."""
+    engine = engines["qwen3"]
+    requests = [([i, i + 1, i + 2], GREEDY, "ddtree", 16) for i in range(1, 5)]
+
+    def nodes_under(seconds) -> tuple[list, list[int]]:
+        batch = paged(engine)
+        device_round = batch.backends[0].device_round
+        with torch.inference_mode():
+            device_round.capture_all(16, repeats=1)
+        assert set(device_round.seconds) == {(b, n, 16) for b in (1, 2, 4, 6) for n in (1, 2, 4, 8, 16)}
+        device_round.seconds = {key: seconds(key[1]) for key in device_round.seconds}
+        backend = batch.backends[0]
+        assert device_round.predicted(3, [4, 8], 16).tolist() == [seconds(4) + backend.cost.overhead,
+                                                                 seconds(8) + backend.cost.overhead]
+        rows = np.array([device_round.rows(3, 4)])  # a budget no round was measured at: the cost model's time
+        assert device_round.predicted(3, [4], 32).tolist() == backend.cost.seconds_at(rows, 3).tolist()
+        return draft_nodes_while_all_run(batch, requests)
+
+    steep, steep_nodes = nodes_under(lambda nodes: 1.0 + nodes)
+    flat, flat_nodes = nodes_under(lambda nodes: 1.0)
+    assert all(s.generation.token_ids == f.generation.token_ids for s, f in zip(steep, flat, strict=True))
+    assert max(flat_nodes) == 4 * 16 and max(steep_nodes[1:]) <= 4 * 4
+
+
 def test_a_round_near_the_context_end_drafts_only_what_fits(engines):
     """Requests decoding up to the last position of the target's context (1,024 here): their trees stop at its
     end, and their output is the target's own to the last token."""

@@ -12,7 +12,7 @@ Models: a target/draft pair from disk (default: the embedded demo pair, real τ)
 random-weight target and DFlash draft of a published shape, built on the GPU in bf16 (per-round costs; τ
 is meaningless there): `qwen3-8b` (Qwen3-8B + Qwen3-8B-DFlash-b16) or `qwen3.6-27b` (the Qwen3.6-27B text
 stack, 48 Gated DeltaNet + 16 gated attention layers, + its DFlash draft); `tiny` and `tiny-hybrid` are
-their smoke-test miniatures. Where the fast path declines a target (see ddtree.fast.unsupported), the bench
+their smoke-test miniatures. Where the fast path declines a target (see ddtree.fast.support), the bench
 runs the eager path only, says so on stderr and reports `fast_path: "declined: <reason>"`.
 """
 

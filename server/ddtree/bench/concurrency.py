@@ -122,7 +122,7 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
                 seqs.append(seq)
             batch.step()
             steps.append((batch.last.seconds, batch.last.verified_tokens, batch.last.sequences,
-                          batch.last.phase_seconds))
+                          getattr(batch.backends[0], "last_predicted", None), batch.last.phase_seconds))
         return seqs, time.perf_counter() - started, steps
 
     wave(prompts[:min(len(prompts), concurrency)])
@@ -132,10 +132,10 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
     committed = sum(s.generation.stats.committed_tokens for s in seqs)
     decode = [s for s in steps if s[2]]
     rows, requests = (sum(s[i] for s in decode) / max(len(decode), 1) for i in (1, 2))
-    backend = batch.backends[0]
-    # the batch budget's model of a step (verify + per request + the overhead it measured while serving)
-    predicted = (1e3 * backend.cost.seconds(round(rows), round(requests))
-                 if getattr(backend, "choice", None) is not None and decode else None)
+    # the batch budget's model of each step (a device round's measured time, else verify + per request; plus
+    # the overhead it measures while serving), on average
+    predictions = [s[3] for s in decode if s[3] is not None]
+    predicted = 1e3 * sum(predictions) / len(predictions) if predictions else None
     return dict(tokens_per_second=generated / seconds, tau=committed / max(rounds, 1),
                 step_ms=1e3 * sum(s[0] for s in decode) / max(len(decode), 1), predicted_step_ms=predicted,
                 rows_per_step=rows, requests_per_step=requests, phase_ms=phase_ms(decode),

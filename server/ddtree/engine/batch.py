@@ -302,7 +302,7 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
     from ddtree.engine.solo import SoloBackend
     from ddtree.fast.batch import PagedBackend
     from ddtree.fast.batch_memory import pool_tokens
-    from ddtree.fast.runner import unsupported
+    from ddtree.fast.support import unsupported
 
     reference = SerialBackend(engine.reference)
     one_at_a_time = None

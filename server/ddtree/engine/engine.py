@@ -27,7 +27,8 @@ from ddtree.engine.reference import ReferenceBackend
 from ddtree.engine.text import TextCodec
 from ddtree.errors import DDTreeError
 from ddtree.fast.hybrid import HybridFastPath
-from ddtree.fast.runner import MAX_BUDGET, FastPath, unsupported
+from ddtree.fast.runner import MAX_BUDGET, FastPath
+from ddtree.fast.support import unsupported
 from ddtree.models.draft import DFlashDraft, load_draft
 from ddtree.models.draft_vocab import DraftHead, check_draft_vocab, read_draft_vocab
 from ddtree.models.quantize import check_device, check_format, quantize_module

@@ -89,8 +89,7 @@ class PagedBackend:
         replay as CUDA graphs (a dense target with a DFlash drafter, the paged kernels, a GPU)."""
         cfg = target.config
         self.target, self.draft, self.draft_head, self.blocks, self.cost = target, draft, draft_head, blocks, cost
-        self.model = target.model.model
-        self.device, self.dtype = target.device, target.dtype
+        self.model, self.device, self.dtype = target.model.model, target.device, target.dtype
         self.eps = cfg.rms_norm_eps
         self.ops = Ops(compile=self.device.type == "cuda")
         head_dims = _head_dims(target, draft)
@@ -134,13 +133,13 @@ class PagedBackend:
         self.vocab = target.lm_head.weight.shape[0]
         self.states: dict[int, SeqState] = {}
         self.last_nodes = 0  # draft nodes the last round verified in all (the batch budget's choice)
+        self.last_predicted: float | None = None  # seconds the cost model gave the last round (with choice on)
         self.calibration = Calibration()  # what the target accepts of the drafter's forecasts, for the budget
         # Whether a round drafts, from measured step periods (on where the cost model is measured: batch_engine)
         self.choice: RoundChoice | None = None
         self._previous: tuple[float, int, bool, int, float] | None = None  # start, requests, drafted, committed, verify
         self._prefilled = False  # this step ran prompt chunks before its round (its period is not a round's)
-        # Forwards over static buffers where the kernels run (replayed as CUDA graphs on a GPU); elsewhere each
-        # forward builds its own layout and attention goes through SDPA.
+        # Forwards over static buffers where the kernels run (CUDA graphs on a GPU); elsewhere SDPA, eagerly.
         self.cuda = self.device.type == "cuda"
         self.static = (all(kernel_works(self.device, d) for d in head_dims)
                        and (self.hybrid is None or self.hybrid.varlen))
@@ -317,8 +316,9 @@ class PagedBackend:
         phases["commit"], _ = self._lap(t, wait=False)
         self.last_nodes = int(trees.sizes.sum())
         if self.choice is not None:
-            verify = self.cost.seconds(len(ids), len(states)) - self.cost.overhead
-            self._previous = (started, len(states), bool(drafting), len(accepted_rows), verify)
+            self.last_predicted = self.cost.seconds(len(ids), len(states))
+            self._previous = (started, len(states), bool(drafting), len(accepted_rows),
+                              self.last_predicted - self.cost.overhead)
         return out
 
     def _verify_rows(self, seq_ids: list[int], states: list[SeqState], trees: RoundTrees,

@@ -71,6 +71,7 @@ class RoundBackend(Protocol):
     calibration: Any
     choice: Any
     last_nodes: int
+    last_predicted: float | None
     _previous: Any
 
     def _depth(self, state: SeqState) -> int: ...
@@ -129,6 +130,9 @@ class DeviceRound:
         self.width = -(-(backend.max_context + max(MAX_BUDGET, backend.block) + 1) // backend.page) + 1
         self._rounds: dict[tuple[int, int, int, bool], _Captured] = {}
         self._seeds = np.random.default_rng()
+        # (bucket, tree nodes, budget) -> a round's own time, measured at start-up (`capture_all`): draft, trees,
+        # verify, walk and commit, which the verify-only cost model would leave out
+        self.seconds: dict[tuple[int, int, int], float] = {}
 
     def step(self, seq_ids: list[int], states: list[SeqState], node_limit: int | None,
              started: float) -> dict[int, Round] | None:
@@ -164,16 +168,28 @@ class DeviceRound:
         backend.calibration.observe(result.scores[verified], accepted[verified])
         backend.last_nodes = int(result.nodes.sum())
         if backend.choice is not None:
-            verify = backend.cost.seconds(self.rows(count, nodes), count) - backend.cost.overhead
-            backend._previous = (started, count, True, int(result.lengths.sum()), verify)
+            backend.last_predicted = float(self.predicted(count, [nodes], budget)[0])
+            backend._previous = (started, count, True, int(result.lengths.sum()),
+                                 backend.last_predicted - backend.cost.overhead)
         return out
+
+    def predicted(self, requests: int, sizes: list[int], budget: int) -> np.ndarray:
+        """Seconds a round of `requests` requests takes at each tree size: its measured time (`capture_all`) plus
+        the host's share the batch measures while serving (the cost model's overhead), or the cost model's where
+        a size was not measured."""
+        backend = self.backend
+        bucket = request_bucket(requests, backend.max_seqs)
+        measured = [self.seconds.get((bucket, self._tree_nodes(n), budget)) for n in sizes]
+        if None not in measured:
+            return np.array(measured) + backend.cost.overhead
+        return backend.cost.seconds_at(np.array([self.rows(requests, n) for n in sizes]), requests)
 
     def size(self, states: list[SeqState], node_limit: int | None) -> tuple[int, int] | None:
         """(nodes a tree verifies, the trees' budget) for this round, or None where it takes the host path: a
         request that is not `ddtree` or `ar` with picks the device makes (`picks_on_device`), or no tree that fits
-        the step's rows. The size is the
-        power of two up to the largest budget (or that budget) that maximises expected tokens per second under the
-        cost model, each request's expected accepted tokens from its tree of the last round, calibrated."""
+        the step's rows. The size is the power of two up to the largest budget (or that budget) that maximises
+        expected tokens per second (`predicted`), each request's expected accepted tokens from its tree of the last
+        round, calibrated."""
         backend = self.backend
         for state in states:
             request = state.request
@@ -195,8 +211,7 @@ class DeviceRound:
         width = min(len(scores) for scores in known)
         gains = np.cumsum(backend.calibration(np.stack([scores[:width] for scores in known])), axis=1).mean(axis=0)
         expected = len(states) + len(budgets) * gains[np.minimum(sizes, width) - 1]  # each tree's first n nodes
-        rows = np.array([self.rows(len(states), n) for n in sizes])
-        rates = expected / backend.cost.seconds_at(rows, len(states))
+        rates = expected / self.predicted(len(states), sizes, budget)
         return sizes[int(np.argmax(rates))], budget
 
     def rows(self, requests: int, nodes: int) -> int:
@@ -241,13 +256,15 @@ class DeviceRound:
         self._rounds[(bucket, nodes, budget, filtered)] = captured
         return captured
 
-    def capture_all(self, budget: int) -> None:
-        """Capture every bucket's round at every size the batch may choose under `budget` (before any sequence runs:
-        dummy requests write only the scratch slot)."""
+    def capture_all(self, budget: int, repeats: int = 3) -> None:
+        """Capture every bucket's round at every size the batch may choose under `budget`, and time each (the least
+        of `repeats` replays) for `predicted`: before any sequence runs, so dummy requests write only the scratch
+        slot (their attention reads no context: a round's own cost, less its requests' context lengths)."""
         sizes = {budget, *(1 << i for i in range(budget.bit_length()))}
-        for bucket in REQUEST_BUCKETS:
+        largest = self.backend.max_seqs
+        for bucket in sorted({request_bucket(n, largest) for n in range(1, largest + 1)}):
             for nodes in sorted(n for n in sizes if n <= budget):
-                if bucket > self.backend.max_seqs or self.rows(bucket, nodes) > self.backend.max_rows:
+                if self.rows(bucket, nodes) > self.backend.max_rows:
                     continue
                 key = (bucket, self._tree_nodes(nodes), budget, False)
                 if key not in self._rounds:
@@ -255,6 +272,17 @@ class DeviceRound:
                     captured.rows.inputs.zero_()
                     captured.rows.inputs[:, 3] = -1
                     captured()
+                    self.seconds[key[:3]] = min(self._timed(captured) for _ in range(repeats))
+
+    def _timed(self, captured: _Captured) -> float:
+        """Seconds of one replay, from an idle device to its end."""
+        if self.backend.cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        captured()
+        if self.backend.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
 
 
 class _Captured(Captured):
