@@ -149,8 +149,9 @@ def test_the_device_round_verifies_smaller_trees_when_verified_rows_cost_time(en
 
 def test_the_device_round_weighs_tree_sizes_by_the_rounds_measured_times(engines):
     """capture_all times every bucket's round (every bucket a batch of up to max_num_seqs requests pads to) at
-    every tree size; the size choice weighs those times: where they say each node costs as much as the round,
-    rounds verify small trees; where every size costs the same, each request's whole tree. Same tokens."""
+    every tree size, where the batch budget is on; the size choice weighs those times: where they say each node
+    costs as much as the round, rounds verify small trees; where every size costs the same, each request's whole
+    tree. Same tokens."""
     engine = engines["qwen3"]
     requests = [([i, i + 1, i + 2], GREEDY, "ddtree", 16) for i in range(1, 5)]
 
@@ -168,6 +169,10 @@ def test_the_device_round_weighs_tree_sizes_by_the_rounds_measured_times(engines
         assert device_round.predicted(3, [4], 32).tolist() == backend.cost.seconds_at(rows, 3).tolist()
         return draft_nodes_while_all_run(batch, requests)
 
+    untimed = paged(engine).backends[0].device_round  # without the batch budget: captured, not timed
+    with torch.inference_mode():
+        untimed.capture_all(16, repeats=0)
+    assert untimed._rounds and not untimed.seconds
     steep, steep_nodes = nodes_under(lambda nodes: 1.0 + nodes)
     flat, flat_nodes = nodes_under(lambda nodes: 1.0)
     assert all(s.generation.token_ids == f.generation.token_ids for s, f in zip(steep, flat, strict=True))

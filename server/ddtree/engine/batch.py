@@ -328,7 +328,8 @@ def batch_engine(engine, options: BatchOptions) -> BatchEngine:
             paged.capture_all()
             if paged.device_round is not None and engine.method == "ddtree" and engine.budget >= 1:
                 # every tree size its batches may choose, before the first request
-                paged.device_round.capture_all(min(engine.budget, paged.max_tree))
+                paged.device_round.capture_all(min(engine.budget, paged.max_tree),
+                                               repeats=3 if options.batch_budget else 0)
             if options.batch_budget and engine.draft is not None:
                 paged.cost = paged.measure_cost()
                 paged.choice = RoundChoice()  # rounds draft only while drafting pays, as measured while serving

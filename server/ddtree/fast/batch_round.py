@@ -258,8 +258,9 @@ class DeviceRound:
 
     def capture_all(self, budget: int, repeats: int = 3) -> None:
         """Capture every bucket's round at every size the batch may choose under `budget`, and time each (the least
-        of `repeats` replays) for `predicted`: before any sequence runs, so dummy requests write only the scratch
-        slot (their attention reads no context: a round's own cost, less its requests' context lengths)."""
+        of `repeats` replays; none with 0: without the batch budget every request verifies its own budget) for
+        `predicted`: before any sequence runs, so dummy requests write only the scratch slot (their attention
+        reads no context: a round's own cost, less its requests' context lengths)."""
         sizes = {budget, *(1 << i for i in range(budget.bit_length()))}
         largest = self.backend.max_seqs
         for bucket in sorted({request_bucket(n, largest) for n in range(1, largest + 1)}):
@@ -272,7 +273,8 @@ class DeviceRound:
                     captured.rows.inputs.zero_()
                     captured.rows.inputs[:, 3] = -1
                     captured()
-                    self.seconds[key[:3]] = min(self._timed(captured) for _ in range(repeats))
+                    if repeats:
+                        self.seconds[key[:3]] = min(self._timed(captured) for _ in range(repeats))
 
     def _timed(self, captured: _Captured) -> float:
         """Seconds of one replay, from an idle device to its end."""
