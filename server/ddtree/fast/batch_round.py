@@ -23,15 +23,16 @@ graph, and reads back each request's accepted length, verified nodes and emitted
 Every request in such a round picks on the device (`picks_on_device`: greedy, or an unseeded sample with min-p, a
 top-k up to FILTER_CAP and top-p within it; no processor, penalty, bias, grammar or logprobs) on a dense target
 with a DFlash drafter; the others, and rounds the batch budget would cut below a tree a request, take the host
-path. A round with filtered samples is its own graph, captured the first time one runs. The trees are not cut across
-requests here: each request verifies its own first `nodes` nodes.
+path. A round's picks take one of three graphs: greedy (the argmax alone; captured at start-up), sampled, or
+sampled with filters (each captured the first time such a round runs). The trees are not cut across requests here:
+each request verifies its own first `nodes` nodes.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from ddtree.fast.batch_rows import Captured, StaticRows
 from ddtree.fast.batch_seq import SeqState, plain_greedy, plain_sampled
 from ddtree.fast.runner import MAX_BUDGET
 from ddtree.kernels.paged_attention import BLOCK_M, tiles_for
-from ddtree.kernels.tree import batch_prefixes, tree_size, vocab_sample, vocab_top
+from ddtree.kernels.tree import batch_prefixes, tree_size, vocab_argmax, vocab_sample, vocab_top
 
 
 class RoundBackend(Protocol):
@@ -83,6 +84,7 @@ REQUEST_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # 0: greedy), the round's Philox seed (the first request's is read), top-k, top-p and min-p (float64 bits)
 INPUTS = 9
 FILTER_CAP = 64  # the most logits a filtered sample ranks a row: its top-k's bound (top-p needs a top-k)
+Picks = Literal["greedy", "sampled", "filtered"]  # a round's picks: all greedy, some sampling, some with filters
 
 
 def _settings(params: SamplingParams) -> tuple[float, float, float, float]:
@@ -128,7 +130,7 @@ class DeviceRound:
         self.depth = backend.block - 1
         # block-table entries a round may read: a request's rows run past its context's end by up to a tree
         self.width = -(-(backend.max_context + max(MAX_BUDGET, backend.block) + 1) // backend.page) + 1
-        self._rounds: dict[tuple[int, int, int, bool], _Captured] = {}
+        self._rounds: dict[tuple[int, int, int, Picks], _Captured] = {}
         self._seeds = np.random.default_rng()
         # (bucket, tree nodes, budget) -> a round's own time, measured at start-up (`capture_all`): draft, trees,
         # verify, walk and commit, which the verify-only cost model would leave out
@@ -227,7 +229,8 @@ class DeviceRound:
         count = len(starts)
         bucket = request_bucket(count, self.backend.max_seqs)
         filtered = bool(((sampling[:, 1] > 0) | (sampling[:, 2] < 1) | (sampling[:, 3] > 0)).any())
-        key = (bucket, self._tree_nodes(nodes), budget, filtered)
+        picks: Picks = "filtered" if filtered else "sampled" if (sampling[:, 0] > 0).any() else "greedy"
+        key = (bucket, self._tree_nodes(nodes), budget, picks)
         captured = self._rounds.get(key) or self._capture(*key)
         io = captured.rows
         host = np.zeros((bucket, INPUTS + self.width), dtype=np.int64)
@@ -250,10 +253,10 @@ class DeviceRound:
         vocab = self.backend.draft_head.weight.shape[0]
         return tree_size(self.depth, min(nodes, vocab), nodes)
 
-    def _capture(self, bucket: int, nodes: int, budget: int, filtered: bool) -> _Captured:
-        io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width, filtered)
+    def _capture(self, bucket: int, nodes: int, budget: int, picks: Picks) -> _Captured:
+        io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width, picks)
         captured = _Captured(lambda rows: _round(self.backend, rows), io, self.backend.cuda, self.backend.pool)
-        self._rounds[(bucket, nodes, budget, filtered)] = captured
+        self._rounds[(bucket, nodes, budget, picks)] = captured
         return captured
 
     def capture_all(self, budget: int, repeats: int = 3) -> None:
@@ -267,7 +270,7 @@ class DeviceRound:
             for nodes in sorted(n for n in sizes if n <= budget):
                 if self.rows(bucket, nodes) > self.backend.max_rows:
                     continue
-                key = (bucket, self._tree_nodes(nodes), budget, False)
+                key = (bucket, self._tree_nodes(nodes), budget, "greedy")
                 if key not in self._rounds:
                     captured = self._capture(*key)
                     captured.rows.inputs.zero_()
@@ -295,9 +298,9 @@ class _RoundIO:
     """A round's static buffers: its inputs and result, and the draft and verify forwards' rows."""
 
     def __init__(self, backend: RoundBackend, bucket: int, nodes: int, tree: int, budget: int, width: int,
-                 filtered: bool) -> None:
+                 picks: Picks) -> None:
         device, block = backend.device, backend.block
-        self.bucket, self.nodes, self.budget, self.width, self.filtered = bucket, nodes, budget, width, filtered
+        self.bucket, self.nodes, self.budget, self.width, self.picks = bucket, nodes, budget, width, picks
         self.inputs = torch.zeros((bucket, INPUTS + width), dtype=torch.long, device=device)
         self.result = torch.zeros((bucket, 2 + 2 * block + tree), dtype=torch.float64, device=device)
         rows = nodes + 1
@@ -372,11 +375,14 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
     def per_row(values: torch.Tensor) -> torch.Tensor:
         return values[:, None].expand(bucket, nodes + 1).reshape(-1)
 
-    floor = None
-    if io.filtered:  # greedy rows' floors (temperature 1 here) go unread
-        floor = filter_floor(logits, per_row(torch.where(temperature > 0, temperature, 1.0)), per_row(io.inputs[:, 6]),
-                             per_row(top_p), per_row(min_p), FILTER_CAP)
-    picks = vocab_sample(logits, per_row(temperature), io.inputs[:1, 5], floor).view(bucket, nodes + 1)
+    if io.picks == "greedy":
+        picks = vocab_argmax(logits).view(bucket, nodes + 1)
+    else:
+        floor = None
+        if io.picks == "filtered":  # greedy rows' floors (temperature 1 here) go unread
+            floor = filter_floor(logits, per_row(torch.where(temperature > 0, temperature, 1.0)),
+                                 per_row(io.inputs[:, 6]), per_row(top_p), per_row(min_p), FILTER_CAP)
+        picks = vocab_sample(logits, per_row(temperature), io.inputs[:1, 5], floor).view(bucket, nodes + 1)
 
     # walk: accepted nodes form one root path, one node per depth
     matches = (ids == picks.gather(1, parents)) & exists
