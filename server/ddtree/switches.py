@@ -5,7 +5,7 @@
     DDTREE_WGMMA=0     a tree's projections through cuBLASLt instead of our Hopper GEMM (ddtree/kernels/wgmma.py)
     DDTREE_COMPILE=0   the fast path's elementwise steps run eagerly instead of as torch.compile's kernels: for a
                        machine where torch.compile cannot build
-    DDTREE_DEVICE_ROUND=0  a batch's greedy rounds take the host path (trees, walk and commit in Python) instead of
+    DDTREE_DEVICE_ROUND=0  a batch's rounds take the host path (trees, walk and commit in Python) instead of
                        running whole on the device (fast/batch_round.py): for A/B runs
 
 Every other choice of kernel is made by what the device and the shapes support. Tests and A/B scripts change a

@@ -43,7 +43,7 @@ from ddtree.fast.batch_rows import Captured, StaticRows
 from ddtree.fast.batch_seq import SeqState, plain_greedy, plain_sampled
 from ddtree.fast.runner import MAX_BUDGET
 from ddtree.kernels.paged_attention import BLOCK_M, tiles_for
-from ddtree.kernels.tree import batch_prefixes, tree_size, vocab_argmax, vocab_sample, vocab_top
+from ddtree.kernels.tree import ancestors, batch_prefixes, tree_size, vocab_argmax, vocab_sample, vocab_top
 
 
 class RoundBackend(Protocol):
@@ -369,7 +369,7 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
     io.verify.ids.copy_(ids.flatten())
     io.verify.positions.copy_((start[:, None] + depths).clamp(max=backend.max_context - 1).flatten())
     io.verify.slots.copy_(torch.where(exists, _slots(tables, start[:, None] + node, page), scratch).flatten())
-    visible = _ancestors(parents, depth)
+    visible = ancestors(parents, depth)
     io.verify.visible.copy_(visible.flatten().to(torch.int8))
     logits, taps = backend._target_rows(io.verify.ids, io.verify.positions, io.verify.slots, io.verify.mask(page))
     def per_row(values: torch.Tensor) -> torch.Tensor:
@@ -410,13 +410,3 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
     io.result[:, :2 + 2 * block].copy_(torch.cat([length[:, None], (exists.sum(dim=1) - 1)[:, None], emitted, path],
                                                  dim=1))
     io.result[:, 2 + 2 * block:].copy_(tree.masked_fill(~live[:, None], float("-inf")))
-
-
-def _ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """bool [S, n, n]: row i of tree s holds i and its ancestors (the parent edges' closure, by squaring)."""
-    bucket, n = parents.shape
-    reach = torch.eye(n, device=parents.device).expand(bucket, n, n).clone()
-    reach.scatter_(2, parents[:, :, None], 1.0)
-    for _ in range(max(max_depth, 1).bit_length()):
-        reach = torch.bmm(reach, reach).clamp_(max=1.0)
-    return reach > 0

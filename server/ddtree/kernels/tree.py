@@ -346,10 +346,17 @@ if triton is not None:
             best_col = chunk * CHUNK + 65535 - (best16 & 0xFFFF)
             best = ((best16 >> 16).to(tl.int64) << 32) | (2147483647 - best_col).to(tl.int64)
         else:
-            key = _key(tl.where(wide == 0.0, 0.0, wide), 2147483647 - col)  # -0.0 ties +0.0
-            key = tl.where(nan, (tl.full(key.shape, 0x7FFFFFFF, tl.int64) << 32) | (2147483647 - col), key)
-            best = tl.max(tl.where(col < vocab, key, -9223372036854775807), axis=0)
+            best = _best_wide_key(wide, col, vocab)
         tl.store(Candidates + row * chunks + chunk, best)
+
+    @triton.jit
+    def _best_wide_key(wide, col, vocab):
+        """The int64 key of a chunk's best float32 value: its order-preserving image in the high bits, the
+        complement of its column in the low ones (the lowest column wins ties, -0.0 and +0.0 among them); a NaN's
+        image is the largest there is, above +inf's."""
+        key = _key(tl.where(wide == 0.0, 0.0, wide), 2147483647 - col)  # -0.0 ties +0.0
+        key = tl.where(wide != wide, (tl.full(key.shape, 0x7FFFFFFF, tl.int64) << 32) | (2147483647 - col), key)
+        return tl.max(tl.where(col < vocab, key, -9223372036854775807), axis=0)
 
     @triton.jit
     def _chunk_sample_kernel(Logits, stride, vocab, Temperature, Seed, Floor, Candidates, chunks, CHUNK: tl.constexpr,
@@ -368,10 +375,7 @@ if triton is not None:
             if FLOOR:
                 sample = tl.where(wide >= tl.load(Floor + row), sample, float("-inf"))
             wide = sample
-        nan = wide != wide
-        key = _key(tl.where(wide == 0.0, 0.0, wide), 2147483647 - col)  # -0.0 ties +0.0
-        key = tl.where(nan, (tl.full(key.shape, 0x7FFFFFFF, tl.int64) << 32) | (2147483647 - col), key)
-        tl.store(Candidates + row * chunks + chunk, tl.max(tl.where(col < vocab, key, -9223372036854775807), axis=0))
+        tl.store(Candidates + row * chunks + chunk, _best_wide_key(wide, col, vocab))
 
     @triton.jit
     def _merge_argmax_kernel(Candidates, Best, chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr):
@@ -495,10 +499,12 @@ def chain(draft_logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> 
 
 
 def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """bool [N, N]: row i holds i and its ancestors (transitive closure of the parent edge by squaring)."""
-    n = parents.numel()
-    reach = torch.eye(n, device=parents.device)
-    reach.scatter_(1, parents[:, None], torch.ones(n, 1, device=parents.device))  # no host scalar: capturable
+    """bool [..., N, N]: row i holds i and its ancestors (transitive closure of the parent edge by squaring), for
+    parents [N] or a batch of trees' [..., N]."""
+    n = parents.shape[-1]
+    reach = torch.eye(n, device=parents.device).expand(*parents.shape, n).clone()
+    ones = torch.ones((*parents.shape, 1), device=parents.device)  # no host scalar: capturable
+    reach.scatter_(-1, parents[..., None], ones)
     for _ in range(max(max_depth, 1).bit_length()):
         reach = (reach @ reach).clamp(max=1.0)
     return reach > 0
