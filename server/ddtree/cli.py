@@ -460,6 +460,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tau-curve", metavar="JSON", default=None,
                    help="with --concurrency on a --shape: a --json report of a real pair, whose tau by budget "
                         "projects the shape's tok/s (labelled a projection)")
+    p.add_argument("--profile", nargs="?", type=int, const=4, default=None, metavar="STEPS",
+                   help="also profile STEPS decode steps (default 4) of each run (with --concurrency, each method at "
+                        "each level; else the fast path's runs): time a step by kind of layer against its bytes")
     p.add_argument("--json", help="also write the full results here")
     p.set_defaults(handler=_bench)
 

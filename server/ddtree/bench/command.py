@@ -14,6 +14,10 @@ is meaningless there): `qwen3-8b` (Qwen3-8B + Qwen3-8B-DFlash-b16) or `qwen3.6-2
 stack, 48 Gated DeltaNet + 16 gated attention layers, + its DFlash draft); `tiny` and `tiny-hybrid` are
 their smoke-test miniatures. Where the fast path declines a target (see ddtree.fast.support), the bench
 runs the eager path only, says so on stderr and reports `fast_path: "declined: <reason>"`.
+
+With --profile, each fast-path run also decodes a few rounds of one request under torch.profiler
+(bench/profile.py): time a round by kind of layer against the bytes it reads, as a table and as `profile` in
+the run's JSON.
 """
 
 
@@ -28,6 +32,7 @@ from dataclasses import replace
 
 import torch
 
+from ddtree.bench import profile
 from ddtree.bench.shapes import SHAPES, build_pair, build_shape
 from ddtree.bench.timing import draft_bytes, floors, measured_ceilings, weight_bytes
 from ddtree.core.sampling import SamplingParams
@@ -99,6 +104,8 @@ def bench(args: argparse.Namespace) -> int:
         raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
     if any(b < 1 for b in args.budgets):
         raise DDTreeError("budgets must be >= 1")
+    if args.profile is not None and args.profile < 1:
+        raise DDTreeError("--profile needs at least 1 step")
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=True,
@@ -150,6 +157,10 @@ def bench(args: argparse.Namespace) -> int:
     for r in results:
         floor = (floor_ms if r["method"] == "ar" else round_floor_ms)[achievable]
         r["round_vs_floor"] = r["round_ms"] / floor
+    profiled = [r for r in results if r["path"] == "fast"] if args.profile else []
+    for r in profiled:
+        r["profile"] = profile.profile_single(fast, prompts[0], params, r["method"], r["budget"] or 1, device,
+                                              profile.Sizes.of(fast), (copy, read), args.profile)
     report = dict(model=args.shape or fast.model_name, device=torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", dtype=str(fast.target.dtype).removeprefix("torch."),
                   torch=torch.__version__, prompts=len(prompts),
@@ -166,6 +177,9 @@ def bench(args: argparse.Namespace) -> int:
     for r in results:
         r.pop("outputs")
     print(table(report))
+    if profiled:
+        print("\n" + profile.table("profile, fast path, one request", [
+            (profile.label(r["method"], r["budget"]), r["profile"]) for r in profiled]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -12,6 +12,9 @@ JSON. Random-weight shapes accept almost nothing, so for them the cost model its
 forward's time against verified tokens, and the drafter's time per request), with a projection from a τ curve
 saved by a run on a real pair (`--tau-curve FILE`): the tok/s each method would reach at each concurrency. It is
 labelled a projection everywhere it appears.
+
+With --profile, each run at each concurrency also decodes a few steps under torch.profiler (bench/profile.py):
+time a step by kind of layer against the bytes it reads, a table per concurrency, `profile` in each JSON row.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import time
 
 import torch
 
+from ddtree.bench import profile
 from ddtree.bench.shapes import SHAPES, build_pair, build_shape
+from ddtree.bench.timing import measured_ceilings
 from ddtree.core.budget import CostModel
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
@@ -40,6 +45,8 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     levels = sorted(set(args.concurrency))
     if any(c < 1 for c in levels):
         raise DDTreeError("--concurrency levels must be at least 1")
+    if args.profile is not None and args.profile < 1:
+        raise DDTreeError("--profile needs at least 1 step")
     if args.shape and args.shape not in SHAPES:
         raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
     budget = args.budgets[0] if args.budgets else 32
@@ -69,21 +76,28 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     cost = getattr(budgeted.backends[0], "cost", None)
     runs = [("ar", None, fixed), ("dflash", None, fixed), ("ddtree", budget, fixed), ("ddtree batch", budget, budgeted)]
     curve_runs = [("ddtree", b, fixed) for b in args.budgets[1:]]
-    rows, tau_curve = [], {}
+    rows, tau_curve, profiled = [], {}, []
     for c in levels:
         ar_outputs = None
-        for label, b, batch in runs + (curve_runs if c == levels[0] else []):
+        for i, (label, b, batch) in enumerate(runs + (curve_runs if c == levels[0] else [])):
             method = label.split()[0]
             row = _run(batch, prompts[:2 * c], params, method, b, c)
             row.update(concurrency=c, method=label, budget=b)
             if label == "ar":
                 ar_outputs = row["outputs"]
             row["same_as_ar"] = row.pop("outputs") == ar_outputs if params.greedy else None
+            if i < len(runs):
+                profiled.append((row, method, b, batch))
             rows.append(row)
             if c == levels[0] and label != "ddtree batch":
                 tau_curve["0" if label == "ar" else "chain" if label == "dflash" else str(b)] = row["tau"]
             log(f"c={c} {label}{' B=' + str(b) if b else ''}: {row['tokens_per_second']:.0f} tok/s, "
                 f"tau {row['tau']:.2f}, step {row['step_ms']:.2f} ms, {row['rows_per_step']:.0f} rows")
+    if args.profile:  # after every measurement: the profiler's overhead must not reach the batch budget's model
+        sizes, ceilings = profile.Sizes.of(engine), measured_ceilings(device)
+        for row, method, b, batch in profiled:
+            row["profile"] = profile.profile_batch(batch, prompts[:row["concurrency"]], params, method, b, device,
+                                                   sizes, ceilings, args.profile)
     report = dict(model=args.shape or engine.model_name, device=torch.cuda.get_device_name(device)
                   if device.type == "cuda" else "cpu", prompt_tokens=args.prompt_tokens,
                   max_new_tokens=args.max_new_tokens, budget=budget, results=rows, tau_curve=tau_curve,
@@ -94,6 +108,8 @@ def bench_concurrency(args: argparse.Namespace) -> int:
         report["projection"] = projection(cost, levels, curve, engine.block_size - 1)
         report["projection_tau_curve"] = args.tau_curve
     print(table(report))
+    if args.profile:
+        print("\n" + profile.concurrency_tables(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

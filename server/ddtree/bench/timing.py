@@ -27,13 +27,20 @@ SPEC_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s (datasheet)
 
 
 def weight_bytes(engine: Engine, context: int) -> int:
-    """Bytes one batch-1 target step must move at least: its time floor at a given bandwidth.
+    """Bytes one batch-1 target step must move at least: its time floor at a given bandwidth (the sum of
+    target_parts)."""
+    return sum(target_parts(engine, context).values())
 
-        weights  every parameter, less the input embedding unless tied to the LM head (a step reads one row),
-                 and of a mixture-of-experts layer's experts only the k of E a token picks
-      + KV       2 x attention layers x kv_heads x head_dim x dtype bytes x context, the attention layers
+
+def target_parts(engine: Engine, context: int) -> dict[str, int]:
+    """The bytes of weight_bytes by what reads them (`ddtree bench --profile` sets each against its kernels):
+
+        weights  every parameter but the experts, less the input embedding unless tied to the LM head (a step
+                 reads one row)
+        experts  of a mixture-of-experts layer's experts only the k of E a token picks
+        kv       2 x attention layers x kv_heads x head_dim x dtype bytes x context, the attention layers
                  being all but the linear-attention (Gated DeltaNet) ones
-      + state    2 x linear-attention layers x gdn_state_bytes: each layer's state is read and written once
+        state    2 x linear-attention layers x gdn_state_bytes: each layer's state is read and written once
     """
     model, cfg = engine.target.model, engine.target.config
     embed = engine.target.embed_tokens.weight
@@ -41,23 +48,28 @@ def weight_bytes(engine: Engine, context: int) -> int:
     tied = engine.target.lm_head.weight.data_ptr() == embed.data_ptr()
     params = stored_bytes(model)  # fp8 projections with their scales
     experts = sum(stored_bytes(getattr(layer.mlp, "experts", nn.Module())) for layer in engine.target.layers)
-    unpicked = experts - experts * getattr(cfg, "num_experts_per_tok", 0) // getattr(cfg, "num_experts", 1)
-    weights = params - unpicked - (0 if tied else embed.numel() * size)
+    picked = experts * getattr(cfg, "num_experts_per_tok", 0) // getattr(cfg, "num_experts", 1)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     linear = engine.target.layer_types.count("linear_attention")
     kv = 2 * (cfg.num_hidden_layers - linear) * cfg.num_key_value_heads * head_dim * size * context
     state = 2 * linear * gdn_state_bytes(cfg, size) if linear else 0
-    return weights + kv + state
+    return dict(weights=params - experts - (0 if tied else embed.numel() * size), experts=picked, kv=kv, state=state)
 
 
 def draft_bytes(engine: Engine, context: int) -> int:
-    """Bytes a speculative round moves at least on top of the target step's (dflash and ddtree rounds):
+    """Bytes a speculative round moves at least on top of the target step's (dflash and ddtree rounds): the sum
+    of draft_parts."""
+    return sum(draft_parts(engine, context).values())
 
-        draft    every draft weight: the block pass reads its layers, the commit its fc (fp8 ones with their
-                 scales, for a quantized draft)
-      + K, V     the draft layers' K and V projections once more: the commit projects the committed rows with them
-      + LM head  the target's (or its rows of a draft vocabulary, or their fp8 copy), which scores the block's rows
-      + KV       2 x draft layers x kv_heads x head_dim x dtype bytes x context (the draft's context cache)
+
+def draft_parts(engine: Engine, context: int) -> dict[str, int]:
+    """The bytes of draft_bytes by what reads them:
+
+        weights  every draft weight: the block pass reads its layers, the commit its fc (fp8 ones with their
+                 scales, for a quantized draft); the draft layers' K and V projections once more (the commit
+                 projects the committed rows with them); and the LM head, the target's (or its rows of a draft
+                 vocabulary, or their fp8 copy), which scores the block's rows
+        kv       2 x draft layers x kv_heads x head_dim x dtype bytes x context (the draft's context cache)
     """
     draft, cfg = engine.draft, engine.draft.config
     fp8 = [m.fp8 for m in draft.modules() if isinstance(m, Fp8Linear)]
@@ -65,7 +77,7 @@ def draft_bytes(engine: Engine, context: int) -> int:
                 for m in (layer.self_attn.k_proj, layer.self_attn.v_proj))
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * draft.norm.weight.element_size() * context
     weights = nbytes(draft.parameters()) + sum(w.nbytes for w in fp8)
-    return weights + again + _weight_bytes(engine.draft_head.weight) + kv
+    return dict(weights=weights + again + _weight_bytes(engine.draft_head.weight), kv=kv)
 
 
 def _weight_bytes(weight: torch.Tensor | Fp8Weight) -> int:
