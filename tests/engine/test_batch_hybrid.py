@@ -239,3 +239,23 @@ def test_a_lone_hybrid_request_whose_prefix_is_cached_prefills_only_the_rest_on_
     assert not batch.solo.paged and miss.backend is batch.solo
     assert isinstance(hit.backend, PagedBackend) and hit.cached_prompt == PROMPT_CHUNK
     assert hit.generation.token_ids == alone(engine, [*shared, 2], "ddtree", None)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_a_hybrids_trees_in_a_batch_reach_past_the_varlen_kernels_narrow_tiles(hybrids, arch):
+    """Budgets up to gdn.VARLEN_MAX - 1 nodes hold in a batch (no longer 63): a request verifies trees of more
+    than gdn.TREE_MAX rows beside others, and every request decodes what it decodes alone."""
+    from ddtree.kernels import gdn
+
+    engine = hybrids[arch]
+    batch = batch_of(engine, max_num_batched_tokens=512)
+    assert batch.backends[0].max_tree == gdn.VARLEN_MAX - 1
+    requests = [(PROMPTS[1], "ddtree", 120), (PROMPTS[0], "ddtree", 8), (PROMPTS[2], "ar", None)]
+    seqs = [batch.add(prompt, GREEDY, method=method, budget=budget) for prompt, method, budget in requests]
+    widest = 0
+    while batch.has_work():
+        batch.step()
+        widest = max(widest, batch.last.draft_nodes - 8)  # the budget-8 tree's at most 8 of the step's nodes
+    assert widest > gdn.TREE_MAX
+    for (prompt, method, budget), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == alone(engine, prompt, method, budget), (method, budget)

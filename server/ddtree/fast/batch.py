@@ -106,7 +106,7 @@ class PagedBackend:
                 blocks.prefix.keep_states(max_seqs, max(1, PROMPT_CHUNK // blocks.block_size))
             self.hybrid.pool.keep_checkpoints(blocks.prefix.checkpoint_slots)
         # a hybrid's trees stay within the varlen Gated DeltaNet kernels' rows (fast/paged_hybrid.py)
-        self.max_tree = gdn.TREE_MAX - 1 if self.hybrid else MAX_BUDGET
+        self.max_tree = min(self.hybrid.tree_rows - 1, MAX_BUDGET) if self.hybrid else MAX_BUDGET
         self.layers = [] if self.hybrid else [TargetLayer.of(layer) for layer in self.model.layers]
         self.max_context = target.max_context
         self.target_rope = RopeTable(self.model.rotary_emb, self.max_context, self.dtype, self.device)
@@ -284,7 +284,7 @@ class PagedBackend:
         phases["verify"], t = self._lap(t, wait=False)
         paths = accepted_paths(trees, picks, offsets)
         if drafting:
-            self._calibrate(trees, paths)
+            self.calibration.observe(*trees.verified(paths))
         out, accepted_rows, accepted_positions, accepted_slots, moves, lasts = {}, [], [], [], ([], []), []
         for r, (seq_id, state, path) in enumerate(zip(seq_ids, states, paths, strict=True)):
             lo = offsets[r]
@@ -336,14 +336,6 @@ class PagedBackend:
         slots, offsets = self.blocks.slots_of(seq_ids, starts, count)
         tables = [self.blocks.tables[seq_id] for seq_id in seq_ids]
         return ids, positions, slots, PagedLayout(starts.tolist(), offsets, tables, visible, packed)
-
-    def _calibrate(self, trees: RoundTrees, paths: list[list[int]]) -> None:
-        """The round's verified nodes and which of them the target accepted, for the budget's calibration."""
-        accepted = np.zeros(trees.scores.shape, dtype=np.bool_)
-        for r, path in enumerate(paths):
-            accepted[r, [node - 1 for node in path[1:]]] = True
-        verified = np.arange(trees.scores.shape[1]) < trees.sizes[:, None]
-        self.calibration.observe(trees.scores[verified], accepted[verified])
 
     def _drafts(self, now: float, candidates: int, requests: int) -> bool:
         """Whether this round of `requests` sequences, `candidates` of them able to draft, drafts (`RoundChoice`,
@@ -472,26 +464,30 @@ class PagedBackend:
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"{n} rows exceed the batched forward's largest bucket ({self.buckets[-1]})")
+        if kind == "verify" and self.hybrid and max(np.diff(layout.row_offsets), default=0) > gdn.TREE_MAX:
+            kind = "wide verify"  # a tree past the varlen kernels' narrow tiles: graphs of its own, made on first use
         forward = self.captured.get((kind, bucket)) or self._capture(kind, bucket)
         if not forward.rows.fits(n, layout):
             raise ValueError(f"a batch of {len(layout.starts)} sequences and {n} rows does not fit its buffers")
-        forward.rows.fill(ids, positions, slots, layout, visible=kind == "verify")  # a draft's is fixed
+        forward.rows.fill(ids, positions, slots, layout, visible=kind != "draft")  # a draft's is fixed
         if record is not None:
             forward.rows.fill_recurrent(seqs, record.sources)
         out = forward()
-        if kind == "verify":
+        if kind != "draft":
             return out[0][:n], (out[1][:n] if out[1] is not None else None)
         return tuple(o[:n] for o in out) if self.selector else out[:n]
 
     def _capture(self, kind: str, bucket: int) -> Captured:
-        per_seq = MAX_BUDGET + 1 if kind == "verify" else self.block
+        """Static rows of `bucket` for "draft", "verify" or a hybrid's "wide verify" (trees past gdn.TREE_MAX rows)."""
+        per_seq = MAX_BUDGET + 1 if kind != "draft" else self.block
         width = -(-self.max_context // self.page) + 1
         rows = StaticRows(bucket, self.max_seqs, width, bucket * min(bucket, per_seq), self.scratch, self.device,
                           self.hybrid.hybrid.conv_width if self.hybrid else 0)
-        if kind == "verify":
+        if kind != "draft":
             def run(r: StaticRows) -> object:
                 if self.hybrid:
-                    varlen = VarlenRows(r.state_slots, r.sources, min(bucket, gdn.TREE_MAX))
+                    widest = gdn.TREE_MAX if kind == "verify" else self.hybrid.tree_rows
+                    varlen = VarlenRows(r.state_slots, r.sources, min(bucket, widest))
                     return self.hybrid.forward(r.ids, r.positions, r.slots, r.mask(self.page), self.kv,
                                                self.target_rope, None, self.hybrid.record([]), self.taps,
                                                varlen=varlen)

@@ -61,6 +61,15 @@ class RoundTrees:
         """Keep each request's first sizes[r] nodes (its most probable prefixes)."""
         self.sizes = np.minimum(self.sizes, np.asarray(sizes, dtype=np.int64))
 
+    def verified(self, paths: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The verified nodes' scores and whether the target accepted each (on its request's path: node ids, the
+        root first), what the batch budget's calibration learns from."""
+        accepted = np.zeros(self.scores.shape, dtype=np.bool_)
+        for r, path in enumerate(paths):
+            accepted[r, [node - 1 for node in path[1:]]] = True
+        verified = np.arange(self.scores.shape[1]) < self.sizes[:, None]
+        return self.scores[verified], accepted[verified]
+
     def live_scores(self) -> np.ndarray:
         """Scores of the nodes that exist, -inf past each request's size (the batch budget's candidates)."""
         return np.where(np.arange(self.scores.shape[1]) < self.sizes[:, None], self.scores, -np.inf)

@@ -17,7 +17,9 @@ Two ways a forward leaves the states:
 A verify runs each recurrent layer for all sequences in two launches where the Triton kernels run
 (kernels/gdn.varlen_tree_step, over device buffers a CUDA graph replays: `VarlenRows`), else sequence by sequence
 in PyTorch. The record lives in buffers sized once for the largest verify, so a captured forward writes where the
-commit reads. A sequence's tree is then at most gdn.TREE_MAX rows (its root and TREE_MAX - 1 nodes).
+commit reads. A sequence's tree is then at most `tree_rows` rows (its root and its nodes): gdn.VARLEN_MAX, where
+the device holds the varlen kernels' widest tiles (gdn.varlen_max_rows), else gdn.TREE_MAX. A round whose trees
+all fit TREE_MAX rows takes graphs captured at that bound (the kernels' smaller tiles); wider ones, their own.
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ class HybridRows:
         self.varlen = triton_works(target.device) and all(
             gdn.varlen_takes(hybrid.decoder[i].linear_attn) for i in hybrid.recurrent_index)
         layers, (heads, d_k, d_v), device = len(hybrid.recurrent_index), hybrid.state_shape, target.device
-        rows = self.record_rows(seqs, rows)
+        self.tree_rows = gdn.varlen_max_rows(device)  # the most rows a sequence's tree may have
+        rows = self.record_rows(seqs, rows, self.tree_rows)
         self.buffers = (torch.empty((layers, seqs * self.past + rows, hybrid.conv_dim), dtype=target.dtype,
                                     device=device),
                         torch.empty((layers, rows, heads, d_k), device=device),
@@ -168,15 +171,15 @@ class HybridRows:
                         torch.empty((layers, rows, heads), device=device))
 
     @staticmethod
-    def record_rows(seqs: int, rows: int) -> int:
-        """Rows a verify's record holds: at most `rows`, and each sequence's tree at most gdn.TREE_MAX."""
-        return min(rows, seqs * gdn.TREE_MAX)
+    def record_rows(seqs: int, rows: int, tree_rows: int) -> int:
+        """Rows a verify's record holds: at most `rows`, and each sequence's tree at most `tree_rows`."""
+        return min(rows, seqs * tree_rows)
 
     @staticmethod
     def buffer_bytes(target: HybridTarget, seqs: int, rows: int) -> int:
         """The verify record's buffers: what a batch of up to `rows` rows adds beyond the caches."""
         layers = [layer.linear_attn for layer in target.layers if hasattr(layer, "linear_attn")]
-        m, rows = layers[0], HybridRows.record_rows(seqs, rows)
+        m, rows = layers[0], HybridRows.record_rows(seqs, rows, gdn.varlen_max_rows(target.device))
         per_row = m.num_v_heads * (m.head_k_dim + m.head_v_dim + 1) * 4 + m.conv_dim * target.dtype.itemsize
         return len(layers) * (per_row * rows + (m.conv_kernel_size - 1) * seqs * m.conv_dim * target.dtype.itemsize)
 

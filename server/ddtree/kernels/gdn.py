@@ -50,6 +50,9 @@ ROW_WARPS = 4
 # shape: at 17-64 nodes the kernels beat the steps (B = 32 round 23.10 against 24.63 ms); 65 nodes pad to
 # 128 rows, where the delta kernel's serial solve costs more than the steps (B = 64 round 28.64 against 27.45)
 TREE_MAX = 64
+# the most rows a sequence's tree takes in the varlen kernels (a batch's verify), where the device's shared memory
+# holds the 128-row delta kernel (116 KB at Qwen3.6-27B's widths); a consumer GPU's 99 KB stops at TREE_MAX
+VARLEN_MAX, VARLEN_MAX_SHARED = 128, 116 * 1024
 # the delta kernel's (warps, rows per product) by padded tree size: the fastest in benchmarks/gdn_tune.py
 TREE_CONFIGS = {16: (4, 16), 32: (4, 32), 64: (4, 16), 128: (8, 16)}
 TREE_SLICE, TREE_CHUNK = 64, 32  # d_v per program, d_k per product
@@ -63,6 +66,15 @@ def takes(module: torch.nn.Module) -> bool:
     gated norm, with power-of-two head dims."""
     return (hasattr(module, "in_proj_qkv") and type(module.norm).__name__ in GATED_NORMS
             and varlen_takes(module))
+
+
+def varlen_max_rows(device: torch.device) -> int:
+    """The most rows a sequence's tree may have in `varlen_tree_step` on this device (VARLEN_MAX, or TREE_MAX
+    where a block cannot have the 128-row delta kernel's shared memory; the interpreter has no such bound)."""
+    if device.type != "cuda":
+        return VARLEN_MAX
+    shared = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    return VARLEN_MAX if shared >= VARLEN_MAX_SHARED else TREE_MAX
 
 
 def varlen_takes(module: torch.nn.Module) -> bool:
