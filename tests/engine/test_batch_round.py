@@ -2,8 +2,9 @@
 
 Run eagerly on the CPU (attention through SDPA over a layout read back from the device buffers), and once with
 every kernel in Triton's interpreter, as a GPU's graph replays them: each greedy request decodes exactly what it
-decodes alone, whatever joins and leaves the batch; sampled ones draw the target's own distribution; requests the
-device round does not take (seeded or filtered samples, logprobs, `dflash`) send their rounds to the host path.
+decodes alone, whatever joins and leaves the batch (`dflash` chains beside trees and `ar`); sampled ones draw the
+target's own distribution; requests the device round does not take (seeded samples, top-p without top-k, logprobs)
+send their rounds to the host path.
 """
 
 import numpy as np
@@ -64,7 +65,7 @@ def decode(batch: BatchEngine, requests: list[tuple[list[int], SamplingParams, s
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_requests_on_the_device_round_decode_what_they_decode_alone(engines, arch, counted):
     engine = engines[arch]
-    methods = [("ddtree", 8), ("ar", None), ("ddtree", 32), ("ddtree", 3), ("ddtree", 16), ("ar", None)]
+    methods = [("ddtree", 8), ("ar", None), ("ddtree", 32), ("dflash", None), ("ddtree", 16), ("dflash", None)]
     requests = [(p, GREEDY, m, b) for p, (m, b) in zip(PROMPTS, methods, strict=True)]
     batch = paged(engine)
     seqs = decode(batch, requests, joining=2)
@@ -111,15 +112,15 @@ def test_sampled_requests_on_the_device_round_follow_the_targets_distribution(sm
 
 
 def test_requests_the_device_round_does_not_take_send_their_rounds_to_the_host(engines, counted):
-    """A seeded sampled request, one with top-p but no top-k, one asking for logprobs and a `dflash` one share
-    the batch with greedy ddtree ones: while any of them runs, rounds take the host path; once they finish, the
-    device round takes over."""
+    """A seeded sampled request, one with top-p but no top-k and one asking for logprobs share the batch with
+    greedy ddtree ones: while any of them runs, rounds take the host path; once they finish, the device round
+    takes over."""
     engine = engines["qwen3"]
-    short = SamplingParams(max_new_tokens=6, ignore_eos=True)
     requests = [(PROMPTS[0], GREEDY, "ddtree", 8), (PROMPTS[1], GREEDY, "ddtree", 16),
                 (PROMPTS[2], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=3), "ddtree", 8),
                 (PROMPTS[3], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2), "ddtree", 8),
-                (PROMPTS[4], short, "dflash", None),
+                (PROMPTS[4], SamplingParams(max_new_tokens=6, ignore_eos=True, seed=5, temperature=0.7), "dflash",
+                 None),
                 (PROMPTS[5], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9), "ddtree",
                  8)]
     batch = paged(engine)
@@ -199,8 +200,8 @@ def test_the_interpreted_kernels_run_the_device_round_as_the_gpu_replays(engines
     engine = engines["qwen3"]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, top_k=3, top_p=0.9)
-    requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "ar", None), (PROMPTS[2], params, "ddtree", 4),
-                (PROMPTS[3], sampled, "ddtree", 8)]
+    requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "ar", None),
+                (PROMPTS[2], params, "dflash", None), (PROMPTS[3], sampled, "ddtree", 8)]
     batch = paged(engine, blocks=32, max_num_seqs=4, max_rows=64)
     assert batch.backends[0].static
     seqs = decode(batch, requests)
@@ -231,3 +232,28 @@ def test_a_device_rounds_result_reports_each_requests_path_and_scores(engines):
         assert result.path[r, 0] == 0 and len(set(result.path[r, :length])) == length
         verified = result.scores[r, :result.nodes[r]]
         assert np.isfinite(verified).all() and (np.diff(verified) <= 0).all()
+
+
+def test_a_dflash_request_in_a_device_round_verifies_its_chain(engines):
+    """A `dflash` request beside a tree: its nodes are its chain (node j at depth j, under node j - 1, scores
+    falling), cut to the round's nodes, and its accepted path walks down the chain from the root."""
+    engine = engines["qwen3"]
+    batch = paged(engine)
+    backend = batch.backends[0]
+    methods = [("ddtree", 8), ("dflash", None)]
+    seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in zip(PROMPTS[:2], methods, strict=True)]
+    batch.step()  # the prefills
+    states = [backend.states[seq.seq_id] for seq in seqs]
+    depth = backend.block - 1
+    for nodes in (4, 16):
+        with torch.inference_mode():
+            result = backend.device_round.run(
+                np.array([s.start for s in states]), np.array([s.root for s in states]),
+                np.array([min(8, nodes), nodes]),
+                np.array([backend._depth(s) for s in states]), np.tile([0.0, 0.0, 1.0, 0.0], (2, 1)),
+                [batch.blocks.tables[seq.seq_id] for seq in seqs], nodes, 16, np.array([False, True]))
+        assert result.nodes[1] == min(nodes, depth)
+        length = result.lengths[1]
+        assert list(result.path[1, :length]) == list(range(length))
+        chain = result.scores[1, :depth]
+        assert np.isfinite(chain).all() and (np.diff(chain) <= 0).all() and np.isneginf(result.scores[1, depth:]).all()

@@ -9,7 +9,8 @@ graph, and reads back each request's accepted length, verified nodes and emitted
 
     draft    [root, mask x D] for every request at its start, over its own context (the captured block pass)
     trees    the vocabulary top-k of every draft row, then every request's best-first tree (kernels/tree.py
-             `batch_prefixes`), cut to its first `nodes` nodes and its allowance (0: an `ar` request)
+             `batch_prefixes`; a `dflash` request's chain of top tokens instead), cut to its first `nodes` nodes
+             and its allowance (0: an `ar` request)
     verify   the roots and trees as rows start, start + 1, ... in the paged pool, each seeing its own ancestors
              (the transitive closure of its parent edges)
     walk     the target's pick at every row (its argmax, or for a sampling request an independent sample of
@@ -24,8 +25,9 @@ Every request in such a round picks on the device (`picks_on_device`: greedy, or
 top-k up to FILTER_CAP and top-p within it; no processor, penalty, bias, grammar or logprobs) on a dense target
 with a DFlash drafter; the others, and rounds the batch budget would cut below a tree a request, take the host
 path. A round's picks take one of three graphs: greedy (the argmax alone; captured at start-up), sampled, or
-sampled with filters (each captured the first time such a round runs). The trees are not cut across requests here:
-each request verifies its own first `nodes` nodes.
+sampled with filters (each captured the first time such a round runs); a round with `dflash` requests, graphs that
+also lay out their chains (captured on first use too). The trees are not cut across requests here: each request
+verifies its own first `nodes` nodes.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ class RoundBackend(Protocol):
 
 REQUEST_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # per request: start, root, node allowance, draft depth (-1: a padding request), temperature (a float64's bits;
-# 0: greedy), the round's Philox seed (the first request's is read), top-k, top-p and min-p (float64 bits)
-INPUTS = 9
+# 0: greedy), the round's Philox seed (the first request's is read), top-k, top-p and min-p (float64 bits), and
+# whether it verifies a chain (`dflash`) rather than a tree
+INPUTS = 10
 FILTER_CAP = 64  # the most logits a filtered sample ranks a row: its top-k's bound (top-p needs a top-k)
 Picks = Literal["greedy", "sampled", "filtered"]  # a round's picks: all greedy, some sampling, some with filters
 
@@ -146,13 +149,16 @@ class DeviceRound:
             return None
         nodes, budget = size
         count = len(states)
-        ddtree = [state.request.method == "ddtree" for state in states]
-        allowed = [min(state.request.budget, nodes) if tree else 0 for state, tree in zip(states, ddtree, strict=True)]
+        methods = [state.request.method for state in states]
+        ddtree = [method == "ddtree" for method in methods]
+        allowed = [min(state.request.budget, nodes) if method == "ddtree" else nodes if method == "dflash" else 0
+                   for state, method in zip(states, methods, strict=True)]
         result = self.run(np.fromiter((state.start for state in states), np.int64, count),
                           np.fromiter((state.root for state in states), np.int64, count), np.array(allowed),
                           np.fromiter((backend._depth(state) for state in states), np.int64, count),
                           np.array([_settings(state.request.params) for state in states], dtype=np.float64),
-                          [backend.blocks.tables[seq_id] for seq_id in seq_ids], nodes, budget)
+                          [backend.blocks.tables[seq_id] for seq_id in seq_ids], nodes, budget,
+                          np.array([method == "dflash" for method in methods]))
         phases = dict.fromkeys(PHASES, 0.0)
         phases["verify"] = time.perf_counter() - started  # the whole round, up to its one wait
         verified = np.arange(result.scores.shape[1]) < result.nodes[:, None]
@@ -188,18 +194,18 @@ class DeviceRound:
 
     def size(self, states: list[SeqState], node_limit: int | None) -> tuple[int, int] | None:
         """(nodes a tree verifies, the trees' budget) for this round, or None where it takes the host path: a
-        request that is not `ddtree` or `ar` with picks the device makes (`picks_on_device`), or no tree that fits
-        the step's rows. The size is the power of two up to the largest budget (or that budget) that maximises
-        expected tokens per second (`predicted`), each request's expected accepted tokens from its tree of the last
-        round, calibrated."""
+        request that is not `ddtree`, `dflash` or `ar` with picks the device makes (`picks_on_device`), or no tree
+        that fits the step's rows. The size is the power of two up to the largest budget (a `dflash` chain's: the
+        draft depth) or that budget that maximises expected tokens per second (`predicted`), each tree's expected
+        accepted tokens from its tree of the last round, calibrated (a chain takes its first `nodes` nodes)."""
         backend = self.backend
         for state in states:
             request = state.request
-            if (request.method not in ("ddtree", "ar") or not picks_on_device(state)
+            if (request.method not in ("ddtree", "dflash", "ar") or not picks_on_device(state)
                     or request.params.logprobs is not None):
                 return None
-        budgets = [min(state.request.budget, backend.max_tree) for state in states
-                   if state.request.method == "ddtree"]
+        trees = [min(state.request.budget, backend.max_tree) for state in states if state.request.method == "ddtree"]
+        budgets = trees + [self.depth for state in states if state.request.method == "dflash"]
         if not budgets or max(budgets) < 1:
             return None
         budget, limit = max(budgets), min(node_limit or backend.max_rows, backend.max_rows)
@@ -212,7 +218,7 @@ class DeviceRound:
             return sizes[0], budget
         width = min(len(scores) for scores in known)
         gains = np.cumsum(backend.calibration(np.stack([scores[:width] for scores in known])), axis=1).mean(axis=0)
-        expected = len(states) + len(budgets) * gains[np.minimum(sizes, width) - 1]  # each tree's first n nodes
+        expected = len(states) + len(trees) * gains[np.minimum(sizes, width) - 1]  # each tree's first n nodes
         rates = expected / self.predicted(len(states), sizes, budget)
         return sizes[int(np.argmax(rates))], budget
 
@@ -221,16 +227,18 @@ class DeviceRound:
         return request_bucket(requests, self.backend.max_seqs) * (self._tree_nodes(nodes) + 1)
 
     def run(self, starts: np.ndarray, roots: np.ndarray, allowed: np.ndarray, depths: np.ndarray,
-            sampling: np.ndarray, tables: list[list[int]], nodes: int, budget: int) -> RoundResult:
+            sampling: np.ndarray, tables: list[list[int]], nodes: int, budget: int,
+            chains: np.ndarray | None = None) -> RoundResult:
         """One round of these requests (their starts, roots, node allowances, draft depths, sampling settings
         [count, 4]: temperature (0: greedy), top-k, top-p, min-p; and block tables), each verifying at most the
         first `nodes` draft nodes of its best-first tree of budget `budget` (>= nodes: the result holds every
-        node's score, for the next round's choice of size)."""
+        node's score, for the next round's choice of size), or where `chains` says so of its chain (`dflash`)."""
         count = len(starts)
         bucket = request_bucket(count, self.backend.max_seqs)
         filtered = bool(((sampling[:, 1] > 0) | (sampling[:, 2] < 1) | (sampling[:, 3] > 0)).any())
         picks: Picks = "filtered" if filtered else "sampled" if (sampling[:, 0] > 0).any() else "greedy"
-        key = (bucket, self._tree_nodes(nodes), budget, picks)
+        chained = chains is not None and bool(chains.any())
+        key = (bucket, self._tree_nodes(nodes), budget, picks, chained)
         captured = self._rounds.get(key) or self._capture(*key)
         io = captured.rows
         host = np.zeros((bucket, INPUTS + self.width), dtype=np.int64)
@@ -240,6 +248,8 @@ class DeviceRound:
         host[0, 5] = self._seeds.integers(1 << 62)  # fresh Philox draws every round
         host[:count, 6] = sampling[:, 1]
         host[:count, 7], host[:count, 8] = sampling[:, 2].copy().view(np.int64), sampling[:, 3].copy().view(np.int64)
+        if chained:
+            host[:count, 9] = chains
         for r, table in enumerate(tables):
             host[r, INPUTS:INPUTS + len(table)] = table[:self.width]
         io.inputs.copy_(torch.from_numpy(host), non_blocking=True)
@@ -253,10 +263,10 @@ class DeviceRound:
         vocab = self.backend.draft_head.weight.shape[0]
         return tree_size(self.depth, min(nodes, vocab), nodes)
 
-    def _capture(self, bucket: int, nodes: int, budget: int, picks: Picks) -> _Captured:
-        io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width, picks)
+    def _capture(self, bucket: int, nodes: int, budget: int, picks: Picks, chains: bool) -> _Captured:
+        io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width, picks, chains)
         captured = _Captured(lambda rows: _round(self.backend, rows), io, self.backend.cuda, self.backend.pool)
-        self._rounds[(bucket, nodes, budget, picks)] = captured
+        self._rounds[(bucket, nodes, budget, picks, chains)] = captured
         return captured
 
     def capture_all(self, budget: int, repeats: int = 3) -> None:
@@ -270,7 +280,7 @@ class DeviceRound:
             for nodes in sorted(n for n in sizes if n <= budget):
                 if self.rows(bucket, nodes) > self.backend.max_rows:
                     continue
-                key = (bucket, self._tree_nodes(nodes), budget, "greedy")
+                key = (bucket, self._tree_nodes(nodes), budget, "greedy", False)
                 if key not in self._rounds:
                     captured = self._capture(*key)
                     captured.rows.inputs.zero_()
@@ -298,9 +308,10 @@ class _RoundIO:
     """A round's static buffers: its inputs and result, and the draft and verify forwards' rows."""
 
     def __init__(self, backend: RoundBackend, bucket: int, nodes: int, tree: int, budget: int, width: int,
-                 picks: Picks) -> None:
+                 picks: Picks, chains: bool) -> None:
         device, block = backend.device, backend.block
         self.bucket, self.nodes, self.budget, self.width, self.picks = bucket, nodes, budget, width, picks
+        self.chains = chains  # some request verifies a chain: `dflash` (graphs without chains skip that step)
         self.inputs = torch.zeros((bucket, INPUTS + width), dtype=torch.long, device=device)
         self.result = torch.zeros((bucket, 2 + 2 * block + tree), dtype=torch.float64, device=device)
         rows = nodes + 1
@@ -327,6 +338,21 @@ def _layout_rows(bucket: int, per_request: int, width: int, backend: RoundBacken
 def _slots(tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
     """Pool slots of cache positions [S, n] through each request's block table [S, W]."""
     return tables.gather(1, (positions // page).clamp(max=tables.shape[1] - 1)) * page + positions % page
+
+
+def _chains(logp: torch.Tensor, tok: torch.Tensor, chain: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+            depths: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The trees (tokens [S, N], parents and depths [S, N + 1], scores [S, N]) with the `chain` requests' rows
+    replaced by their chains: node j the top token at depth j (of the drafter's [S, D, k] top log-probs `logp`
+    and tokens `tok`), under node j - 1, scored by the chain's prefix log-probability; none past depth D."""
+    depth, width, device = tok.shape[1], tokens.shape[1], tok.device
+    node = torch.arange(1, width + 1, device=device)
+    at = node.clamp(max=depth) - 1
+    chain_scores = logp[:, :, 0].cumsum(dim=1)[:, at].masked_fill(node > depth, float("-inf"))
+    steps = torch.cat([node.new_zeros(1), node])
+    rows = chain[:, None]
+    return (torch.where(rows, tok[:, at, 0], tokens), torch.where(rows, (steps - 1).clamp(min=0), parents),
+            torch.where(rows, steps.clamp(max=depth), depths), torch.where(rows, chain_scores.to(scores.dtype), scores))
 
 
 def _round(backend: RoundBackend, io: _RoundIO) -> None:
@@ -358,7 +384,10 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
     logp, tok = vocab_top(drafted.reshape(bucket * depth, -1), k, backend.draft_head.token_ids)
     logp = logp.view(bucket, depth, k).masked_fill(
         torch.arange(depth, device=device)[None, :, None] >= draft_depth.clamp(min=0)[:, None, None], float("-inf"))
-    tokens, parents, depths, tree = batch_prefixes(logp, tok.view(bucket, depth, k), io.budget)
+    tok = tok.view(bucket, depth, k)
+    tokens, parents, depths, tree = batch_prefixes(logp, tok, io.budget)
+    if io.chains:  # a `dflash` request's tree is its chain: each depth's most probable token, under the one above
+        tokens, parents, depths, tree = _chains(logp, tok, io.inputs[:, 9] > 0, tokens, parents, depths, tree)
     tokens, scores, parents, depths = tokens[:, :nodes], tree[:, :nodes], parents[:, :nodes + 1], depths[:, :nodes + 1]
     node = torch.arange(nodes + 1, device=device)
     drafts = (scores > float("-inf")) & (node[None, 1:] <= allowed[:, None])
