@@ -261,7 +261,7 @@ def test_a_hybrids_trees_in_a_batch_reach_past_the_varlen_kernels_narrow_tiles(h
         assert seq.generation.token_ids == alone(engine, prompt, method, budget), (method, budget)
 
 
-@pytest.mark.slow  # the interpreter runs the 128-row tiles: about 2.5 minutes on one core
+@pytest.mark.slow  # the interpreter runs the 128-row tiles: about a minute on one core
 def test_the_interpreted_kernels_verify_a_tree_past_their_narrow_tiles_as_the_gpu_replays(hybrids, kernels_on_cpu):
     """A tree of more than gdn.TREE_MAX rows in the varlen kernels' 128-row tiles (Triton's interpreter, the
     'wide verify' static rows a GPU replays as graphs): the request still decodes what it decodes alone."""
@@ -269,11 +269,11 @@ def test_the_interpreted_kernels_verify_a_tree_past_their_narrow_tiles_as_the_gp
     batch = batch_of(engine, blocks=48, max_num_batched_tokens=256)
     backend = batch.backends[0]
     assert backend.static and backend.hybrid.varlen
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    requests = [(PROMPTS[1], "ddtree", 100), (PROMPTS[2], "ar", None)]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    requests = [(PROMPTS[4], "ddtree", 100), (PROMPTS[2], "ar", None)]
     seqs = [batch.add(prompt, params, method=method, budget=budget) for prompt, method, budget in requests]
     while batch.has_work():
         batch.step()
     assert any(kind == "wide verify" for kind, _ in backend.captured)
-    for (prompt, method, budget), seq in zip(requests, seqs, strict=True):
-        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    for (prompt, _, _), seq in zip(requests, seqs, strict=True):  # greedy: the target's own tokens
+        assert seq.generation.token_ids == engine.generate(prompt, params, method="ar").token_ids

@@ -181,11 +181,12 @@ def test_the_device_round_weighs_tree_sizes_by_the_rounds_measured_times(engines
 
 
 def test_a_round_near_the_context_end_drafts_only_what_fits(engines):
-    """Requests decoding up to the last position of the target's context (1,024 here): their trees stop at its
-    end, and their output is the target's own to the last token."""
+    """Requests decoding up to the last position of the target's context (1,024 here): their trees and chains stop
+    at its end, and their output is the target's own to the last token."""
     engine = engines["qwen3"]
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
-    requests = [([3 + (i * 7 + k) % 90 for i in range(990 + k)], params, "ddtree", 16) for k in (0, 5)]
+    requests = [([3 + (i * 7 + k) % 90 for i in range(990 + k)], params, method, budget)
+                for k, method, budget in ((0, "ddtree", 16), (5, "ddtree", 16), (3, "dflash", None))]
     batch = paged(engine, blocks=300, max_rows=128)
     seqs = decode(batch, requests)
     for (prompt, p, method, budget), seq in zip(requests, seqs, strict=True):

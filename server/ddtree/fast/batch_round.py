@@ -150,7 +150,6 @@ class DeviceRound:
         nodes, budget = size
         count = len(states)
         methods = [state.request.method for state in states]
-        ddtree = [method == "ddtree" for method in methods]
         allowed = [min(state.request.budget, nodes) if method == "ddtree" else nodes if method == "dflash" else 0
                    for state, method in zip(states, methods, strict=True)]
         result = self.run(np.fromiter((state.start for state in states), np.int64, count),
@@ -170,7 +169,7 @@ class DeviceRound:
             accepted[r, result.path[r, 1:length] - 1] = True
             state.start += length
             state.root = emitted[-1]
-            if ddtree[r]:
+            if methods[r] != "ar":  # a tree's or chain's node scores, for the next round's size
                 state.scores = result.scores[r]
             out[seq_id] = Round(emitted, int(result.nodes[r]), length - 1, phases)
         backend.calibration.observe(result.scores[verified], accepted[verified])
@@ -196,8 +195,8 @@ class DeviceRound:
         """(nodes a tree verifies, the trees' budget) for this round, or None where it takes the host path: a
         request that is not `ddtree`, `dflash` or `ar` with picks the device makes (`picks_on_device`), or no tree
         that fits the step's rows. The size is the power of two up to the largest budget (a `dflash` chain's: the
-        draft depth) or that budget that maximises expected tokens per second (`predicted`), each tree's expected
-        accepted tokens from its tree of the last round, calibrated (a chain takes its first `nodes` nodes)."""
+        draft depth) or that budget that maximises expected tokens per second (`predicted`), each request's expected
+        accepted tokens from its tree (or chain) of the last round, calibrated."""
         backend = self.backend
         for state in states:
             request = state.request
@@ -218,7 +217,7 @@ class DeviceRound:
             return sizes[0], budget
         width = min(len(scores) for scores in known)
         gains = np.cumsum(backend.calibration(np.stack([scores[:width] for scores in known])), axis=1).mean(axis=0)
-        expected = len(states) + len(trees) * gains[np.minimum(sizes, width) - 1]  # each tree's first n nodes
+        expected = len(states) + len(budgets) * gains[np.minimum(sizes, width) - 1]  # each one's first n nodes
         rates = expected / self.predicted(len(states), sizes, budget)
         return sizes[int(np.argmax(rates))], budget
 
