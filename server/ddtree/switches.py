@@ -7,6 +7,8 @@
                        machine where torch.compile cannot build
     DDTREE_DEVICE_ROUND=0  a batch's rounds take the host path (trees, walk and commit in Python) instead of
                        running whole on the device (fast/batch_round.py): for A/B runs
+    DDTREE_OVERLAP=0   a batch's device round is read before the next is queued, instead of the next round running
+                       while the host takes this one's results (fast/batch_round.py): for A/B runs
 
 Every other choice of kernel is made by what the device and the shapes support. Tests and A/B scripts change a
 switch for a block of code with `override`; a CUDA graph captured before keeps what it captured, so an A/B
@@ -28,6 +30,7 @@ class Switches:
     wgmma: bool = True
     compile: bool = True
     device_round: bool = True
+    overlap: bool = True
 
 
 def from_environment(environ: Mapping[str, str] = os.environ) -> Switches:

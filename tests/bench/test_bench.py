@@ -273,8 +273,9 @@ def test_the_concurrency_bench_compares_every_method_per_level_and_says_where_a_
         assert r["tokens_per_second"] > 0 and r["tau"] >= 1
         assert set(r["phase_ms"]) >= {"tree", "verify", "commit"}
         assert sum(r["phase_ms"].values()) <= r["step_ms"] * 1.001  # phases are parts of the step
+        assert r["round_ms"] > 0  # the steps that ran rounds alone, what the predicted time is set against
     drafting = [r for r in report["results"] if r["method"] != "ar"]
     assert all(r["tau"] > 1 for r in drafting)  # trees commit more than a token
     assert all(r["phase_ms"]["draft"] > 0 for r in drafting if r["concurrency"] == 3)  # the batched rounds draft
     table = capsys.readouterr().out
-    assert "| ms by phase |" in table and "verify " in table
+    assert "| ms by phase |" in table and "| round ms | predicted ms |" in table and "verify " in table

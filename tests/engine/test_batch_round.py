@@ -38,14 +38,14 @@ def paged(engine, *, blocks: int = 96, max_num_seqs: int = 6, max_rows: int = 25
 def counted(monkeypatch):
     """How many device rounds ran, and how many requests they held in all."""
     calls = {"rounds": 0, "requests": 0}
-    run = DeviceRound.run
+    replay = DeviceRound.replay
 
     def counting(self, starts, *args):
         calls["rounds"] += 1
         calls["requests"] += len(starts)
-        return run(self, starts, *args)
+        return replay(self, starts, *args)
 
-    monkeypatch.setattr(DeviceRound, "run", counting)
+    monkeypatch.setattr(DeviceRound, "replay", counting)
     return calls
 
 
@@ -192,6 +192,42 @@ def test_a_round_near_the_context_end_drafts_only_what_fits(engines):
     for (prompt, p, method, budget), seq in zip(requests, seqs, strict=True):
         assert len(prompt) + len(seq.generation.token_ids) >= engine.max_context - engine.block_size
         assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
+
+
+def test_the_next_round_is_queued_before_the_host_takes_this_ones_results(engines, counted):
+    """Overlap: each step reads the round queued the step before and queues the next, so the device runs it while
+    the host takes the tokens. Requests that stop on a token, are aborted or preempted while a round is queued for
+    them, and requests that join, still decode what they decode alone; the queued round of one that ended is dropped,
+    and no round is queued past a request's token limit."""
+    engine = engines["qwen3"]
+    alone = engine.generate(PROMPTS[1], GREEDY, method="ddtree", budget=8).token_ids
+    stops = SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=(alone[9],))
+    requests = [(PROMPTS[0], GREEDY, "ddtree", 8), (PROMPTS[1], stops, "ddtree", 8), (PROMPTS[2], GREEDY, "ar", None),
+                (PROMPTS[3], GREEDY, "dflash", None), (PROMPTS[4], GREEDY, "ddtree", 16),
+                (PROMPTS[5], GREEDY, "ddtree", 4)]
+    batch = paged(engine, blocks=18)  # too few blocks for all six: the newest running ones are preempted
+    device_round = batch.backends[0].device_round
+    seqs = [batch.add(p, params, method=m, budget=b) for p, params, m, b in requests[:5]]
+    for _ in range(3):
+        batch.step()
+    assert device_round.queued is not None and all(device_round.queues(seq.seq_id) for seq in seqs[:2])
+    batch.abort(seqs[0])
+    seqs.append(batch.add(*requests[5][:2], method=requests[5][2], budget=requests[5][3]))
+    steps = 0
+    while batch.has_work():
+        batch.step()
+        steps += 1
+    assert device_round.queued is None or not any(device_round.queues(seq.seq_id) for seq in seqs)
+    assert seqs[0].generation.finish_reason == "abort"
+    assert seqs[1].generation.finish_reason == "stop" and len(seqs[1].generation.token_ids) < 10
+    assert any(seq.preemptions for seq in seqs)
+    for (prompt, params, method, budget), seq in list(zip(requests, seqs, strict=True))[1:]:
+        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    assert counted["rounds"] >= steps // 2 and batch.blocks.free_blocks == batch.blocks.num_blocks
+    with override(overlap=False):
+        off = paged(engine)
+        decode(off, requests[2:])
+        assert off.backends[0].device_round.queued is None
 
 
 @pytest.mark.slow

@@ -451,9 +451,9 @@ def test_batched_greedy_rounds_run_whole_on_the_device_and_give_each_requests_to
     from ddtree.fast.batch_round import DeviceRound
 
     rounds = []
-    run = DeviceRound.run
-    monkeypatch.setattr(DeviceRound, "run",
-                        lambda self, starts, *more: rounds.append(len(starts)) or run(self, starts, *more))
+    replay = DeviceRound.replay
+    monkeypatch.setattr(DeviceRound, "replay",
+                        lambda self, starts, *more: rounds.append(len(starts)) or replay(self, starts, *more))
     fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype=dtype, fast=True,
                                   fast_capacity=512)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
@@ -516,10 +516,10 @@ def test_sampled_requests_in_device_rounds_follow_the_targets_distribution(tmp_p
     batch = fast.batch(BatchOptions(max_num_seqs=64, max_num_batched_tokens=1024, kv_cache_tokens=8192))
     assert batch.backends[0].device_round._rounds  # captured at start-up
     rounds = []
-    run = DeviceRound.run
+    replay = DeviceRound.replay
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(DeviceRound, "run", lambda self, starts, *more: rounds.append(len(starts)) or run(self, starts,
-                                                                                                          *more))
+        patch.setattr(DeviceRound, "replay",
+                      lambda self, starts, *more: rounds.append(len(starts)) or replay(self, starts, *more))
         params = SamplingParams(max_new_tokens=3, ignore_eos=True, **kw)
         seqs = [batch.add([1, 2, 3], params, method="ddtree", budget=6) for _ in range(1000)]
         while batch.has_work():
@@ -550,8 +550,11 @@ def tokens_match_ar(reference: Engine, requests: list[tuple], seqs: list, dtype:
         want = reference.generate(prompt, GREEDY, method="ar").token_ids
         got = seq.generation.token_ids
         if got != want:
-            assert dtype != "float32", (method, budget)
-            assert reference_margin(reference, prompt, want, got) < NEAR_TIE, (method, budget)
+            parted = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+                          min(len(want), len(got)))
+            where = (method, budget, len(prompt), f"parts at token {parted} of {len(want)}/{len(got)}")
+            assert dtype != "float32", where
+            assert reference_margin(reference, prompt, want, got) < NEAR_TIE, where
 
 
 @gpu

@@ -138,7 +138,8 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
                 seqs.append(seq)
             batch.step()
             steps.append((batch.last.seconds, batch.last.verified_tokens, batch.last.sequences,
-                          getattr(batch.backends[0], "last_predicted", None), batch.last.phase_seconds))
+                          getattr(batch.backends[0], "last_predicted", None), batch.last.phase_seconds,
+                          batch.last.prefill_tokens))
         return seqs, time.perf_counter() - started, steps
 
     wave(prompts[:min(len(prompts), concurrency)])
@@ -148,12 +149,15 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
     committed = sum(s.generation.stats.committed_tokens for s in seqs)
     decode = [s for s in steps if s[2]]
     rows, requests = (sum(s[i] for s in decode) / max(len(decode), 1) for i in (1, 2))
-    # the batch budget's model of each step (a device round's measured time, else verify + per request; plus
-    # the overhead it measures while serving), on average
-    predictions = [s[3] for s in decode if s[3] is not None]
+    # the batch budget's model of a round (a device round's measured time, else verify + per request; plus the
+    # overhead it measures while serving), on average over the steps that ran rounds alone (no prompt chunks: the
+    # model prices a round, not the prefills beside it), against those steps' measured time
+    rounds_only = [s for s in decode if not s[5]]
+    predictions = [s[3] for s in rounds_only if s[3] is not None]
     predicted = 1e3 * sum(predictions) / len(predictions) if predictions else None
     return dict(tokens_per_second=generated / seconds, tau=committed / max(rounds, 1),
                 step_ms=1e3 * sum(s[0] for s in decode) / max(len(decode), 1), predicted_step_ms=predicted,
+                round_ms=1e3 * sum(s[0] for s in rounds_only) / len(rounds_only) if rounds_only else None,
                 rows_per_step=rows, requests_per_step=requests, phase_ms=phase_ms(decode),
                 outputs=[s.generation.token_ids for s in seqs])
 
@@ -163,8 +167,8 @@ def phase_ms(steps: list[tuple]) -> dict[str, float]:
     step's time goes. Only the draft phase waits for the device, so queued device work lands in the phase that
     next waits."""
     totals: dict[str, float] = {}
-    for *_, phases in steps:
-        for name, seconds in phases.items():
+    for step in steps:
+        for name, seconds in step[4].items():
             totals[name] = totals.get(name, 0.0) + seconds
     return {name: 1e3 * seconds / max(len(steps), 1) for name, seconds in totals.items()}
 
@@ -187,14 +191,15 @@ def projection(cost: CostModel, levels: list[int], tau: dict, depth: int) -> lis
 def table(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']}: {report['prompt_tokens']} prompt tokens, "
              f"{report['max_new_tokens']} new, ddtree budget {report['budget']}", "",
-             "| concurrency | method | output tok/s | tau | step ms | predicted ms | rows/step | requests/step "
-             "| == ar | ms by phase |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| concurrency | method | output tok/s | tau | step ms | round ms | predicted ms | rows/step "
+             "| requests/step | == ar | ms by phase |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         same = "" if r["same_as_ar"] is None else "yes" if r["same_as_ar"] else "NO"
-        predicted = "" if r.get("predicted_step_ms") is None else f"{r['predicted_step_ms']:.2f}"
+        predicted, alone = ("" if r.get(k) is None else f"{r[k]:.2f}" for k in ("predicted_step_ms", "round_ms"))
         lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_second']:.0f} | {r['tau']:.2f} | "
-                     f"{r['step_ms']:.2f} | {predicted} | {r['rows_per_step']:.0f} | {r['requests_per_step']:.1f} | "
+                     f"{r['step_ms']:.2f} | {alone} | {predicted} | {r['rows_per_step']:.0f} | "
+                     f"{r['requests_per_step']:.1f} | "
                      f"{same} | {', '.join(f'{k} {v:.2f}' for k, v in r.get('phase_ms', {}).items())} |")
     if report.get("cost_model") and len(report["cost_model"]["points"]) > 1:
         model = report["cost_model"]

@@ -170,11 +170,13 @@ class PagedBackend:
             self.hybrid.pool.close(seq_id)
 
     def rows_per_round(self, request: DecodeRequest) -> int:
-        """A round writes the root and its tree's nodes in the target's cache, the draft block in the drafter's."""
+        """A round writes the root and its tree's nodes in the target's cache, the draft block in the drafter's; a
+        device round queued before the last one's tokens are taken starts up to a block further on."""
+        ahead = self.block if self.device_round is not None and SWITCHES.overlap else 0
         if request.method == "ar":
-            return 0
+            return ahead
         depth = self.block - 1
-        return max(depth if request.method == "dflash" else min(request.budget, MAX_BUDGET), depth)
+        return max(depth if request.method == "dflash" else min(request.budget, MAX_BUDGET), depth) + ahead
 
     @torch.inference_mode()
     def step(self, prefills: list[Prefill], decodes: list[int], node_limit: int | None) -> dict[int, Round]:
@@ -208,7 +210,7 @@ class PagedBackend:
         logit_rows += [layout.row_offsets[i + 1] - 1 for i, chunk in enumerate(chunks)
                        if chunk.last and chunk.root is None and i not in wanted]
         logit_index = {row: k for k, row in enumerate(logit_rows)}
-        saves = self._checkpoints(chunks) if self.hybrid and self.blocks.prefix is not None else {}
+        saves = self.hybrid.checkpoints(chunks, self.blocks, self.states) if self.hybrid and self.blocks.prefix else {}
         seqs = self._seq_rows([chunk.seq_id for chunk in chunks], layout, saves=saves)
         logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
                                          self._tensor(logit_rows), seqs)
@@ -238,37 +240,32 @@ class PagedBackend:
                                       logprob_rows(state, processed, [root]), prompt_logits, is_prefill=True)
         return out
 
-    def _checkpoints(self, chunks: list[Prefill]) -> dict[int, tuple[tuple[int, int], ...]]:
-        """A hybrid's prefix cache (core/prefix_cache.py): a sequence whose first chunk starts after a cached
-        prefix takes the states checkpointed there; a chunk saves the states at each checkpoint boundary it
-        reaches inside its prompt. Returns each sequence's saves (rows into its chunk, checkpoint slot)."""
-        pool, every = self.hybrid.pool, self.blocks.prefix.every * self.page
-        for chunk in chunks:  # restores first: a save below may take any checkpoint slot, a hit's one included
-            if chunk.start and self.states[chunk.seq_id].start == 0:
-                pool.restore(chunk.seq_id, self.blocks.checkpoint(chunk.seq_id, chunk.start))
-        saves = {}
-        for chunk in chunks:
-            end = min(chunk.start + len(chunk.tokens), len(self.states[chunk.seq_id].request.prompt_ids))
-            saves[chunk.seq_id] = tuple((boundary - chunk.start, self.blocks.reserve_checkpoint(chunk.seq_id, boundary))
-                                        for boundary in range((chunk.start // every + 1) * every, end + 1, every))
-        return saves
-
     # -- one round ------------------------------------------------------------------------------------------
 
     def _round(self, seq_ids: list[int], node_limit: int | None) -> dict[int, Round]:
-        """One round for every decoding sequence. The host waits for the device where it needs its results (the
-        draft's, then the verify's picks), and nowhere else: the commit's work runs on while the next step's host
-        work goes on. Phase times are host wall times between those waits."""
-        phases = dict.fromkeys(PHASES, 0.0)
-        t = started = time.perf_counter()
+        """One round for every decoding sequence: on the device where it takes them (fast/batch_round.py; the round
+        it queued last step may hold their results already), the others on the host."""
+        started = time.perf_counter()
         states = [self.states[s] for s in seq_ids]
-        drafting = [i for i, st in enumerate(states) if st.request.method != "ar" and self._depth(st) > 0]
-        if not self._drafts(t, len(drafting), len(states)):
-            drafting = []
-        if drafting and self.device_round is not None and SWITCHES.device_round:
-            out = self.device_round.step(seq_ids, states, node_limit, started)
-            if out is not None:
-                return out
+        drafting = {i for i, st in enumerate(states) if st.request.method != "ar" and self._depth(st) > 0}
+        drafts = self._drafts(started, len(drafting), len(states)) and bool(drafting)
+        out, device = {}, self.device_round if SWITCHES.device_round else None
+        if device is not None:
+            out = device.step(seq_ids, states, node_limit, started, drafts)
+        left = [i for i, s in enumerate(seq_ids) if s not in out and not (device is not None and device.queues(s))]
+        if left:
+            subset = ([seq_ids[i] for i in left], [states[i] for i in left])
+            out.update(self._host_round(*subset, [j for j, i in enumerate(left) if drafts and i in drafting],
+                                        node_limit, started))
+        return out
+
+    def _host_round(self, seq_ids: list[int], states: list[SeqState], drafting: list[int], node_limit: int | None,
+                    started: float) -> dict[int, Round]:
+        """The round on the host: draft, trees, verify, walk and commit launched from Python. The host waits for the
+        device where it needs its results (the draft's, then the verify's picks), and nowhere else: the commit's work
+        runs on while the next step's host work goes on. Phase times are host wall times between those waits."""
+        phases = dict.fromkeys(PHASES, 0.0)
+        t = started
         drafted = self._draft(seq_ids, states, drafting) if drafting else None
         phases["draft"], t = self._lap(t, wait=drafted is not None)
         trees = self._trees(states, drafting, drafted, node_limit)

@@ -46,6 +46,7 @@ from ddtree.fast.batch_seq import SeqState, plain_greedy, plain_sampled
 from ddtree.fast.runner import MAX_BUDGET
 from ddtree.kernels.paged_attention import BLOCK_M, tiles_for
 from ddtree.kernels.tree import ancestors, batch_prefixes, tree_size, vocab_argmax, vocab_sample, vocab_top
+from ddtree.switches import SWITCHES
 
 
 class RoundBackend(Protocol):
@@ -112,6 +113,18 @@ def request_bucket(requests: int, largest: int) -> int:
 
 
 @dataclass
+class Queued:
+    """A round replayed on the device and not read yet: its requests as they were launched, and its graph."""
+
+    seq_ids: list[int]
+    states: list[SeqState]
+    methods: list[str]
+    captured: _Captured
+    nodes: int
+    budget: int
+
+
+@dataclass
 class RoundResult:
     """What a device round hands back per request (host arrays): the accepted length (path nodes, the root
     included), the draft nodes verified, the emitted tokens and the accepted path's nodes (the first `length`
@@ -138,12 +151,46 @@ class DeviceRound:
         # (bucket, tree nodes, budget) -> a round's own time, measured at start-up (`capture_all`): draft, trees,
         # verify, walk and commit, which the verify-only cost model would leave out
         self.seconds: dict[tuple[int, int, int], float] = {}
+        self.budgets: set[int] = set()  # tree budgets captured at start-up (`capture_all`)
+        self.queued: Queued | None = None  # the next step's round, replayed before this step's results are taken
 
-    def step(self, seq_ids: list[int], states: list[SeqState], node_limit: int | None,
-             started: float) -> dict[int, Round] | None:
-        """These requests' round on the device, or None where it takes the host path (`size`). Each request's
-        result moves its state on; the verified nodes and the accepted ones feed the budget's calibration."""
-        backend = self.backend
+    def step(self, seq_ids: list[int], states: list[SeqState], node_limit: int | None, started: float,
+             drafts: bool = True) -> dict[int, Round]:
+        """These decoding requests' rounds on the device: the results of the round queued last step for those in
+        it, else (none queued) a round now where the device takes them all (`size`); `drafts`: whether this step
+        drafts at all (RoundChoice). Then, with overlap on, the next round is queued for every request that goes
+        on, so the device runs it while the host turns these results into text and schedules the next step.
+        Requests that get no result here and are not queued take the host path this step."""
+        queued, self.queued = self.queued, None
+        current = dict(zip(seq_ids, states, strict=True))
+        out = self.finish(queued, current, started) if queued is not None else {}
+        if not drafts:
+            return out
+        if not out:
+            launched = self.launch(seq_ids, states, node_limit)
+            if launched is None:
+                return {}
+            out = self.finish(launched, current, started)
+        if SWITCHES.overlap:
+            going = [(seq_id, state) for seq_id, state in current.items() if not self._done(state)]
+            if going:
+                self.queued = self.launch([seq_id for seq_id, _ in going], [state for _, state in going], node_limit)
+        return out
+
+    def queues(self, seq_id: int) -> bool:
+        """Whether the round queued for the next step holds this request."""
+        return self.queued is not None and seq_id in self.queued.seq_ids
+
+    def _done(self, state: SeqState) -> bool:
+        """Whether the request has all its tokens once its last result is taken (its token limit, or the context
+        full), so no round is queued for it; one that ends on a stop token still runs one queued round, dropped."""
+        request = state.request
+        return (state.start + 1 >= self.backend.max_context
+                or state.start + 1 - len(request.prompt_ids) >= request.params.max_new_tokens)
+
+    def launch(self, seq_ids: list[int], states: list[SeqState], node_limit: int | None) -> Queued | None:
+        """These requests' round replayed on the device from their states, not read yet; None where it takes the
+        host path (`size`)."""
         size = self.size(states, node_limit)
         if size is None:
             return None
@@ -152,31 +199,44 @@ class DeviceRound:
         methods = [state.request.method for state in states]
         allowed = [min(state.request.budget, nodes) if method == "ddtree" else nodes if method == "dflash" else 0
                    for state, method in zip(states, methods, strict=True)]
-        result = self.run(np.fromiter((state.start for state in states), np.int64, count),
-                          np.fromiter((state.root for state in states), np.int64, count), np.array(allowed),
-                          np.fromiter((backend._depth(state) for state in states), np.int64, count),
-                          np.array([_settings(state.request.params) for state in states], dtype=np.float64),
-                          [backend.blocks.tables[seq_id] for seq_id in seq_ids], nodes, budget,
-                          np.array([method == "dflash" for method in methods]))
+        captured = self.replay(np.fromiter((state.start for state in states), np.int64, count),
+                               np.fromiter((state.root for state in states), np.int64, count), np.array(allowed),
+                               np.fromiter((self.backend._depth(state) for state in states), np.int64, count),
+                               np.array([_settings(state.request.params) for state in states], dtype=np.float64),
+                               [self.backend.blocks.tables[seq_id] for seq_id in seq_ids], nodes, budget,
+                               np.array([method == "dflash" for method in methods]))
+        return Queued(list(seq_ids), list(states), methods, captured, nodes, budget)
+
+    def finish(self, queued: Queued, current: dict[int, SeqState], started: float) -> dict[int, Round]:
+        """A replayed round's results, for the requests still decoding with the state it was launched from (one
+        finished, aborted or preempted since has none here); each one's state moves on. The verified nodes and the
+        accepted ones feed the budget's calibration."""
+        mine = [r for r, (seq_id, state) in enumerate(zip(queued.seq_ids, queued.states, strict=True))
+                if current.get(seq_id) is state]
+        if not mine:
+            return {}
+        backend = self.backend
+        result = self.read(queued.captured, len(queued.states))
         phases = dict.fromkeys(PHASES, 0.0)
         phases["verify"] = time.perf_counter() - started  # the whole round, up to its one wait
         verified = np.arange(result.scores.shape[1]) < result.nodes[:, None]
         accepted = np.zeros_like(verified)
         out = {}
-        for r, (seq_id, state) in enumerate(zip(seq_ids, states, strict=True)):
-            length = int(result.lengths[r])
-            emitted = result.emitted[r, :length].tolist()
+        for r, length in enumerate(result.lengths.tolist()):
             accepted[r, result.path[r, 1:length] - 1] = True
+        for r in mine:
+            state, length = queued.states[r], int(result.lengths[r])
+            emitted = result.emitted[r, :length].tolist()
             state.start += length
             state.root = emitted[-1]
-            if methods[r] != "ar":  # a tree's or chain's node scores, for the next round's size
+            if queued.methods[r] != "ar":  # a tree's or chain's node scores, for the next round's size
                 state.scores = result.scores[r]
-            out[seq_id] = Round(emitted, int(result.nodes[r]), length - 1, phases)
+            out[queued.seq_ids[r]] = Round(emitted, int(result.nodes[r]), length - 1, phases)
         backend.calibration.observe(result.scores[verified], accepted[verified])
         backend.last_nodes = int(result.nodes.sum())
         if backend.choice is not None:
-            backend.last_predicted = float(self.predicted(count, [nodes], budget)[0])
-            backend._previous = (started, count, True, int(result.lengths.sum()),
+            backend.last_predicted = float(self.predicted(len(queued.states), [queued.nodes], queued.budget)[0])
+            backend._previous = (started, len(mine), True, int(result.lengths[mine].sum()),
                                  backend.last_predicted - backend.cost.overhead)
         return out
 
@@ -207,9 +267,13 @@ class DeviceRound:
         budgets = trees + [self.depth for state in states if state.request.method == "dflash"]
         if not budgets or max(budgets) < 1:
             return None
-        budget, limit = max(budgets), min(node_limit or backend.max_rows, backend.max_rows)
-        sizes = [n for n in sorted({budget, *(1 << i for i in range(budget.bit_length()))}, reverse=True)
-                 if n <= budget and self.rows(len(states), n) <= limit]
+        # the smallest budget captured at start-up that holds them all, and its sizes up to the first that does: a
+        # best-first tree's first n nodes are the same at any budget, so no round waits for a capture
+        need, limit = max(budgets), min(node_limit or backend.max_rows, backend.max_rows)
+        budget = min((b for b in self.budgets if b >= need), default=need)
+        sizes = {budget, *(1 << i for i in range(budget.bit_length()))}
+        top = min(n for n in sizes if n >= need)
+        sizes = [n for n in sorted(sizes, reverse=True) if n <= top and self.rows(len(states), n) <= limit]
         if not sizes:
             return None
         known = [state.scores for state in states if state.scores is not None]
@@ -228,7 +292,14 @@ class DeviceRound:
     def run(self, starts: np.ndarray, roots: np.ndarray, allowed: np.ndarray, depths: np.ndarray,
             sampling: np.ndarray, tables: list[list[int]], nodes: int, budget: int,
             chains: np.ndarray | None = None) -> RoundResult:
-        """One round of these requests (their starts, roots, node allowances, draft depths, sampling settings
+        """`replay`, then `read`: one round's result now."""
+        return self.read(self.replay(starts, roots, allowed, depths, sampling, tables, nodes, budget, chains),
+                         len(starts))
+
+    def replay(self, starts: np.ndarray, roots: np.ndarray, allowed: np.ndarray, depths: np.ndarray,
+               sampling: np.ndarray, tables: list[list[int]], nodes: int, budget: int,
+               chains: np.ndarray | None = None) -> _Captured:
+        """Queue one round of these requests (their starts, roots, node allowances, draft depths, sampling settings
         [count, 4]: temperature (0: greedy), top-k, top-p, min-p; and block tables), each verifying at most the
         first `nodes` draft nodes of its best-first tree of budget `budget` (>= nodes: the result holds every
         node's score, for the next round's choice of size), or where `chains` says so of its chain (`dflash`)."""
@@ -253,7 +324,12 @@ class DeviceRound:
             host[r, INPUTS:INPUTS + len(table)] = table[:self.width]
         io.inputs.copy_(torch.from_numpy(host), non_blocking=True)
         captured()
-        out = io.result.cpu().numpy()[:count]
+        return captured
+
+    def read(self, captured: _Captured, count: int) -> RoundResult:
+        """The result of the round last replayed on `captured` (the host waits for it here), its first `count`
+        requests'."""
+        out = captured.rows.result.cpu().numpy()[:count]
         ints, block = out[:, :2 + 2 * self.backend.block].astype(np.int64), self.backend.block
         return RoundResult(ints[:, 0], ints[:, 1], ints[:, 2:2 + block], ints[:, 2 + block:], out[:, 2 + 2 * block:])
 
@@ -274,6 +350,7 @@ class DeviceRound:
         `predicted`: before any sequence runs, so dummy requests write only the scratch slot (their attention
         reads no context: a round's own cost, less its requests' context lengths)."""
         sizes = {budget, *(1 << i for i in range(budget.bit_length()))}
+        self.budgets.add(budget)
         largest = self.backend.max_seqs
         for bucket in sorted({request_bucket(n, largest) for n in range(1, largest + 1)}):
             for nodes in sorted(n for n in sizes if n <= budget):

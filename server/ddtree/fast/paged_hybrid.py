@@ -41,6 +41,11 @@ from ddtree.models.hybrid import project
 from ddtree.models.target import HybridTarget
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ddtree.core.blocks import BlockManager
+    from ddtree.core.rounds import Prefill
+    from ddtree.fast.batch_seq import SeqState
     from ddtree.fast.batch_trees import RoundTrees
 
 
@@ -182,6 +187,22 @@ class HybridRows:
         m, rows = layers[0], HybridRows.record_rows(seqs, rows, gdn.varlen_max_rows(target.device))
         per_row = m.num_v_heads * (m.head_k_dim + m.head_v_dim + 1) * 4 + m.conv_dim * target.dtype.itemsize
         return len(layers) * (per_row * rows + (m.conv_kernel_size - 1) * seqs * m.conv_dim * target.dtype.itemsize)
+
+    def checkpoints(self, chunks: list[Prefill], blocks: BlockManager,
+                    states: Mapping[int, SeqState]) -> dict[int, tuple[tuple[int, int], ...]]:
+        """The prefix cache's states (core/prefix_cache.py): a sequence whose first chunk starts after a cached
+        prefix takes the states checkpointed there; a chunk saves the states at each checkpoint boundary it
+        reaches inside its prompt. Returns each sequence's saves (rows into its chunk, checkpoint slot)."""
+        every = blocks.prefix.every * blocks.block_size
+        for chunk in chunks:  # restores first: a save below may take any checkpoint slot, a hit's one included
+            if chunk.start and states[chunk.seq_id].start == 0:
+                self.pool.restore(chunk.seq_id, blocks.checkpoint(chunk.seq_id, chunk.start))
+        saves = {}
+        for chunk in chunks:
+            end = min(chunk.start + len(chunk.tokens), len(states[chunk.seq_id].request.prompt_ids))
+            saves[chunk.seq_id] = tuple((boundary - chunk.start, blocks.reserve_checkpoint(chunk.seq_id, boundary))
+                                        for boundary in range((chunk.start // every + 1) * every, end + 1, every))
+        return saves
 
     def seq_rows(self, seq_ids: list[int], layout: PagedLayout, trees: RoundTrees | None = None,
                  saves: dict[int, tuple[tuple[int, int], ...]] | None = None) -> list[SeqRows]:
