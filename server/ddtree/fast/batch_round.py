@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -124,6 +124,14 @@ class Queued:
     budget: int
 
 
+class Taken(NamedTuple):
+    """A queued round's result, read, and which of its requests (rows) it moved on."""
+
+    queued: Queued
+    result: RoundResult
+    mine: list[int]
+
+
 @dataclass
 class RoundResult:
     """What a device round hands back per request (host arrays): the accepted length (path nodes, the root
@@ -160,22 +168,22 @@ class DeviceRound:
         it, else (none queued) a round now where the device takes them all (`size`); `drafts`: whether this step
         drafts at all (RoundChoice). Then, with overlap on, the next round is queued for every request that goes
         on, so the device runs it while the host turns these results into text and schedules the next step.
-        Requests that get no result here and are not queued take the host path this step."""
+        Requests that get no result here and are not queued take the host path this step.
+
+        The device waits on the host only from the result's arrival to the next replay: the size is chosen while
+        the queued round still runs (from the trees of the round before it), and the next round is replayed as soon
+        as the states have moved on, before the results become rounds."""
         queued, self.queued = self.queued, None
         current = dict(zip(seq_ids, states, strict=True))
-        out = self.finish(queued, current, started) if queued is not None else {}
-        if not drafts:
-            return out
-        if not out:
-            launched = self.launch(seq_ids, states, node_limit)
-            if launched is None:
-                return {}
-            out = self.finish(launched, current, started)
-        if SWITCHES.overlap:
-            going = [(seq_id, state) for seq_id, state in current.items() if not self._done(state)]
-            if going:
-                self.queued = self.launch([seq_id for seq_id, _ in going], [state for _, state in going], node_limit)
-        return out
+        size = self.size(states, node_limit) if drafts else None
+        taken = self.take(queued, current) if queued is not None else None
+        if taken is None and size is not None:  # nothing queued for these requests: their round now
+            taken = self.take(self.launch(seq_ids, states, size), current)
+        if size is not None and SWITCHES.overlap:
+            going = [i for i, state in enumerate(states) if not self._done(state)]
+            if going:  # a smaller batch fits the size chosen for all of them
+                self.queued = self.launch([seq_ids[i] for i in going], [states[i] for i in going], size)
+        return self.rounds(taken, started) if taken is not None else {}
 
     def queues(self, seq_id: int) -> bool:
         """Whether the round queued for the next step holds this request."""
@@ -188,12 +196,9 @@ class DeviceRound:
         return (state.start + 1 >= self.backend.max_context
                 or state.start + 1 - len(request.prompt_ids) >= request.params.max_new_tokens)
 
-    def launch(self, seq_ids: list[int], states: list[SeqState], node_limit: int | None) -> Queued | None:
-        """These requests' round replayed on the device from their states, not read yet; None where it takes the
-        host path (`size`)."""
-        size = self.size(states, node_limit)
-        if size is None:
-            return None
+    def launch(self, seq_ids: list[int], states: list[SeqState], size: tuple[int, int]) -> Queued:
+        """These requests' round at `size` (nodes a tree verifies, the trees' budget: `size`) replayed on the device
+        from their states, not read yet."""
         nodes, budget = size
         count = len(states)
         methods = [state.request.method for state in states]
@@ -207,31 +212,37 @@ class DeviceRound:
                                np.array([method == "dflash" for method in methods]))
         return Queued(list(seq_ids), list(states), methods, captured, nodes, budget)
 
-    def finish(self, queued: Queued, current: dict[int, SeqState], started: float) -> dict[int, Round]:
-        """A replayed round's results, for the requests still decoding with the state it was launched from (one
-        finished, aborted or preempted since has none here); each one's state moves on. The verified nodes and the
-        accepted ones feed the budget's calibration."""
+    def take(self, queued: Queued, current: dict[int, SeqState]) -> Taken | None:
+        """A replayed round's result (the host waits for it here), for the requests still decoding with the state it
+        was launched from (one finished, aborted or preempted since has none: None when no request has); each one's
+        state moves on: start, root, and its tree's scores for the next round's size."""
         mine = [r for r, (seq_id, state) in enumerate(zip(queued.seq_ids, queued.states, strict=True))
                 if current.get(seq_id) is state]
         if not mine:
-            return {}
-        backend = self.backend
+            return None
         result = self.read(queued.captured, len(queued.states))
+        lengths = result.lengths.tolist()
+        for r in mine:
+            state, length = queued.states[r], lengths[r]
+            state.start += length
+            state.root = int(result.emitted[r, length - 1])
+            if queued.methods[r] != "ar":
+                state.scores = result.scores[r]
+        return Taken(queued, result, mine)
+
+    def rounds(self, taken: Taken, started: float) -> dict[int, Round]:
+        """A taken result as each request's round; the verified nodes and the accepted ones feed the budget's
+        calibration, the round's size and time its bookkeeping."""
+        backend, queued, result, mine = self.backend, *taken
         phases = dict.fromkeys(PHASES, 0.0)
         phases["verify"] = time.perf_counter() - started  # the whole round, up to its one wait
         verified = np.arange(result.scores.shape[1]) < result.nodes[:, None]
         accepted = np.zeros_like(verified)
-        out = {}
-        for r, length in enumerate(result.lengths.tolist()):
+        lengths = result.lengths.tolist()
+        for r, length in enumerate(lengths):
             accepted[r, result.path[r, 1:length] - 1] = True
-        for r in mine:
-            state, length = queued.states[r], int(result.lengths[r])
-            emitted = result.emitted[r, :length].tolist()
-            state.start += length
-            state.root = emitted[-1]
-            if queued.methods[r] != "ar":  # a tree's or chain's node scores, for the next round's size
-                state.scores = result.scores[r]
-            out[queued.seq_ids[r]] = Round(emitted, int(result.nodes[r]), length - 1, phases)
+        out = {queued.seq_ids[r]: Round(result.emitted[r, :lengths[r]].tolist(), int(result.nodes[r]), lengths[r] - 1,
+                                        phases) for r in mine}
         backend.calibration.observe(result.scores[verified], accepted[verified])
         backend.last_nodes = int(result.nodes.sum())
         if backend.choice is not None:
