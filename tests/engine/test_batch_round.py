@@ -260,10 +260,11 @@ def test_a_device_rounds_result_reports_each_requests_path_and_scores(engines):
     batch.step()  # the prefills
     states = [backend.states[seq.seq_id] for seq in seqs]
     with torch.inference_mode():
-        result = backend.device_round.run(
+        device_round = backend.device_round
+        result = device_round.read(device_round.replay(
             np.array([s.start for s in states]), np.array([s.root for s in states]), np.array([8, 8, 0]),
             np.array([backend._depth(s) for s in states]), np.tile([0.0, 0.0, 1.0, 0.0], (3, 1)),
-            [batch.blocks.tables[seq.seq_id] for seq in seqs], 8, 8)
+            [batch.blocks.tables[seq.seq_id] for seq in seqs], 8, 8), 3)
     assert list(result.nodes) == [8, 8, 0] and result.lengths[2] == 1
     for r in range(3):
         length = result.lengths[r]
@@ -285,11 +286,12 @@ def test_a_dflash_request_in_a_device_round_verifies_its_chain(engines):
     depth = backend.block - 1
     for nodes in (4, 16):
         with torch.inference_mode():
-            result = backend.device_round.run(
+            device_round = backend.device_round
+            result = device_round.read(device_round.replay(
                 np.array([s.start for s in states]), np.array([s.root for s in states]),
                 np.array([min(8, nodes), nodes]),
                 np.array([backend._depth(s) for s in states]), np.tile([0.0, 0.0, 1.0, 0.0], (2, 1)),
-                [batch.blocks.tables[seq.seq_id] for seq in seqs], nodes, 16, np.array([False, True]))
+                [batch.blocks.tables[seq.seq_id] for seq in seqs], nodes, 16, np.array([False, True])), 2)
         assert result.nodes[1] == min(nodes, depth)
         length = result.lengths[1]
         assert list(result.path[1, :length]) == list(range(length))

@@ -32,7 +32,7 @@ from ddtree.bench.timing import measured_ceilings
 from ddtree.core.budget import CostModel
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.engine.batch import BatchEngine, BatchOptions
+from ddtree.engine.batch import BatchEngine, BatchOptions, StepStats
 from ddtree.errors import DDTreeError
 
 
@@ -137,9 +137,7 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
                 seq = batch.add(pending.pop(0), params, method=method, budget=budget)
                 seqs.append(seq)
             batch.step()
-            steps.append((batch.last.seconds, batch.last.verified_tokens, batch.last.sequences,
-                          getattr(batch.backends[0], "last_predicted", None), batch.last.phase_seconds,
-                          batch.last.prefill_tokens))
+            steps.append((batch.last, getattr(batch.backends[0], "last_predicted", None)))
         return seqs, time.perf_counter() - started, steps
 
     wave(prompts[:min(len(prompts), concurrency)])
@@ -147,28 +145,29 @@ def _run(batch: BatchEngine, prompts: list[list[int]], params: SamplingParams, m
     generated = sum(len(s.generation.token_ids) for s in seqs)
     rounds = sum(s.generation.stats.rounds for s in seqs)
     committed = sum(s.generation.stats.committed_tokens for s in seqs)
-    decode = [s for s in steps if s[2]]
-    rows, requests = (sum(s[i] for s in decode) / max(len(decode), 1) for i in (1, 2))
+    decode = [(stats, predicted) for stats, predicted in steps if stats.sequences]
+    count = max(len(decode), 1)
+    rows, requests = (sum(getattr(s, key) for s, _ in decode) / count for key in ("verified_tokens", "sequences"))
     # the batch budget's model of a round (a device round's measured time, else verify + per request; plus the
     # overhead it measures while serving), on average over the steps that ran rounds alone (no prompt chunks: the
     # model prices a round, not the prefills beside it), against those steps' measured time
-    rounds_only = [s for s in decode if not s[5]]
-    predictions = [s[3] for s in rounds_only if s[3] is not None]
+    rounds_only = [(s, p) for s, p in decode if not s.prefill_tokens]
+    predictions = [p for _, p in rounds_only if p is not None]
     predicted = 1e3 * sum(predictions) / len(predictions) if predictions else None
     return dict(tokens_per_second=generated / seconds, tau=committed / max(rounds, 1),
-                step_ms=1e3 * sum(s[0] for s in decode) / max(len(decode), 1), predicted_step_ms=predicted,
-                round_ms=1e3 * sum(s[0] for s in rounds_only) / len(rounds_only) if rounds_only else None,
-                rows_per_step=rows, requests_per_step=requests, phase_ms=phase_ms(decode),
+                step_ms=1e3 * sum(s.seconds for s, _ in decode) / count, predicted_step_ms=predicted,
+                round_ms=1e3 * sum(s.seconds for s, _ in rounds_only) / len(rounds_only) if rounds_only else None,
+                rows_per_step=rows, requests_per_step=requests, phase_ms=phase_ms([s for s, _ in decode]),
                 outputs=[s.generation.token_ids for s in seqs])
 
 
-def phase_ms(steps: list[tuple]) -> dict[str, float]:
+def phase_ms(steps: list[StepStats]) -> dict[str, float]:
     """Milliseconds a decode step spends in each phase (draft, tree, verify, commit), on average: where a slow
     step's time goes. Only the draft phase waits for the device, so queued device work lands in the phase that
     next waits."""
     totals: dict[str, float] = {}
     for step in steps:
-        for name, seconds in step[4].items():
+        for name, seconds in step.phase_seconds.items():
             totals[name] = totals.get(name, 0.0) + seconds
     return {name: 1e3 * seconds / max(len(steps), 1) for name, seconds in totals.items()}
 

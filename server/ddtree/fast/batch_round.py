@@ -147,7 +147,8 @@ class RoundResult:
 
 class DeviceRound:
     """One captured round per (bucket of requests, nodes a tree verifies, the trees' budget): `step` chooses the
-    size and turns the result into each request's round, `run` fills the inputs, replays and reads the result."""
+    size and turns the result into each request's round, `replay` fills the inputs and replays, `read` waits for
+    and reads the result."""
 
     def __init__(self, backend: RoundBackend) -> None:
         self.backend = backend
@@ -267,7 +268,8 @@ class DeviceRound:
         request that is not `ddtree`, `dflash` or `ar` with picks the device makes (`picks_on_device`), or no tree
         that fits the step's rows. The size is the power of two up to the largest budget (a `dflash` chain's: the
         draft depth) or that budget that maximises expected tokens per second (`predicted`), each request's expected
-        accepted tokens from its tree (or chain) of the last round, calibrated."""
+        accepted tokens from its tree (or chain) as last read (with overlap, the round before the one queued),
+        calibrated."""
         backend = self.backend
         for state in states:
             request = state.request
@@ -299,13 +301,6 @@ class DeviceRound:
     def rows(self, requests: int, nodes: int) -> int:
         """Target rows a round of `requests` requests at `nodes` nodes a tree verifies (padding included)."""
         return request_bucket(requests, self.backend.max_seqs) * (self._tree_nodes(nodes) + 1)
-
-    def run(self, starts: np.ndarray, roots: np.ndarray, allowed: np.ndarray, depths: np.ndarray,
-            sampling: np.ndarray, tables: list[list[int]], nodes: int, budget: int,
-            chains: np.ndarray | None = None) -> RoundResult:
-        """`replay`, then `read`: one round's result now."""
-        return self.read(self.replay(starts, roots, allowed, depths, sampling, tables, nodes, budget, chains),
-                         len(starts))
 
     def replay(self, starts: np.ndarray, roots: np.ndarray, allowed: np.ndarray, depths: np.ndarray,
                sampling: np.ndarray, tables: list[list[int]], nodes: int, budget: int,
