@@ -315,7 +315,7 @@ class DeviceRound:
         picks: Picks = "filtered" if filtered else "sampled" if (sampling[:, 0] > 0).any() else "greedy"
         chained = chains is not None and bool(chains.any())
         key = (bucket, self._tree_nodes(nodes), budget, picks, chained)
-        captured = self._rounds.get(key) or self._capture(*key)
+        captured = self._rounds.get(key) or self._capture_idle(key)
         io = captured.rows
         host = np.zeros((bucket, INPUTS + self.width), dtype=np.int64)
         host[:, 3] = -1
@@ -344,10 +344,15 @@ class DeviceRound:
         vocab = self.backend.draft_head.weight.shape[0]
         return tree_size(self.depth, min(nodes, vocab), nodes)
 
-    def _capture(self, bucket: int, nodes: int, budget: int, picks: Picks, chains: bool) -> _Captured:
+    def _capture_idle(self, key: tuple[int, int, int, Picks, bool]) -> _Captured:
+        """The round of `key`, captured on dummy requests (they write only the scratch slot): a capture runs its round
+        three times (two warm-up runs, then the replay), and the live requests' round must run once."""
+        bucket, nodes, budget, picks, chains = key
         io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width, picks, chains)
         captured = _Captured(lambda rows: _round(self.backend, rows), io, self.backend.cuda, self.backend.pool)
-        self._rounds[(bucket, nodes, budget, picks, chains)] = captured
+        io.inputs[:, 3] = -1
+        captured()
+        self._rounds[key] = captured
         return captured
 
     def capture_all(self, budget: int, repeats: int = 3) -> None:
@@ -364,10 +369,7 @@ class DeviceRound:
                     continue
                 key = (bucket, self._tree_nodes(nodes), budget, "greedy", False)
                 if key not in self._rounds:
-                    captured = self._capture(*key)
-                    captured.rows.inputs.zero_()
-                    captured.rows.inputs[:, 3] = -1
-                    captured()
+                    captured = self._capture_idle(key)
                     if repeats:
                         self.seconds[key[:3]] = min(self._timed(captured) for _ in range(repeats))
 
