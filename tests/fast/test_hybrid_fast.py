@@ -122,3 +122,19 @@ def test_every_tree_node_gets_the_logits_of_its_path_run_alone(hybrid_pair):
         alone = [*prefix, 13, *path_tokens(tree, node)]
         want, _ = target.forward(torch.tensor(alone), torch.arange(len(alone)), target.new_cache())
         torch.testing.assert_close(logits[node], want[-1], atol=2e-4, rtol=2e-4)
+
+
+def test_a_hybrids_norms_compile_once_for_every_row_count():
+    """Compiled (as on CUDA), a hybrid's norm makes one graph for every row count a batch pads to, single rows
+    included: one per count would reach dynamo's recompile limit and fall back to eager mid-serve."""
+    from ddtree.fast.layers import _compiled
+
+    counters = torch._dynamo.utils.counters["stats"]
+    gen = torch.Generator().manual_seed(0)
+    for fn, gated in ((fast_hybrid.offset_rms_norm, False), (fast_hybrid.gated_rms_norm, True)):
+        compiled, before = _compiled(fn, any_rows=True), counters["unique_graphs"]
+        for rows in (1, 2, 8, 33, 256):
+            x, weight = torch.randn(rows, 32, generator=gen), torch.randn(32, generator=gen)
+            gate = (torch.randn(rows, 32, generator=gen),) if gated else ()
+            torch.testing.assert_close(compiled(x, *gate, weight, 1e-6), fn(x, *gate, weight, 1e-6))
+        assert counters["unique_graphs"] - before <= 1, fn.__name__

@@ -100,7 +100,8 @@ class HybridLayers:
             if module is not None and hasattr(module, "in_proj_qkv"):
                 fuse(module, "ddtree_in_proj", [module.in_proj_qkv, module.in_proj_z, module.in_proj_b,
                                                 module.in_proj_a])
-        self.norm_ops = {name: ops.wrap(fn) for name, fn in NORMS.items()}
+        compiled = {fn: ops.wrap(fn, any_rows=True) for fn in set(NORMS.values())}
+        self.norm_ops = {name: compiled[fn] for name, fn in NORMS.items()}
         self.conv_and_gates = ops.wrap(conv_and_gates)
         self.delta_rule = ops.wrap(tree_delta_rule)
         self.recurrent_index = {i: n for n, i in enumerate(i for i, layer in enumerate(self.decoder)

@@ -139,9 +139,11 @@ class Ops:
             return rows.silu_mul_fp8(gate_up, group)
         return rows_of(self.silu_mul(gate_up), group)
 
-    def wrap(self, fn: Callable) -> Callable:
-        """`fn` compiled (with the eager fallback) when this Ops compiles, else `fn` itself."""
-        return _compiled(fn) if self.compiled else fn
+    def wrap(self, fn: Callable, any_rows: bool = False) -> Callable:
+        """`fn` compiled (with the eager fallback) when this Ops compiles, else `fn` itself. `any_rows`: one graph
+        for every row count (the first dimension of its tensors of two or more dimensions), not one per count
+        seen: a function called on every bucket's rows would otherwise reach dynamo's recompile limit."""
+        return _compiled(fn, any_rows) if self.compiled else fn
 
     def take_row_kernels(self) -> None:
         """The norms and SiLU · up as ddtree/kernels/rows.py's Triton kernels, for the rows those take (the
@@ -154,10 +156,16 @@ class Ops:
         self.quantizing_rows = self.folding_silu = True
 
 
-def _compiled(fn: Callable) -> Callable:
+def _compiled(fn: Callable, any_rows: bool = False) -> Callable:
+    from torch._dynamo.decorators import mark_unbacked  # dynamo loads only where something compiles
+
     state = {"fn": torch.compile(fn, fullgraph=True)}
 
     def call(*args: object) -> object:
+        if any_rows:
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim() >= 2:
+                    mark_unbacked(arg, 0)  # no guard on the count, not even 0 or 1
         try:
             return state["fn"](*args)
         except Exception as exc:  # a compiler or backend failure, not the function's own error
