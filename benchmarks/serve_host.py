@@ -158,13 +158,14 @@ def main() -> None:
         server.wait()
     where = "its own process" if args.engine_process else "the server's process"
     print(f"step {args.step_ms} ms, {args.tokens_per_round} tokens a round per request, engine in {where}")
-    print("| concurrency | served tok/s | ideal tok/s | served / ideal |")
-    print("|---|---|---|---|")
+    print("| concurrency | served tok/s | ideal tok/s | served / ideal | TTFT mean ms | TPOT mean ms | e2e mean ms |")
+    print("|---|---|---|---|---|---|---|")
     for run in runs:
         c = run["concurrency"]
         ideal = min(c, args.num_prompts) * args.tokens_per_round / (args.step_ms / 1e3)
         served = run["output_throughput"]
-        print(f"| {c} | {served:.0f} | {ideal:.0f} | {served / ideal:.2f} |")
+        print(f"| {c} | {served:.0f} | {ideal:.0f} | {served / ideal:.2f} | {run['ttft_ms']['mean']:.2f} "
+              f"| {run['tpot_ms']['mean']:.3f} | {run['e2e_ms']['mean']:.2f} |")
 
 
 if __name__ == "__main__":

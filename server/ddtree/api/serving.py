@@ -149,8 +149,18 @@ async def choice_outputs(scheduler: Scheduler, http: Request,
         for request in requests:
             scheduler.cancel(request)
 
-    tasks = [asyncio.create_task(forward(i, r)) for i, r in enumerate(requests)]
     watcher = asyncio.create_task(watch_disconnect())
+    if len(requests) == 1:  # one choice (nearly every call): its outputs as they come, with no queue between
+        try:
+            while True:
+                output = await requests[0].outputs.get()
+                yield 0, output
+                if output.finish_reason is not None:
+                    return
+        finally:
+            watcher.cancel()
+            scheduler.cancel(requests[0])
+    tasks = [asyncio.create_task(forward(i, r)) for i, r in enumerate(requests)]
     try:
         for _ in requests:  # until every choice has its final output
             while True:
