@@ -476,21 +476,24 @@ def test_batched_greedy_rounds_run_whole_on_the_device_and_give_each_requests_to
 
 
 @gpu
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dflash_chains_in_device_rounds_give_each_requests_tokens(fast_ckpt, dtype):
-    """`dflash` requests beside `ddtree` and `ar` ones on the device round: graphs that lay out their chains,
-    captured on first use, replay, and every request gets the reference's greedy tokens."""
+def test_dflash_chains_in_device_rounds_give_each_requests_tokens(fast_ckpt, dtype, overlap):
+    """`dflash` requests beside `ddtree` and `ar` ones on the device round, with the next round queued ahead and
+    without: graphs that lay out their chains, captured on first use, replay, and every request gets the
+    reference's greedy tokens."""
     from ddtree.engine.batch import BatchOptions
 
     fast = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / "draft", device="cuda", dtype=dtype, fast=True,
                                   fast_capacity=512)
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
-    batch = fast.batch(BatchOptions(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_tokens=4096))
     prompts = [[1, 2, 3, 4, 5], list(range(10, 80)) * 4, list(range(30, 60))]
     requests = [(p, r) for p in prompts for r in [("dflash", None), ("ddtree", 16), ("ar", None)]]
-    seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests]
-    while batch.has_work():
-        batch.step()
+    with override(overlap=overlap):
+        batch = fast.batch(BatchOptions(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_tokens=4096))
+        seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests]
+        while batch.has_work():
+            batch.step()
     chains = [c for key, c in batch.backends[0].device_round._rounds.items() if key[-1]]
     assert chains and all(c.graph is not None for c in chains)
     tokens_match_ar(reference, requests, seqs, dtype)
