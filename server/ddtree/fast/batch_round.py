@@ -346,12 +346,14 @@ class DeviceRound:
 
     def _capture_idle(self, key: tuple[int, int, int, Picks, bool]) -> _Captured:
         """The round of `key`, captured on dummy requests (they write only the scratch slot): a capture runs its round
-        three times (two warm-up runs, then the replay), and the live requests' round must run once."""
+        three times (two warm-up runs, then the replay), and the live requests' round must run once. Without CUDA
+        there is nothing to capture, and the round runs eagerly when replayed."""
         bucket, nodes, budget, picks, chains = key
         io = _RoundIO(self.backend, bucket, nodes, self._tree_nodes(budget), budget, self.width, picks, chains)
         captured = _Captured(lambda rows: _round(self.backend, rows), io, self.backend.cuda, self.backend.pool)
-        io.inputs[:, 3] = -1
-        captured()
+        io.inputs[:, 3] = -1  # until replayed: a timing replay (`capture_all`) runs dummy requests too
+        if self.backend.cuda:
+            captured()
         self._rounds[key] = captured
         return captured
 
