@@ -69,9 +69,9 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
     """The ASGI app. The engine loads in a thread at startup: /health answers at once, /ready when loaded."""
     state = ServerState(config or ServerConfig())
 
-    def load() -> None:
+    def load(loop: asyncio.AbstractEventLoop) -> None:
         try:
-            state.load(load_engine)
+            state.load(load_engine, loop)
         except BaseException as exc:
             state.load_error = str(exc)
             log.error("could not load the model: %s", exc)
@@ -80,7 +80,7 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        threading.Thread(target=load, name="ddtree-load", daemon=True).start()
+        threading.Thread(target=load, args=(asyncio.get_running_loop(),), name="ddtree-load", daemon=True).start()
         yield
         await state.drain()  # at once when `ddtree serve` already drained on SIGTERM
         await asyncio.to_thread(state.close)
@@ -176,24 +176,24 @@ def create_app(load_engine: Callable[[], Any], config: ServerConfig | None = Non
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(http: Request) -> Response:
         scheduler = state.require_ready()
-        body, prepared = await state.off_loop(chat_request, state, await _raw_json(http))
+        body, prepared = await state.prepare(chat_request, await _raw_json(http))
         return await serve(http, scheduler, "chat", body, prepared)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(http: Request) -> Response:
         scheduler = state.require_ready()
-        body, prepared = await state.off_loop(completion_request, state, await _raw_json(http))
+        body, prepared = await state.prepare(completion_request, await _raw_json(http))
         return await serve(http, scheduler, "completion", body, prepared)
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(http: Request) -> Response:
         """The prompt ids /v1/completions (prompt) or /v1/chat/completions (messages) would decode from."""
         state.require_ready()
-        return await state.off_loop(tokenize_reply, state, await _raw_json(http))
+        return await state.prepare(tokenize_reply, await _raw_json(http))
 
     @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(http: Request) -> Response:
         state.require_ready()
-        return await state.off_loop(detokenize_reply, state, await _raw_json(http))
+        return await state.prepare(detokenize_reply, await _raw_json(http))
 
     return app

@@ -79,6 +79,7 @@ class RemoteBatch:
         self._ids = itertools.count()
         self._live: dict[int, RemoteSequence] = {}
         self._inbox: deque[tuple] = deque()  # step messages read ahead while reading the gauges
+        self.gone = False  # the engine process closed its end: nothing more will come
 
     @property
     def alive(self) -> bool:
@@ -110,8 +111,11 @@ class RemoteBatch:
         """The outputs of the engine's next step, for the requests still live here."""
         try:
             while not self._inbox:
+                if self.gone:
+                    raise EOFError
                 self._take(self.conn.recv())
         except (EOFError, OSError):
+            self.gone = True
             raise EngineFailed(self._gone()) from None
         message = self._inbox.popleft()
         if message[0] == "failed":
@@ -139,11 +143,18 @@ class RemoteBatch:
             self.last, self._waiting, self._kv_usage = message[2], message[3], message[4]
         self._inbox.append(message)
 
+    def step_ready(self) -> bool:
+        """Whether `step` returns (or raises) without waiting: a step's message has come, or the engine is gone."""
+        self._read_ahead()
+        return bool(self._inbox) or self.gone
+
     def _read_ahead(self) -> None:
         """Take what the engine has sent so far (the gauges after its last aborts), without waiting."""
-        with contextlib.suppress(EOFError, OSError):
-            while self.conn.poll():
+        try:
+            while not self.gone and self.conn.poll():
                 self._take(self.conn.recv())
+        except (EOFError, OSError):
+            self.gone = True
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine process (after the drain: nothing runs there any more)."""

@@ -1,6 +1,6 @@
-"""Request body -> engine work, in the worker pool (ServerState.off_loop), never on the event loop: the body
-parsed, cheap bounds first (a prompt that cannot fit the context is refused before it is validated element by
-element or tokenized), prompt ids (chat template or completions prompt), sampling parameters merged with the
+"""Request body -> engine work (ServerState.prepare: a small body on the event loop, a larger one in the worker
+pool): the body parsed, cheap bounds first (a prompt that cannot fit the context is refused before it is validated
+element by element or tokenized), prompt ids (chat template or completions prompt), sampling parameters merged with the
 defaults, stop strings, and the grammar a structured reply or a forced tool call decodes under. Every way a
 request can be wrong is a 400 here, before it reaches the engine's worker.
 """
@@ -45,7 +45,7 @@ log = logging.getLogger("ddtree.server")
 
 
 # --------------------------------------------------------------------------------------------------------
-# Bodies: parse, bound, validate, prepare (each runs whole in the worker pool)
+# Bodies: parse, bound, validate, prepare (each runs whole where ServerState.prepare puts it)
 
 
 def chat_request(state: ServerState, raw: bytes) -> tuple[ChatCompletionRequest, Prepared]:

@@ -1,8 +1,9 @@
-"""Request scheduling: a bounded fair queue in front of the batch engine, run by one worker thread.
+"""Request scheduling: a bounded fair queue in front of the batch engine, run by one worker thread (or, over an
+engine process, by the event loop itself: api/loop_scheduler.py).
 
-The engine is synchronous, so it runs in a worker thread and the event loop only moves bytes. Requests wait
-in a `FairQueue` (round-robin across clients, bounded: a full queue is refused with 429 rather than growing
-without limit). The worker moves requests into the batch engine (engine/batch.py) while it has room for
+An engine in this process is synchronous, so it runs in a worker thread and the event loop only moves bytes.
+Requests wait in a `FairQueue` (round-robin across clients, bounded: a full queue is refused with 429 rather than
+growing without limit). The worker moves requests into the batch engine (engine/batch.py) while it has room for
 them (--max-num-seqs), and each engine step advances every running request by one round: their outputs
 are posted back to the waiting coroutines as they come. A request whose client goes away is aborted in the
 engine before the next step, which frees its KV blocks at once.
@@ -218,18 +219,30 @@ class Request:
 
     def post(self, output: Output) -> None:
         """Hand an output to the waiting coroutine (safe from any thread, even after the loop closed)."""
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+        Request.post_all(((self, output),))
 
     @staticmethod
     def post_all(posts: Sequence[tuple[Request, Output]]) -> None:
-        """`post` for a whole step's outputs at once: one wake-up of each event loop, not one per request."""
+        """`post` for a whole step's outputs at once: one wake-up of each event loop, not one per request (none
+        when the step was taken on the requests' own loop: their queues take the outputs at once)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Output], Output]]] = {}
         for request, output in posts:
             by_loop.setdefault(request._loop, []).append((request.outputs, output))
+        here = _running_loop()
         for loop, items in by_loop.items():
+            if loop is here:
+                _put_all(items)
+                continue
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_all, items)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _put_all(items: list[tuple[asyncio.Queue[Output], Output]]) -> None:
@@ -338,6 +351,9 @@ class Scheduler:
         self._running: dict[object, _Running] = {}  # touched by the worker thread only
         self._posts: list[tuple[Request, Output]] = []  # a step's outputs, posted together at its end
         self._mean_seconds = 1.0  # moving average of request service time, for Retry-After
+        self._start()
+
+    def _start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._thread.start()
 
@@ -388,6 +404,9 @@ class Scheduler:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.idle() and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.01)
+        self._stop()
+
+    def _stop(self) -> None:
         self.queue.close()
         self._thread.join(timeout=5)
 
@@ -404,7 +423,7 @@ class Scheduler:
     def _admit(self) -> None:
         """Move waiting requests into the batch engine while it has room (blocks for one when nothing runs)."""
         while len(self._running) < self.max_running:
-            request = self.queue.get(block=not self._running, timeout=IDLE_GAUGES_S)
+            request = self._next_waiting()
             if request is None:
                 if not self._running:  # idle: the engine's last aborts may have freed blocks since
                     self._gauges()
@@ -425,6 +444,10 @@ class Scheduler:
             text = StopStringDetokenizer(self.decode, request.stop, request.include_stop_str)
             self._running[sequence] = _Running(request, sequence, text)
         self._gauges()
+
+    def _next_waiting(self) -> Request | None:
+        """The next request to admit; when nothing runs, waits for one (a while: the gauges refresh when idle)."""
+        return self.queue.get(block=not self._running, timeout=IDLE_GAUGES_S)
 
     def _step(self) -> None:
         """One engine step: every running request's next round, its outputs posted together at the end."""
