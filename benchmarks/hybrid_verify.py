@@ -20,13 +20,13 @@ import sys
 import time
 
 import torch
-from ddtree.bench.shapes import SHAPES as BENCH_SHAPES
-from ddtree.bench.shapes import build_draft, build_target, hybrid_shape
 from ddtree.core.tree import build_tree
 from ddtree.models.draft import DraftCache
 from ddtree.models.hybrid import GDNKernels
+from ddtree.models.shapes import SHAPES as BENCH_SHAPES
+from ddtree.models.shapes import build_draft, build_target, hybrid_shape
 
-# The Qwen3.6-27B shape, hybrid_shape and the builders are `ddtree bench`'s: one definition of each.
+# The Qwen3.6-27B shape, hybrid_shape and the builders are models/shapes.py's: one definition of each.
 SHAPES = {
     "qwen3.6-27b": BENCH_SHAPES["qwen3.6-27b"],
     # Real Gated DeltaNet head shapes in a short, narrow stack: for comparing kernels cheaply.

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ddtree.bench.shapes import SHAPES, build_shape
+from ddtree.bench.shapes import build_shape
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import TokenLogprob
+from ddtree.models.shapes import SHAPES
 
 
 def top2(lp: TokenLogprob) -> str:

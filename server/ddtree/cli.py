@@ -193,6 +193,10 @@ def _batch_options(args: argparse.Namespace):
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (with Prometheus /metrics)")
     _add_model_args(p)
+    p.add_argument("--shape", default=None,
+                   help="serve a random-weight target and drafter of this shape instead of a checkpoint, with the "
+                   "demo tokenizer: qwen3-8b, qwen3.6-27b (hybrid), qwen3-30b-a3b (MoE), or the tiny ones (the names "
+                   "`ddtree bench --shape` takes); to measure a GPU at a model's size, replies are noise")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: target dir name)")
@@ -241,6 +245,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ddtree.api.serve import ServeOptions, run
 
+    if args.shape is not None:
+        from ddtree.models.shapes import SHAPES
+
+        if args.target or args.draft:
+            raise DDTreeError("--shape serves a random-weight model: leave out --target and --draft")
+        if args.shape not in SHAPES:
+            raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:
@@ -260,7 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not isinstance(template_kwargs, dict):
             raise DDTreeError("--default-chat-template-kwargs must be a JSON object")
     return run(ServeOptions(
-        target=args.target, draft=args.draft, draft_vocab=args.draft_vocab,
+        target=args.target, draft=args.draft, shape=args.shape, draft_vocab=args.draft_vocab,
         draft_quantization=args.draft_quantization, quantization=args.quantization, method=args.method,
         budget=args.budget,
         device=args.device, dtype=args.dtype, host=args.host, port=args.port, served_model_name=args.served_model_name,

@@ -86,8 +86,9 @@ def test_bench_runs_a_hybrid_shape_on_the_fast_path_and_agrees_with_the_eager_pa
 
 
 def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
-    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.shapes import build_shape
     from ddtree.bench.timing import weight_bytes
+    from ddtree.models.shapes import SHAPES
 
     fast, _ = build_shape("tiny-hybrid", "cpu", torch.float32, fast_capacity=64)
     t = SHAPES["tiny-hybrid"]["target"]
@@ -101,8 +102,9 @@ def test_weight_bytes_counts_attention_kv_and_gated_deltanet_state():
 def test_a_rounds_floor_adds_the_draft_its_commit_and_the_lm_head_to_the_target_step(tmp_path):
     """The draft's bytes: its parameters, its K/V projections again (the commit), the LM head, its context K/V;
     the report's round floor and draft share follow from them, and every run is timed against its floor."""
-    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.shapes import build_shape
     from ddtree.bench.timing import draft_bytes, weight_bytes
+    from ddtree.models.shapes import SHAPES
 
     fast, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
     t, d = SHAPES["tiny"]["target"], SHAPES["tiny"]["draft"]
@@ -130,8 +132,9 @@ def test_a_rounds_floor_adds_the_draft_its_commit_and_the_lm_head_to_the_target_
 
 
 def test_a_draft_vocabulary_bench_counts_only_its_lm_head_rows_and_agrees_with_ar(tmp_path, capsys):
-    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.shapes import build_shape
     from ddtree.bench.timing import draft_bytes
+    from ddtree.models.shapes import SHAPES
 
     whole, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
     sub, eager = build_shape("tiny", "cpu", torch.float32, fast_capacity=64, draft_vocab="100")
@@ -154,8 +157,9 @@ def test_a_draft_vocabulary_bench_counts_only_its_lm_head_rows_and_agrees_with_a
 def test_an_fp8_draft_bench_counts_a_byte_per_weight_plus_its_scales_and_agrees_with_ar(tmp_path, capsys):
     """Every draft projection and the head's rows in fp8 (one byte each, one float32 scale per row); the norms and
     the draft's context K/V keep the model's dtype (float32 here)."""
-    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.shapes import build_shape
     from ddtree.bench.timing import draft_bytes
+    from ddtree.models.shapes import SHAPES
 
     plain, _ = build_shape("tiny", "cpu", torch.float32, fast_capacity=64)
     fp8, eager = build_shape("tiny", "cpu", torch.float32, fast_capacity=64, draft_quantization="fp8")
@@ -209,8 +213,9 @@ def test_runs_are_timed_against_the_best_measured_read_bandwidth(tmp_path, monke
 
 def test_bench_runs_a_moe_shape_on_the_fast_path_and_counts_only_the_picked_experts(capsys):
     """A Qwen3-MoE shape decodes on the fast path, equal to the eager path; its floor counts k of E experts."""
-    from ddtree.bench.shapes import SHAPES, build_shape
+    from ddtree.bench.shapes import build_shape
     from ddtree.bench.timing import weight_bytes
+    from ddtree.models.shapes import SHAPES
 
     rc = main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--methods", "ar", "ddtree", "--budgets", "8",
                "--paths", "fast", "eager", "--prompts", "1", "--prompt-tokens", "24", "--max-new-tokens", "12"])

@@ -34,6 +34,7 @@ SWITCH_INTERVAL_S = 0.0005
 class ServeOptions:
     target: str | None = None
     draft: str | None = None
+    shape: str | None = None  # a random-weight model of this shape (models/shapes.py) instead of a checkpoint
     draft_vocab: str | None = None  # a draft vocabulary file (ddtree.draft_vocab); None: the whole vocabulary
     draft_quantization: str | None = None  # "fp8": the drafter's projections in fp8 (ddtree.quantize)
     quantization: str | None = None  # "fp8": a bf16 target's projections quantized on load (models/fp8_target.py)
@@ -92,10 +93,11 @@ def run(options: ServeOptions) -> int:
     failures: list[BaseException] = []
 
     # A partial, not a closure: the engine process gets it pickled.
-    load = functools.partial(Engine.from_pretrained, options.target, options.draft, method=options.method,
-                             budget=options.budget, device=options.device, dtype=options.dtype, fast=options.fast,
-                             draft_vocab=options.draft_vocab, draft_quantization=options.draft_quantization,
-                             quantization=options.quantization)
+    models = ((Engine.from_shape, options.shape) if options.shape is not None
+              else (Engine.from_pretrained, options.target, options.draft))
+    load = functools.partial(*models, method=options.method, budget=options.budget, device=options.device,
+                             dtype=options.dtype, fast=options.fast, draft_vocab=options.draft_vocab,
+                             draft_quantization=options.draft_quantization, quantization=options.quantization)
 
     def on_load_error(exc: BaseException) -> None:
         failures.append(exc)

@@ -33,12 +33,13 @@ from dataclasses import replace
 import torch
 
 from ddtree.bench import profile
-from ddtree.bench.shapes import SHAPES, build_pair, build_shape
+from ddtree.bench.shapes import build_pair, build_shape
 from ddtree.bench.timing import draft_bytes, floors, measured_ceilings, weight_bytes
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.engine.engine import DTYPES
 from ddtree.errors import DDTreeError
+from ddtree.models.shapes import SHAPES
 
 
 def log(msg: str) -> None:

@@ -27,13 +27,14 @@ import time
 import torch
 
 from ddtree.bench import profile
-from ddtree.bench.shapes import SHAPES, build_pair, build_shape
+from ddtree.bench.shapes import build_pair, build_shape
 from ddtree.bench.timing import measured_ceilings
 from ddtree.core.budget import CostModel
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.engine.batch import BatchEngine, BatchOptions, StepStats
 from ddtree.errors import DDTreeError
+from ddtree.models.shapes import SHAPES
 
 
 def log(msg: str) -> None:

@@ -32,6 +32,7 @@ from ddtree.fast.support import unsupported
 from ddtree.models.draft import DFlashDraft, load_draft
 from ddtree.models.draft_vocab import DraftHead, check_draft_vocab, read_draft_vocab
 from ddtree.models.quantize import check_device, check_format, quantize_module
+from ddtree.models.shapes import SHAPES, build_draft, build_target
 from ddtree.models.target import HybridTarget, Target, load_target
 
 METHODS = ("ddtree", "dflash", "ar")
@@ -135,10 +136,7 @@ class Engine(TextCodec):
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
         if not Path(target).is_dir():
             raise DDTreeError(f"target directory {target} does not exist")
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
-        torch_dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        dev, torch_dtype = _placement(device, dtype)
         fast = dev.type == "cuda" if fast is None else fast
         check_method(method, budget, has_draft=draft is not None)  # before the (slow) loading
         if draft_vocab is not None and draft is None:
@@ -159,6 +157,33 @@ class Engine(TextCodec):
             hot = check_draft_vocab(*hot, tgt.shape.vocab_size, draft_vocab)
         return cls(tgt, drf, tokenizer, method=method, budget=budget, model_name=_served_name(Path(target)),
                    fast=fast, fast_capacity=fast_capacity, draft_vocab=hot, draft_quantization=draft_quantization)
+
+    @classmethod
+    def from_shape(cls, name: str, *, method: str = "ddtree", budget: int | None = None, device: str | None = None,
+                   dtype: str | None = None, fast: bool | None = False, fast_capacity: int = 4096,
+                   draft_vocab: str | Path | None = None, draft_quantization: str | None = None,
+                   quantization: str | None = None) -> Engine:
+        """A random-weight target and DFlash drafter of a published shape (models/shapes.py), seeded, with the demo
+        pair's tokenizer: a server measured at a model's size without its checkpoint (vLLM's `--load-format
+        dummy`). Its replies are noise; ids the tokenizer lacks decode to nothing."""
+        if name not in SHAPES:
+            raise DDTreeError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+        dev, torch_dtype = _placement(device, dtype)
+        fast = dev.type == "cuda" if fast is None else fast
+        check_method(method, budget, has_draft=True)
+        check_draft_quantization(draft_quantization, True, dev)
+        hot = read_draft_vocab(draft_vocab) if draft_vocab is not None else None
+        tokenizer = _load_tokenizer(ASSETS / "target")
+        vocab = SHAPES[name]["target"]["vocab_size"]
+        if vocab < len(tokenizer):
+            raise DDTreeError(f"shape {name} has {vocab} tokens, fewer than the demo tokenizer's {len(tokenizer)}")
+        torch.manual_seed(0)
+        target = build_target(SHAPES[name], dev, torch_dtype, quantization)
+        draft = build_draft(SHAPES[name], target, dev, torch_dtype)
+        if hot is not None:
+            hot = check_draft_vocab(*hot, vocab, draft_vocab)
+        return cls(target, draft, tokenizer, method=method, budget=budget, model_name=name, fast=fast,
+                   fast_capacity=fast_capacity, draft_vocab=hot, draft_quantization=draft_quantization)
 
     @functools.cached_property
     def grammar_tokenizer(self) -> object:
@@ -252,6 +277,14 @@ class Engine(TextCodec):
                 logprobs.extend(out.logprobs)
             stop_id = out.stop_token_id if out.stop_token_id is not None else stop_id
         return GenerationResult(gen.token_ids, gen.finish_reason or "length", stop_id, logprobs, gen.stats)
+
+
+def _placement(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """The device asked for (cuda when there is one) and the weights' dtype (bfloat16 on cuda, else float32)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
+    return dev, DTYPES[dtype] if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
 
 
 def _served_name(target_dir: Path) -> str:
