@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ddtree.api import engine_process
 from ddtree.api.app import create_app
 from ddtree.api.config import ServerConfig
+from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from fastapi.testclient import TestClient
+from scripted_engine import ScriptedBatch, ScriptedEngine, prefill, round_
 
 LOAD = functools.partial(Engine.from_pretrained, device="cpu")
 BODIES = [{"model": "ddtree-demo", "prompt": prompt, "max_tokens": tokens, "temperature": 0, **extra}
@@ -73,3 +78,24 @@ def test_a_dead_engine_process_ends_the_requests_in_flight_and_fails_liveness():
         assert client.get("/health").status_code == 503
         after = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4})
         assert after.status_code == 500 and "engine process exited" in after.json()["error"]["message"]
+
+
+def test_a_long_prompt_and_a_large_step_crossing_in_the_pipe_do_not_wait_on_each_other():
+    """The front end sends a prompt larger than the pipe's buffer while the engine sends a step larger than it:
+    the engine keeps reading while its step goes out, so both arrive (before, each side blocked in its send)."""
+    engine = ScriptedEngine()
+    huge = [1] * 400_000  # a round's tokens: a step message of megabytes
+    engine.scripts = [[prefill(0), round_(huge, "length")], [prefill(0), round_([2], "length")]]
+    here, there = multiprocessing.Pipe()
+    threading.Thread(target=engine_process._serve, args=(there, ScriptedBatch(engine, 2)), daemon=True).start()
+    here.send(("add", 0, [5], SamplingParams(), None))
+    assert here.recv()[0] == "step"  # the prefill; the engine now sends the large round, which nobody reads yet
+    time.sleep(0.2)
+    sender = threading.Thread(target=here.send, args=(("add", 1, [5] * 2_000_000, SamplingParams(), None),))
+    sender.start()
+    sender.join(30)
+    assert not sender.is_alive(), "the prompt's send never finished: the engine stopped reading"
+    steps = [message for message in (here.recv() for _ in range(3)) if message[0] == "step"]
+    rounds = [out.token_ids for step in steps for _, out, _ in step[1]]
+    assert huge in rounds and [0] in rounds
+    here.send(("stop",))

@@ -21,10 +21,12 @@ import itertools
 import logging
 import multiprocessing
 import signal
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ddtree.api.config import ServerConfig
@@ -215,7 +217,50 @@ def engine_main(conn: Connection, load: Callable[[], Any], config: ServerConfig,
         _serve(conn, batch)
 
 
-def _serve(conn: Connection, batch: Any) -> None:
+class _Channel:
+    """The engine's end of the pipe, which never blocks in a send while the front end blocks in one.
+
+    The front end's event loop sends a request as it comes, and reads the engine only between its own sends. A long
+    prompt beyond the pipe's buffer blocks the front end until this process reads it; a step's message beyond the
+    buffer would block this process until the front end reads: each waiting on the other for ever. So a message
+    too large for the buffer goes out from a thread while this one keeps reading (vLLM's engine core has I/O
+    threads for the same reason); the usual small one goes out directly, with no thread hand-off on the way."""
+
+    DIRECT_BYTES = 64 * 1024  # a socket pair's buffer holds at least this much beside what it already holds
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._received: deque[tuple] = deque()  # read while a large message went out
+
+    def poll(self) -> bool:
+        return bool(self._received) or self.conn.poll()
+
+    def recv(self) -> tuple:
+        return self._received.popleft() if self._received else self.conn.recv()
+
+    def send(self, message: tuple) -> None:
+        payload = ForkingPickler.dumps(message)
+        if len(payload) <= self.DIRECT_BYTES:
+            self.conn.send_bytes(payload)
+            return
+        failed: list[BaseException] = []
+        sender = threading.Thread(target=self._send_bytes, args=(payload, failed), name="ddtree-engine-send")
+        sender.start()
+        while sender.is_alive():
+            if self.conn.poll(0.001):
+                self._received.append(self.conn.recv())
+        if failed:
+            raise failed[0]
+
+    def _send_bytes(self, payload: bytes, failed: list[BaseException]) -> None:
+        try:
+            self.conn.send_bytes(payload)
+        except OSError as exc:  # the front end is gone: the serving loop ends on it
+            failed.append(exc)
+
+
+def _serve(pipe: Connection, batch: Any) -> None:
+    conn = _Channel(pipe)
     live: dict[int, Any] = {}  # request id -> the batch engine's sequence
     ids: dict[Any, int] = {}
     said = (0, 0.0)  # the gauges the front end has last been sent
