@@ -1,13 +1,15 @@
 """Where a lone request's time goes in process: add -> first token -> last token through the batch engine as the
 server's engine runs it (the single-request path), without and with a cached prompt prefix, then the single path's
-prefill alone at two prompt lengths.
+prefill alone at the two prompt lengths.
 
     PYTHONPATH=server python benchmarks/lone_request.py [--device cuda]
+    PYTHONPATH=server python benchmarks/lone_request.py --shape qwen3-8b --method ar --prefix 1650 --new 55
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import time
@@ -33,18 +35,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--trials", type=int, default=12)
+    p.add_argument("--shape", help="a random-weight shape (models/shapes.py) instead of the demo pair")
+    p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
+    p.add_argument("--prefix", type=int, default=700, help="tokens of the prefix the second series shares")
+    p.add_argument("--new", type=int, default=130, help="tokens of each prompt's own")
+    p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args()
-    engine = Engine.from_pretrained(device=args.device, fast=True)
+    load = (functools.partial(Engine.from_shape, args.shape) if args.shape else Engine.from_pretrained)
+    engine = load(device=args.device, fast=True, method=args.method)
     device = engine.target.device
     batch = engine.batch(BatchOptions(kv_cache_tokens=200_000))
-    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     warm_up(batch, SamplingParams())
     rng = random.Random(0)
-    for shared in (0, 700):
+    for shared in (0, args.prefix):
         prefix = [rng.randrange(3, engine.vocab_size) for _ in range(shared)]
         firsts, totals, cached = [], [], 0
         for _ in range(args.trials):
-            prompt = prefix + [rng.randrange(3, engine.vocab_size) for _ in range(130)]
+            prompt = prefix + [rng.randrange(3, engine.vocab_size) for _ in range(args.new)]
             sync(device)
             started, first = time.perf_counter(), None
             seq = batch.add(prompt, params)
@@ -55,9 +63,9 @@ def main() -> None:
             totals.append(time.perf_counter() - started)
             firsts.append(first)
             cached = seq.cached_prompt
-        print(f"{shared + 130}-token prompts ({cached} cached, on {type(seq.backend).__name__}): first token "
-              f"{ms(firsts)} ms, 128 tokens {ms(totals)} ms (medians of {args.trials - 1})")
-    for n in (130, 830):
+        print(f"{shared + args.new}-token prompts ({cached} cached, on {type(seq.backend).__name__}): first token "
+              f"{ms(firsts)} ms, {args.max_new_tokens} tokens {ms(totals)} ms (medians of {args.trials - 1})")
+    for n in (args.new, args.prefix + args.new):
         ids = torch.randint(3, engine.vocab_size, (n,), device=device)
         times = []
         for _ in range(6):
