@@ -5,6 +5,7 @@ at a model's size without its checkpoint. What a benchmark relies on: the weight
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 from ddtree.cli import main
@@ -38,6 +39,20 @@ def test_a_shape_with_fewer_tokens_than_the_tokenizer_is_refused(monkeypatch):
     monkeypatch.setitem(shapes.SHAPES, "small-vocab", small)
     with pytest.raises(DDTreeError, match="shape small-vocab has 512 tokens, fewer than the demo tokenizer's 8192"):
         Engine.from_shape("small-vocab", device="cpu")
+
+
+def test_ids_beyond_the_demo_tokenizer_decode_as_text_in_every_process(monkeypatch):
+    """A shape with more ids than the demo tokenizer (Qwen3-8B's 151,936 against 8192): its tokens must still be
+    text, or a stream's first chunk waits for the first id the tokenizer has and TTFT counts the wait."""
+    wide = copy.deepcopy(shapes.SHAPES["tiny"])
+    wide["target"]["vocab_size"] = 9000
+    monkeypatch.setitem(shapes.SHAPES, "wide-vocab", wide)
+    engine = Engine.from_shape("wide-vocab", device="cpu")
+    front = pickle.loads(pickle.dumps(engine.tokenizer))  # as the engine process hands it to the front end
+    for tokenizer in (engine.tokenizer, front):
+        assert tokenizer.decode([8192 + 300, 8192 + 301]) == tokenizer.decode([300, 301]) != ""
+        assert len(tokenizer) == 8192
+    assert engine.encode("hello", chat=True) == Engine.from_shape("tiny", device="cpu").encode("hello", chat=True)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -6,7 +6,8 @@ model's dtype. Benchmarks measure them (`ddtree bench --shape`) and the server s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -117,3 +118,24 @@ def born(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
             yield
     finally:
         torch.set_default_dtype(default)
+
+
+class ShapeTokenizer:
+    """A tokenizer for a shape with more token ids than it has (the demo's 8192 for Qwen3-8B's 151,936): an id beyond
+    it decodes as that id modulo its size. Every generated token is then text, as with a model's own tokenizer;
+    ids that decoded to nothing would hold a stream's first chunk back and count as time to the first token."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.inner = tokenizer
+
+    def decode(self, ids: Sequence[int], **options: Any) -> str:
+        size = len(self.inner)
+        return self.inner.decode([i % size for i in ids], **options)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the tokenizer's own
+        if name == "inner":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
