@@ -246,12 +246,11 @@ def _serve(args: argparse.Namespace) -> int:
     from ddtree.api.serve import ServeOptions, run
 
     if args.shape is not None:
-        from ddtree.models.shapes import SHAPES
+        from ddtree.models.shapes import check_shape
 
         if args.target or args.draft:
             raise DDTreeError("--shape serves a random-weight model: leave out --target and --draft")
-        if args.shape not in SHAPES:
-            raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
+        check_shape(args.shape)  # here, before an engine process starts
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:

@@ -39,7 +39,7 @@ from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.engine.engine import DTYPES
 from ddtree.errors import DDTreeError
-from ddtree.models.shapes import SHAPES
+from ddtree.models.shapes import check_shape
 
 
 def log(msg: str) -> None:
@@ -101,8 +101,8 @@ def bench(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
-    if args.shape and args.shape not in SHAPES:
-        raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
+    if args.shape:
+        check_shape(args.shape)
     if any(b < 1 for b in args.budgets):
         raise DDTreeError("budgets must be >= 1")
     if args.profile is not None and args.profile < 1:

@@ -34,7 +34,7 @@ from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.engine.batch import BatchEngine, BatchOptions, StepStats
 from ddtree.errors import DDTreeError
-from ddtree.models.shapes import SHAPES
+from ddtree.models.shapes import check_shape
 
 
 def log(msg: str) -> None:
@@ -48,8 +48,8 @@ def bench_concurrency(args: argparse.Namespace) -> int:
         raise DDTreeError("--concurrency levels must be at least 1")
     if args.profile is not None and args.profile < 1:
         raise DDTreeError("--profile needs at least 1 step")
-    if args.shape and args.shape not in SHAPES:
-        raise DDTreeError(f"unknown shape {args.shape!r}; choose one of {', '.join(SHAPES)}")
+    if args.shape:
+        check_shape(args.shape)
     budget = args.budgets[0] if args.budgets else 32
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     # the single-request path's static caches hold a whole request, as the server's do (a request alone runs there)

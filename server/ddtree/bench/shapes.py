@@ -9,19 +9,15 @@ import torch
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
 from ddtree.models.draft_vocab import load_draft_vocab
-from ddtree.models.shapes import SHAPES, build_draft, build_target
+from ddtree.models.shapes import build_models
 
 
 def build_shape(name: str, device: torch.device, dtype: torch.dtype, fast_capacity: int,
                 draft_vocab: str | None = None, draft_quantization: str | None = None,
                 quantization: str | None = None) -> tuple[Engine, Engine]:
-    """(fast engine, eager engine) over one random-weight model of a published shape, built on the device.
-
-    Seeded, so that runs of one shape compare the same weights.
-    """
-    torch.manual_seed(0)
-    target = build_target(SHAPES[name], device, dtype, quantization)
-    draft = build_draft(SHAPES[name], target, device, dtype)
+    """(fast engine, eager engine) over one random-weight model of a published shape, built on the device
+    (models/shapes.py `build_models`: seeded)."""
+    target, draft = build_models(name, device, dtype, quantization)
     hot = draft_vocab_ids(draft_vocab, target.shape.vocab_size)
     fast = Engine(target, draft, fast=True, fast_capacity=fast_capacity, model_name=name, draft_vocab=hot,
                   draft_quantization=draft_quantization)

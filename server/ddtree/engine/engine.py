@@ -32,7 +32,7 @@ from ddtree.fast.support import unsupported
 from ddtree.models.draft import DFlashDraft, load_draft
 from ddtree.models.draft_vocab import DraftHead, check_draft_vocab, read_draft_vocab
 from ddtree.models.quantize import check_device, check_format, quantize_module
-from ddtree.models.shapes import SHAPES, ShapeTokenizer, build_draft, build_target
+from ddtree.models.shapes import ShapeTokenizer, build_models, check_shape
 from ddtree.models.target import HybridTarget, Target, load_target
 
 METHODS = ("ddtree", "dflash", "ar")
@@ -166,22 +166,18 @@ class Engine(TextCodec):
         """A random-weight target and DFlash drafter of a published shape (models/shapes.py), seeded, with the demo
         pair's tokenizer: a server measured at a model's size without its checkpoint (vLLM's `--load-format
         dummy`). Its replies are noise; ids beyond the tokenizer decode as others (`ShapeTokenizer`)."""
-        if name not in SHAPES:
-            raise DDTreeError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+        vocab = check_shape(name)["target"]["vocab_size"]
         dev, torch_dtype = _placement(device, dtype)
         fast = dev.type == "cuda" if fast is None else fast
         check_method(method, budget, has_draft=True)
         check_draft_quantization(draft_quantization, True, dev)
         hot = read_draft_vocab(draft_vocab) if draft_vocab is not None else None
         tokenizer = _load_tokenizer(ASSETS / "target")
-        vocab = SHAPES[name]["target"]["vocab_size"]
         if vocab < len(tokenizer):
             raise DDTreeError(f"shape {name} has {vocab} tokens, fewer than the demo tokenizer's {len(tokenizer)}")
         if vocab > len(tokenizer):
             tokenizer = ShapeTokenizer(tokenizer)
-        torch.manual_seed(0)
-        target = build_target(SHAPES[name], dev, torch_dtype, quantization)
-        draft = build_draft(SHAPES[name], target, dev, torch_dtype)
+        target, draft = build_models(name, dev, torch_dtype, quantization)
         if hot is not None:
             hot = check_draft_vocab(*hot, vocab, draft_vocab)
         return cls(target, draft, tokenizer, method=method, budget=budget, model_name=name, fast=fast,

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ddtree.errors import DDTreeError
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.fp8_target import quantize_target
 from ddtree.models.quantize import check_device, check_format
@@ -106,6 +107,23 @@ def build_draft(shape: dict, target: Target, device: torch.device, dtype: torch.
     with born(device, dtype):
         draft = DFlashDraft(parse_draft_config(cfg, target.shape))
     return draft.place(device, dtype).eval()  # RoPE frequencies in fp32
+
+
+def check_shape(name: str) -> dict:
+    """The shape called `name`, or a one-line error that lists them."""
+    if name not in SHAPES:
+        raise DDTreeError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def build_models(name: str, device: torch.device, dtype: torch.dtype,
+                 quantization: str | None = None) -> tuple[Target, DFlashDraft]:
+    """The shape's random-weight target and drafter, seeded: every process, benchmark or server, builds the same
+    weights, so runs of one shape compare alike."""
+    shape = check_shape(name)
+    torch.manual_seed(0)
+    target = build_target(shape, device, dtype, quantization)
+    return target, build_draft(shape, target, device, dtype)
 
 
 @contextlib.contextmanager
