@@ -37,7 +37,7 @@ from ddtree.bench.shapes import build_pair, build_shape
 from ddtree.bench.timing import draft_bytes, floors, measured_ceilings, weight_bytes
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
-from ddtree.engine.engine import DTYPES
+from ddtree.engine.engine import placement
 from ddtree.errors import DDTreeError
 from ddtree.models.shapes import check_shape
 
@@ -98,9 +98,7 @@ def run(engine: Engine, prompts: list[list[int]], method: str, budget: int, para
 
 
 def bench(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DDTreeError("--device cuda was asked for, but no CUDA device is available")
+    device, dtype = placement(args.device, args.dtype)
     if args.shape:
         check_shape(args.shape)
     if any(b < 1 for b in args.budgets):
@@ -117,7 +115,6 @@ def bench(args: argparse.Namespace) -> int:
     capacity = args.prompt_tokens + args.max_new_tokens + max(args.budgets) + 64
     log(f"building {'shape ' + args.shape if args.shape else 'pair'} on {device}")
     if args.shape:
-        dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
         fast, eager = build_shape(args.shape, device, dtype, capacity, args.draft_vocab, args.draft_quantization,
                                   args.quantization)
     else:

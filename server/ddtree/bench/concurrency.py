@@ -33,6 +33,7 @@ from ddtree.core.budget import CostModel
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.engine.batch import BatchEngine, BatchOptions, StepStats
+from ddtree.engine.engine import placement
 from ddtree.errors import DDTreeError
 from ddtree.models.shapes import check_shape
 
@@ -42,7 +43,7 @@ def log(msg: str) -> None:
 
 
 def bench_concurrency(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device, dtype = placement(args.device, args.dtype)
     levels = sorted(set(args.concurrency))
     if any(c < 1 for c in levels):
         raise DDTreeError("--concurrency levels must be at least 1")
@@ -55,7 +56,6 @@ def bench_concurrency(args: argparse.Namespace) -> int:
     # the single-request path's static caches hold a whole request, as the server's do (a request alone runs there)
     capacity = args.prompt_tokens + args.max_new_tokens + 2 * max(args.budgets or [budget]) + 64
     if args.shape:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         engine, _ = build_shape(args.shape, device, dtype, capacity, args.draft_vocab, args.draft_quantization,
                                 args.quantization)
     else:

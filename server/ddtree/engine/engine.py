@@ -136,7 +136,7 @@ class Engine(TextCodec):
             target, draft = ASSETS / "target", draft or ASSETS / "draft"
         if not Path(target).is_dir():
             raise DDTreeError(f"target directory {target} does not exist")
-        dev, torch_dtype = _placement(device, dtype)
+        dev, torch_dtype = placement(device, dtype)
         fast = dev.type == "cuda" if fast is None else fast
         check_method(method, budget, has_draft=draft is not None)  # before the (slow) loading
         if draft_vocab is not None and draft is None:
@@ -167,7 +167,7 @@ class Engine(TextCodec):
         pair's tokenizer: a server measured at a model's size without its checkpoint (vLLM's `--load-format
         dummy`). Its replies are noise; ids beyond the tokenizer decode as others (`ShapeTokenizer`)."""
         vocab = check_shape(name)["target"]["vocab_size"]
-        dev, torch_dtype = _placement(device, dtype)
+        dev, torch_dtype = placement(device, dtype)
         fast = dev.type == "cuda" if fast is None else fast
         check_method(method, budget, has_draft=True)
         check_draft_quantization(draft_quantization, True, dev)
@@ -277,7 +277,7 @@ class Engine(TextCodec):
         return GenerationResult(gen.token_ids, gen.finish_reason or "length", stop_id, logprobs, gen.stats)
 
 
-def _placement(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+def placement(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
     """The device asked for (cuda when there is one) and the weights' dtype (bfloat16 on cuda, else float32)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
