@@ -15,11 +15,11 @@ import kopf
 import prometheus_client
 from kubernetes import client, config
 
-from ddtree_operator import __version__, render, status
+from ddtree_operator import __version__, resource, status
 from ddtree_operator.reconcile import Cluster, reconcile
 
 RESYNC_SECONDS = float(os.environ.get("DDTREE_OPERATOR_RESYNC_SECONDS", "15"))
-RESOURCE = (render.GROUP, render.VERSION, "ddtreedeployments")
+RESOURCE = (resource.GROUP, resource.VERSION, "ddtreedeployments")
 USER_AGENT = f"ddtree-operator/{__version__}"
 # KEDA's Prometheus, for DDTreeDeployments whose spec.autoscaling names none (--prometheus-address).
 PROMETHEUS_ADDRESS = os.environ.get("DDTREE_PROMETHEUS_ADDRESS", "")
@@ -47,9 +47,9 @@ def _api_client() -> client.ApiClient:
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     """Own annotation/finalizer names, watch timeouts against stalled connections, metrics endpoint."""
     global _cluster
-    settings.persistence.finalizer = f"{render.GROUP}/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=render.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=render.GROUP)
+    settings.persistence.finalizer = f"{resource.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=resource.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=resource.GROUP)
     settings.watching.server_timeout = int(os.environ.get("DDTREE_OPERATOR_WATCH_TIMEOUT", "240"))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
     settings.watching.connect_timeout = 30
@@ -102,7 +102,7 @@ def _run(trigger: str, body: kopf.Body, memo: kopf.Memo, queued: threading.Semap
         manifest = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body.metadata),
                     "spec": dict(body.spec), "status": current}
         try:
-            seen = reconcile(_cluster, manifest, os.environ.get("DDTREE_SERVER_IMAGE", render.DEFAULT_IMAGE),
+            seen = reconcile(_cluster, manifest, os.environ.get("DDTREE_SERVER_IMAGE", resource.DEFAULT_IMAGE),
                              PROMETHEUS_ADDRESS)
         except Exception:
             RECONCILES.labels(trigger, "error").inc()
@@ -136,22 +136,22 @@ def deployments_by_name(namespace: str, name: str, body: kopf.Body, memo: kopf.M
 @kopf.on.resume(*RESOURCE, backoff=RESYNC_SECONDS)
 @kopf.on.create(*RESOURCE, backoff=RESYNC_SECONDS)
 @kopf.on.update(*RESOURCE, field="spec", backoff=RESYNC_SECONDS)
-@kopf.on.update(*RESOURCE, field=("metadata", "annotations", render.ANNOTATION_RETRY_PULL), backoff=RESYNC_SECONDS)
+@kopf.on.update(*RESOURCE, field=("metadata", "annotations", resource.ANNOTATION_RETRY_PULL), backoff=RESYNC_SECONDS)
 def on_change(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
     """React at once to creation, spec changes (rollout, re-pull), a retry-pull request and operator restarts."""
     _run(str(reason), body, memo)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={render.LABEL_OWNER: kopf.PRESENT})
-@kopf.on.event("batch", "v1", "jobs", labels={render.LABEL_OWNER: kopf.PRESENT})
-@kopf.on.event("v1", "pods", labels={render.LABEL_OWNER: kopf.PRESENT})
+@kopf.on.event("apps", "v1", "deployments", labels={resource.LABEL_OWNER: kopf.PRESENT})
+@kopf.on.event("batch", "v1", "jobs", labels={resource.LABEL_OWNER: kopf.PRESENT})
+@kopf.on.event("v1", "pods", labels={resource.LABEL_OWNER: kopf.PRESENT})
 def on_child(namespace: str, labels: kopf.Labels, event: kopf.RawEvent,
              deployments_by_name: kopf.Index, **_: Any) -> None:
     """A finished pull, a pod that crashes or turns ready, a Deployment's new status: reconcile its owner now
     rather than at the next resync. Changes that arrive while a pass waits for the lock ride on that pass."""
     if event["type"] is None:
         return  # the initial listing: on.resume reconciles every DDTreeDeployment already
-    owner = next(iter(deployments_by_name.get((namespace, labels[render.LABEL_OWNER]), ())), None)
+    owner = next(iter(deployments_by_name.get((namespace, labels[resource.LABEL_OWNER]), ())), None)
     if owner is None:
         return  # not (or no longer) a DDTreeDeployment's
     body, memo = owner

@@ -16,7 +16,7 @@ from kubernetes import client
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
-from ddtree_operator import render
+from ddtree_operator import fleet, render, resource, workload
 from ddtree_operator.status import Condition, Observed, job_condition, parse_time
 
 Manifest = dict[str, Any]
@@ -149,7 +149,7 @@ def download_progress(cluster: Cluster, body: Manifest, pod: Manifest | None) ->
 
 def parse_progress(text: str, spec: Manifest) -> Manifest | None:
     """Latest progress per model from `ddtree pull --progress json` output, keyed target/draft."""
-    roles = {render.model_dest(spec, role): role for role in ("target", "draft")}
+    roles = {resource.model_dest(spec, role): role for role in ("target", "draft")}
     out: Manifest = {}
     for line in text.splitlines():
         try:
@@ -175,7 +175,7 @@ def pull_retry_delay(attempt: int) -> int:
 
 
 def _attempt(job: Manifest) -> int:
-    return int(job["metadata"].get("labels", {}).get(render.LABEL_PULL_ATTEMPT, "0"))
+    return int(job["metadata"].get("labels", {}).get(resource.LABEL_PULL_ATTEMPT, "0"))
 
 
 def _newest(pods: list[Manifest]) -> Manifest | None:
@@ -215,7 +215,7 @@ def choose_autoscaler(cluster: Cluster, body: Manifest, prometheus_address: str)
     if not scaling:
         return None, "", None
     name = body["metadata"]["name"]
-    _, metric, target = render.autoscaling_target(body["spec"])
+    _, metric, target = fleet.autoscaling_target(body["spec"])
     what = (f"{scaling.get('minReplicas', 1)}-{scaling['maxReplicas']} replicas on {metric} "
             f"(target {target} per replica)")
     address = scaling.get("prometheusAddress") or prometheus_address
@@ -250,8 +250,8 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str, prometheus_a
 
     # The pull: the newest attempt for what the spec asks to fetch, re-run after a backoff when it failed.
     job, attempt, retry_at = None, 0, None
-    if render.pulls_in_job(body["spec"]):
-        selector = f"{render.LABEL_OWNER}={name},{render.LABEL_PULL_IDENTITY}={render.pull_identity(body)}"
+    if resource.pulls_in_job(body["spec"]):
+        selector = f"{resource.LABEL_OWNER}={name},{resource.LABEL_PULL_IDENTITY}={workload.pull_identity(body)}"
         jobs = [j for j in cluster.list("batch/v1", "Job", ns, selector) if owned_by(j, uid)]
         job = max(jobs, key=_attempt, default=None)
         attempt = _attempt(job) if job else 0
@@ -263,10 +263,10 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str, prometheus_a
                 job, attempt, retry_at = None, attempt + 1, None
     models_ready = job is not None and job_condition(job, "Complete") is not None
 
-    pods = cluster.list("v1", "Pod", ns, f"{render.LABEL_OWNER}={name}")
-    pull_pods = [p for p in pods if job and p["metadata"].get("labels", {}).get(render.LABEL_PULL_JOB)
+    pods = cluster.list("v1", "Pod", ns, f"{resource.LABEL_OWNER}={name}")
+    pull_pods = [p for p in pods if job and p["metadata"].get("labels", {}).get(resource.LABEL_PULL_JOB)
                  == job["metadata"]["name"]]
-    server_pods = tuple(p for p in pods if p["metadata"].get("labels", {}).get(render.LABEL_COMPONENT) == "server")
+    server_pods = tuple(p for p in pods if p["metadata"].get("labels", {}).get(resource.LABEL_COMPONENT) == "server")
     pulled = previous.get("pulled")
     if models_ready and (pulled or {}).get("job") != job["metadata"]["name"]:
         pulled = {"job": job["metadata"]["name"],
@@ -336,7 +336,7 @@ def reconcile(cluster: Cluster, body: Manifest, default_image: str, prometheus_a
     keep = {(m["kind"], m["metadata"]["name"]) for m in children.all()}
     for api_version, kind in PRUNABLE:
         try:
-            leftovers = cluster.list(api_version, kind, ns, f"{render.LABEL_OWNER}={name}")
+            leftovers = cluster.list(api_version, kind, ns, f"{resource.LABEL_OWNER}={name}")
         except (ResourceNotFoundError, NotFoundError):
             continue
         for obj in leftovers:

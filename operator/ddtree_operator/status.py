@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree_operator import render
+from ddtree_operator import resource, workload
 
 Manifest = dict[str, Any]
 Condition = tuple[str, str, str]  # (status, reason, message)
@@ -138,13 +138,13 @@ def serving_model(body: Manifest, pods: tuple[Manifest, ...]) -> Manifest | None
     served: Counter[tuple[str, str]] = Counter()
     for pod in pods:
         annotations = pod["metadata"].get("annotations") or {}
-        if _pod_ready(pod) and render.ANNOTATION_TARGET in annotations:
-            served[(annotations[render.ANNOTATION_TARGET], annotations.get(render.ANNOTATION_DRAFT, ""))] += 1
+        if _pod_ready(pod) and resource.ANNOTATION_TARGET in annotations:
+            served[(annotations[resource.ANNOTATION_TARGET], annotations.get(resource.ANNOTATION_DRAFT, ""))] += 1
     if not served:
         return None
-    wanted = render.model_annotations(body["spec"])
+    wanted = workload.model_annotations(body["spec"])
     (target, draft), replicas = max(served.items(), key=lambda kv: (kv[1], kv[0] == (
-        wanted[render.ANNOTATION_TARGET], wanted[render.ANNOTATION_DRAFT])))
+        wanted[resource.ANNOTATION_TARGET], wanted[resource.ANNOTATION_DRAFT])))
     return {"target": target, "draft": draft, "readyReplicas": replicas}
 
 
@@ -172,12 +172,12 @@ def _pull_failure(body: Manifest, seen: Observed) -> str:
     retry = (f"retrying at {format_time(seen.pull_retry_at)}; " if seen.pull_retry_at else "")
     return (f"Job {job.get('metadata', {}).get('name')} (attempt {seen.pull_attempt + 1}) failed: {detail}; "
             f"{retry}retry now with `kubectl annotate ddt {body['metadata']['name']} "
-            f"{render.ANNOTATION_RETRY_PULL}=$(date +%s) --overwrite`")
+            f"{resource.ANNOTATION_RETRY_PULL}=$(date +%s) --overwrite`")
 
 
 def _models(body: Manifest, seen: Observed) -> Condition | None:
     """ModelsReady; None in emptyDir mode, where each pod pulls."""
-    if not render.pulls_in_job(body["spec"]):
+    if not resource.pulls_in_job(body["spec"]):
         return None
     job = seen.job
     if job is None:
@@ -294,8 +294,8 @@ def compute(body: Manifest, seen: Observed) -> tuple[Manifest, dict[str, Conditi
         "replicas": dep_status.get("replicas") or 0,
         "readyReplicas": ready,
         "replicasReady": f"{ready}/{desired}",
-        "selector": render.selector_string(name),
-        "url": render.url(body),
+        "selector": resource.selector_string(name),
+        "url": resource.url(body),
         "pullJob": seen.job["metadata"]["name"] if seen.job else None,
         "download": seen.download,
         "pulled": seen.pulled,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from ddtree.api.metrics import ServerMetrics, TokenThroughput
-from ddtree_operator import render
+from ddtree_operator import fleet
 from k8s_testing import DDT, MONITOR_CRDS, delete_crd, install_crd, wait_for
 from prometheus_client import CollectorRegistry, Counter
 from test_cluster import SPEC, complete, condition, create, ddt, event_reasons, patch, pull_jobs, ready
@@ -17,7 +17,7 @@ from test_cluster import SPEC, complete, condition, create, ddt, event_reasons, 
 def test_the_server_exports_every_gauge_the_operator_scales_on():
     text = ServerMetrics("m", method="ddtree", budget=32, block_size=16, max_model_len=4096).exposition().decode()
     exported = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
-    assert set(render.AUTOSCALING_METRICS.values()) <= exported
+    assert set(fleet.AUTOSCALING_METRICS.values()) <= exported
 
 
 def test_tokens_per_second_is_a_sliding_window():

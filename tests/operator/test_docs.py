@@ -10,7 +10,7 @@ import shlex
 
 import pytest
 import yaml
-from ddtree_operator import render, status
+from ddtree_operator import fleet, resource, status
 from k8s_testing import CRD_FILE, DDT, EXAMPLE, REPO
 from test_chart import HELM, template
 
@@ -68,7 +68,7 @@ def test_the_guide_covers_every_spec_field_and_reason():
     reasons = GUIDE[GUIDE.index("| Ready reason"):GUIDE.index("## Storage and pulls")]
     for reason in READY_REASONS:
         assert f"| `{reason}` |" in reasons, f"Ready reason {reason} is not in the guide's table"
-    for metric in render.AUTOSCALING_METRICS.values():
+    for metric in fleet.AUTOSCALING_METRICS.values():
         assert f"`{metric}`" in GUIDE
 
 
@@ -86,7 +86,7 @@ def test_the_doc_names_every_condition_and_its_reasons(doc):
 def test_the_retry_command_is_the_operators(doc):
     retries = [cmd for cmd in commands(DOCS[doc], "kubectl annotate")] or [
         shlex.split(m) for m in re.findall(r"`(kubectl annotate [^`]+)`", DOCS[doc])]
-    assert retries and all(f"{render.ANNOTATION_RETRY_PULL}=" in " ".join(cmd) for cmd in retries)
+    assert retries and all(f"{resource.ANNOTATION_RETRY_PULL}=" in " ".join(cmd) for cmd in retries)
 
 
 @pytest.mark.cluster

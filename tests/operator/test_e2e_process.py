@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 from ddtree.models.draft_vocab import write_draft_vocab
-from ddtree_operator import render
+from ddtree_operator import render, resource, workload
 from k8s_testing import REPO, ddtree_serve_available, free_port, http_get, running
 
 pytestmark = [pytest.mark.slow,
@@ -46,8 +46,8 @@ def test_rendered_pods_pull_and_serve_the_demo_pair(tmp_path: Path):
                                                      "batching": {"maxNumSeqs": 4, "maxNumBatchedTokens": 256,
                                                                   "blockSize": 32}}}}
     children = render.render(body, "ddtree-server:test")
-    mounts = {render.MODELS_DIR: tmp_path / "models", "/cache": tmp_path / "cache",
-              render.DRAFT_VOCAB_DIR: tmp_path / "vocab"}
+    mounts = {resource.MODELS_DIR: tmp_path / "models", "/cache": tmp_path / "cache",
+              workload.DRAFT_VOCAB_DIR: tmp_path / "vocab"}
     (tmp_path / "vocab").mkdir()  # the ConfigMap's key, as the kubelet mounts it
     write_draft_vocab(tmp_path / "vocab" / "draft_vocab.json", range(2048), 8192)
     secrets = {"keys": "sk-test"}
@@ -66,7 +66,7 @@ def test_rendered_pods_pull_and_serve_the_demo_pair(tmp_path: Path):
     with running(serve, ready, env=serve_env, log=tmp_path / "server.log") as proc:
         assert http_get(f"http://127.0.0.1:{port}{container['livenessProbe']['httpGet']['path']}")[0] == 200
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test")
-        model = render.served_model_name(body["spec"])
+        model = workload.served_model_name(body["spec"])
         assert [m.id for m in client.models.list().data] == [model]
         # Greedy: an unseeded sample at OpenAI's default temperature can be an immediate end of text.
         reply = client.chat.completions.create(model=model, max_tokens=16, temperature=0,

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import pytest
-from ddtree_operator import render
+from ddtree_operator import resource
 from ddtree_operator.reconcile import pull_retry_delay, reconcile
 from k8s_testing import cr
 from kubernetes.client import ApiException
@@ -126,7 +126,7 @@ def test_a_failed_pull_is_retried_with_backoff_and_on_demand():
     assert second_wait.pull_retry_at == NOW + datetime.timedelta(seconds=60 + pull_retry_delay(1))
     assert pull_retry_delay(1) == 2 * pull_retry_delay(0) and pull_retry_delay(20) == 1800  # capped
 
-    body["metadata"]["annotations"] = {render.ANNOTATION_RETRY_PULL: "now"}
+    body["metadata"]["annotations"] = {resource.ANNOTATION_RETRY_PULL: "now"}
     on_demand = reconcile(cluster, body, "img:1", now=NOW + datetime.timedelta(seconds=91))
     assert on_demand.pull_attempt == 0 and on_demand.job["metadata"]["name"] not in (
         first["metadata"]["name"], retried.job["metadata"]["name"])
@@ -140,7 +140,7 @@ def test_a_failed_pull_reports_the_pods_last_error():
     fail(job, NOW)
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "p", "creationTimestamp": "t", "labels": {
-               render.LABEL_OWNER: "qwen", render.LABEL_PULL_JOB: job["metadata"]["name"]}},
+               resource.LABEL_OWNER: "qwen", resource.LABEL_PULL_JOB: job["metadata"]["name"]}},
            "status": {"containerStatuses": [{"name": "pull", "state": {"terminated": {
                "exitCode": 1, "reason": "Error",
                "message": '{"dest": "/models/x"}\nddtree pull: hf://Qwen/Qwen3-8B: 401 gated repo\n'}}}]}}
@@ -203,10 +203,10 @@ def test_pull_progress_comes_from_the_pull_pods_log():
     assert seen.download is None  # no pod yet
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
         "name": "pull-abc", "creationTimestamp": "t",
-        "labels": {render.LABEL_OWNER: "qwen", render.LABEL_PULL_JOB: seen.job["metadata"]["name"]}}}
+        "labels": {resource.LABEL_OWNER: "qwen", resource.LABEL_PULL_JOB: seen.job["metadata"]["name"]}}}
     cluster.objects[("Pod", "pull-abc")] = pod
     assert reconcile(cluster, body, "img:1", now=NOW).download is None  # a pod without a log (no kubelet here)
-    dest = render.model_dest(body["spec"], "draft")
+    dest = resource.model_dest(body["spec"], "draft")
     cluster.log = json.dumps({"dest": dest, "bytesDone": 5, "bytesTotal": 10, "remainingSeconds": 2.5, "done": False})
     assert reconcile(cluster, body, "img:1", now=NOW).download == {
         "draft": {"bytesDone": 5, "bytesTotal": 10, "remainingSeconds": 2.5, "done": False}}
@@ -217,8 +217,8 @@ def test_the_memory_request_follows_the_pulled_models():
     body = cr()
     job = reconcile(cluster, body, "img:1", now=NOW).job
     cluster.objects[("Pod", "pull")] = {"metadata": {"name": "pull", "creationTimestamp": "t", "labels": {
-        render.LABEL_OWNER: "qwen", render.LABEL_PULL_JOB: job["metadata"]["name"]}}}
-    cluster.log = "\n".join(json.dumps({"dest": render.model_dest(body["spec"], role), "bytesDone": size,
+        resource.LABEL_OWNER: "qwen", resource.LABEL_PULL_JOB: job["metadata"]["name"]}}}
+    cluster.log = "\n".join(json.dumps({"dest": resource.model_dest(body["spec"], role), "bytesDone": size,
                                         "bytesTotal": size, "done": True})
                             for role, size in (("target", 16_400_000_000), ("draft", 2_000_000_000)))
     job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}

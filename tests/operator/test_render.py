@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from ddtree.cli import build_parser
-from ddtree_operator import render, status
+from ddtree_operator import fleet, render, resource, status, workload
 from ddtree_operator.reconcile import parse_progress
 from k8s_testing import CRD_FILE, EXAMPLE, cr
 
@@ -44,8 +44,8 @@ def test_pvc_mode_pulls_once_in_a_job_and_mounts_read_only():
     job_pod = children.pull_job["spec"]["template"]["spec"]
     pull = job_pod["containers"][0]
     assert pull["command"] == ["ddtree"] and pull["image"] == "img:1"
-    assert pull["args"] == ["pull", "hf://Qwen/Qwen3-8B", render.model_dest(cr()["spec"], "target"),
-                            "hf://z-lab/Qwen3-8B-DFlash-b16", render.model_dest(cr()["spec"], "draft"),
+    assert pull["args"] == ["pull", "hf://Qwen/Qwen3-8B", resource.model_dest(cr()["spec"], "target"),
+                            "hf://z-lab/Qwen3-8B-DFlash-b16", resource.model_dest(cr()["spec"], "draft"),
                             "--token-env", "DDTREE_TARGET_HF_TOKEN", "--token-env", "DDTREE_DRAFT_HF_TOKEN",
                             "--progress", "json"]
     assert job_pod["restartPolicy"] == "Never"
@@ -74,8 +74,8 @@ def test_job_name_follows_what_it_fetches_only():
     names = {render.render(b).pull_job["metadata"]["name"] for b in (token, retry, claim)}
     assert len(names) == 3 and job["metadata"]["name"] not in names
     assert render.render(cr(), pull_attempt=2).pull_job["metadata"]["name"] == job["metadata"]["name"] + "-2"
-    assert render.model_dest(cr()["spec"], "draft") != render.model_dest(other["spec"], "draft")
-    assert render.model_dest(cr()["spec"], "target") == render.model_dest(other["spec"], "target")
+    assert resource.model_dest(cr()["spec"], "draft") != resource.model_dest(other["spec"], "draft")
+    assert resource.model_dest(cr()["spec"], "target") == resource.model_dest(other["spec"], "target")
 
 
 def test_existing_claim_mode_uses_the_users_claim():
@@ -159,7 +159,7 @@ def test_rollouts_keep_serving_and_wait_for_a_whole_model_load():
     ({"resources": {"requests": {"cpu": "2", "memory": "1Gi"}}}, None, {"cpu": "2", "memory": "1Gi"}, {}),
 ])
 def test_default_requests_are_sized_for_the_models(spec, model_bytes, requests, limits):
-    server = render.render_deployment(cr(spec), "img", model_bytes)["spec"]["template"]["spec"]["containers"][0]
+    server = workload.render_deployment(cr(spec), "img", model_bytes)["spec"]["template"]["spec"]["containers"][0]
     gpu = {} if spec.get("gpu", {}).get("count") == 0 else {"nvidia.com/gpu": "1"}
     assert server["resources"] == {"requests": {**requests, **gpu}, **({"limits": {**limits, **gpu}}
                                                                         if limits or gpu else {})}
@@ -219,7 +219,7 @@ def test_autoscaling_renders_keda_or_an_hpa_on_the_serving_gauge():
         "target": {"type": "AverageValue", "averageValue": "1500"}}}]
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 600
     waiting = cr({"autoscaling": {"maxReplicas": 2, "target": {"waitingRequests": 4}}})
-    assert "vllm:num_requests_waiting" in render.prometheus_query(waiting)
+    assert "vllm:num_requests_waiting" in fleet.prometheus_query(waiting)
 
 
 def test_server_contract_probes_and_drain():
@@ -237,8 +237,8 @@ def test_server_contract_probes_and_drain():
     # on a GPU: the batch budget's and the fast path's switches, explicit
     assert args[0] == "serve" and args[-4:] == ["--no-batch-budget", "--fast", "--log-level", "debug"]
     flags = dict(zip(args[1:-4:2], args[2:-4:2], strict=True))
-    assert flags == {"--target": render.model_dest(cr()["spec"], "target"),
-                     "--draft": render.model_dest(cr()["spec"], "draft"), "--host": "0.0.0.0", "--port": "9000",
+    assert flags == {"--target": resource.model_dest(cr()["spec"], "target"),
+                     "--draft": resource.model_dest(cr()["spec"], "draft"), "--host": "0.0.0.0", "--port": "9000",
                      "--served-model-name": "Qwen3-8B", "--method": "dflash", "--budget": "48", "--max-queue": "64",
                      "--drain-timeout": "65", "--default-temperature": "0.6", "--generation-config": "none",
                      "--default-chat-template-kwargs": '{"enable_thinking": false}',
@@ -261,7 +261,7 @@ def test_server_contract_probes_and_drain():
     assert {"name": "draft-vocab", "mountPath": "/etc/ddtree/draft-vocab", "readOnly": True} in server["volumeMounts"]
     assert children.service["spec"]["ports"] == [
         {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
-    assert render.url(cr(spec)) == "http://qwen.ml.svc:9000/v1"
+    assert resource.url(cr(spec)) == "http://qwen.ml.svc:9000/v1"
 
 
 def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
@@ -273,7 +273,7 @@ def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
                 "draftVocab": {"configMapRef": {"name": "hot"}}, "draftQuantization": "fp8"}
     target = {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "fp8"}
     flags = [a for on in (True, False)
-             for a in render.server_args(cr({"decoding": decoding, "target": target, "server": {"batching": {
+             for a in workload.server_args(cr({"decoding": decoding, "target": target, "server": {"batching": {
                  "batchBudget": on, "enablePrefixCaching": on}}})["spec"])[1:]
              if a.startswith("--")]
     assert {"--generation-config", "--draft-vocab", "--draft-quantization", "--quantization", "--max-num-seqs",
@@ -284,7 +284,7 @@ def test_extra_args_may_not_repeat_a_flag_the_spec_renders():
 
 def test_prefix_caching_is_the_servers_default_and_turned_off_by_name():
     def args(batching: dict) -> list[str]:
-        return render.server_args(cr({"server": {"batching": batching}})["spec"])
+        return workload.server_args(cr({"server": {"batching": batching}})["spec"])
 
     assert not [a for a in args({}) + args({"enablePrefixCaching": True}) if "prefix-caching" in a]
     assert "--no-enable-prefix-caching" in args({"enablePrefixCaching": False})
@@ -292,7 +292,7 @@ def test_prefix_caching_is_the_servers_default_and_turned_off_by_name():
 
 def test_the_draft_keeps_its_dtype_unless_fp8_is_asked_for():
     def args(decoding: dict) -> list[str]:
-        return render.server_args(cr({"decoding": decoding})["spec"])
+        return workload.server_args(cr({"decoding": decoding})["spec"])
 
     assert "--draft-quantization" not in args({}) and "--draft-quantization" not in args({"draftQuantization": "none"})
     rendered = args({"draftQuantization": "fp8"})
@@ -302,7 +302,7 @@ def test_the_draft_keeps_its_dtype_unless_fp8_is_asked_for():
 def test_batching_flags_parse_as_the_servers_own_with_the_specs_values():
     spec = cr({"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, "quantization": "fp8"},
                "server": {"batching": BATCHING}})["spec"]
-    parsed, unknown = build_parser().parse_known_args(render.server_args(spec))
+    parsed, unknown = build_parser().parse_known_args(workload.server_args(spec))
     assert (parsed.max_num_seqs, parsed.max_num_batched_tokens, parsed.gpu_memory_utilization, parsed.block_size,
             parsed.batch_budget) == (16, 512, 0.85, 32, False)
     # --quantization comes to `ddtree serve` with FP8 targets (issue 46); from then on it must parse as fp8
@@ -315,22 +315,23 @@ def test_batching_defaults_are_the_servers_in_the_crd_and_the_renderer():
     server = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["server"]
     crd_defaults = {k: v["default"] for k, v in server["properties"]["batching"]["properties"].items()}
     # an object with the API server's defaults filled in renders as one without them (unit tests, old objects)
-    assert render.server_args(cr({"server": {"batching": crd_defaults}})["spec"]) == render.server_args(cr()["spec"])
+    with_defaults = cr({"server": {"batching": crd_defaults}})["spec"]
+    assert workload.server_args(with_defaults) == workload.server_args(cr()["spec"])
     parser = build_parser()
-    rendered, server_defaults = parser.parse_args(render.server_args(cr()["spec"])), parser.parse_args(["serve"])
+    rendered, server_defaults = parser.parse_args(workload.server_args(cr()["spec"])), parser.parse_args(["serve"])
     for flag in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "block_size", "batch_budget"):
         assert getattr(rendered, flag) == getattr(server_defaults, flag), flag
 
 
 def test_gpu_only_batching_flags_stay_off_cpu_pods():
-    args = render.server_args(cr({"gpu": {"count": 0}, "server": {"batching": BATCHING}})["spec"])
+    args = workload.server_args(cr({"gpu": {"count": 0}, "server": {"batching": BATCHING}})["spec"])
     assert args[args.index("--max-num-seqs") + 1] == "16"  # the CPU's KV pool is sized by it too
     assert not {"--gpu-memory-utilization", "--batch-budget", "--no-batch-budget"} & set(args)
 
 
 def test_the_target_keeps_its_dtype_unless_fp8_is_asked_for():
     def args(target: dict) -> list[str]:
-        return render.server_args(cr({"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, **target}})["spec"])
+        return workload.server_args(cr({"target": {"model": {"uri": "hf://Qwen/Qwen3-8B"}, **target}})["spec"])
 
     assert "--quantization" not in args({}) and "--quantization" not in args({"quantization": "none"})
     rendered = args({"quantization": "fp8"})
@@ -377,7 +378,7 @@ def test_monitors(monitoring, kind, key):
 def test_pdb_only_for_several_replicas():
     assert render.render(cr({"replicas": 1})).pdb is None
     pdb = render.render(cr({"replicas": 3})).pdb
-    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": render.selector("qwen")}}
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": resource.selector("qwen")}}
 
 
 def job(condition: str | None, message: str = "") -> dict[str, Any]:
@@ -532,7 +533,7 @@ def test_refusals_and_rejections_are_on_the_object(seen, reason, phase):
 
 def test_serving_model_during_a_model_change():
     body = cr({"replicas": 3})
-    new = render.model_annotations(body["spec"])
+    new = workload.model_annotations(body["spec"])
     old = {"ddtree.io/target": "hf://Qwen/Qwen3-8B", "ddtree.io/draft": "hf://z-lab/old"}
 
     def pod(name: str, annotations: dict[str, str], ready: bool = True) -> dict[str, Any]:
@@ -573,7 +574,7 @@ def test_merge_conditions_keeps_transition_times_and_reports_changes():
 
 def test_parse_progress_maps_destinations_to_roles():
     spec = cr()["spec"]
-    target = render.model_dest(spec, "target")
+    target = resource.model_dest(spec, "target")
     text = "\n".join(["not json", *map(json.dumps, [
         {"dest": target, "bytesDone": 10, "bytesTotal": 100, "speedBytesPerSecond": 5.0, "remainingSeconds": 18.0,
          "done": False},
