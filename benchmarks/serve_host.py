@@ -9,6 +9,7 @@ of concurrency x tokens-per-round / step time.
 
     PYTHONPATH=server python benchmarks/serve_host.py --step-ms 4 --tokens-per-round 1 --concurrency 1 8 32 64
     PYTHONPATH=server python benchmarks/serve_host.py --step-ms 8 --tokens-per-round 5 --concurrency 1 8 32 64
+    ... --prefix-len 1500 --max-tokens 32    # 9 KB prompts that share a prefix (the prefix-caching load)
     ... --no-engine-process    # the engine stepping in a thread of the server's process
 """
 
@@ -123,6 +124,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="words of a prefix every prompt shares (bench-serve --dataset shared-prefix); 0: random")
     parser.add_argument("--port", type=int, default=8431)
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the stand-in engine in a process of its own, as `ddtree serve` runs it")
@@ -151,6 +154,8 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "ddtree.cli", "bench-serve", "--base-url",
                             f"http://127.0.0.1:{args.port}", "--num-prompts", str(args.num_prompts), "--ignore-eos",
                             "--max-tokens", str(args.max_tokens), "--concurrency", *map(str, args.concurrency),
+                            *(["--dataset", "shared-prefix", "--prefix-len", str(args.prefix_len), "--input-len", "50"]
+                              if args.prefix_len else []),
                             "--json", str(report)], env=env, check=True, stdout=subprocess.DEVNULL)
             runs = json.loads(report.read_text())["runs"]
     finally:
