@@ -9,6 +9,8 @@
                        running whole on the device (fast/batch_round.py): for A/B runs
     DDTREE_OVERLAP=0   a batch's device round is read before the next is queued, instead of the next round running
                        while the host takes this one's results (fast/batch_round.py): for A/B runs
+    DDTREE_PAGED_SPLIT=0  a batch's paged attention walks each sequence's keys in one program, never split along
+                       them and merged (kernels/paged_attention.py): for A/B runs
 
 Every other choice of kernel is made by what the device and the shapes support. Tests and A/B scripts change a
 switch for a block of code with `override`; a CUDA graph captured before keeps what it captured, so an A/B
@@ -31,6 +33,7 @@ class Switches:
     compile: bool = True
     device_round: bool = True
     overlap: bool = True
+    paged_split: bool = True
 
 
 def from_environment(environ: Mapping[str, str] = os.environ) -> Switches:

@@ -36,7 +36,8 @@ def random_batch(page: int, shape: list[tuple[int, int]], groups: int, seed: int
     return layout, q, cache
 
 
-def check(device: str, dtype: torch.dtype, page, shape, groups, window, sinks: bool = False) -> None:
+def check(device: str, dtype: torch.dtype, page, shape, groups, window, sinks: bool = False,
+          splits: int | None = None) -> None:
     from dataclasses import replace
 
     from ddtree.kernels.paged_attention import _triton_paged
@@ -50,23 +51,26 @@ def check(device: str, dtype: torch.dtype, page, shape, groups, window, sinks: b
     mask = paged_mask(layout, page, torch.device(device), window)
     if sink is not None:
         mask = replace(mask, sinks=sink.to(device))
-    got = _triton_paged(q.to(device, dtype), cache.to(device, dtype), mask).double().cpu()
+    got = _triton_paged(q.to(device, dtype), cache.to(device, dtype), mask, splits).double().cpu()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tolerance, rtol=tolerance), (got - want).abs().max()
 
 
 @gpu
+@pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("page", "shape", "groups", "window"), CASES)
-def test_paged_kernel_matches_sdpa_on_the_gpu(dtype, page, shape, groups, window):
-    """Every page size builds (a 2-slot page once failed to compile on Triton 3.6 and sent batches to SDPA)."""
-    check("cuda", dtype, page, shape, groups, window)
+def test_paged_kernel_matches_sdpa_on_the_gpu(dtype, page, shape, groups, window, splits):
+    """Every page size builds (a 2-slot page once failed to compile on Triton 3.6 and sent batches to SDPA), whole
+    or with each sequence's keys split (a split may hold none of a short sequence's keys) and merged."""
+    check("cuda", dtype, page, shape, groups, window, splits=splits)
 
 
 @interpreted
+@pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize(("page", "shape", "groups", "window"), CASES)
-def test_paged_kernel_matches_sdpa_interpreted(page, shape, groups, window):
-    check("cpu", torch.float32, page, shape, groups, window)
+def test_paged_kernel_matches_sdpa_interpreted(page, shape, groups, window, splits):
+    check("cpu", torch.float32, page, shape, groups, window, splits=splits)
 
 
 @pytest.mark.parametrize(("page", "shape", "groups", "window"), CASES[1:3])
@@ -78,10 +82,12 @@ def test_attention_sinks_join_each_query_heads_softmax(page, shape, groups, wind
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         for dtype in (torch.float32, torch.bfloat16):
-            check("cuda", dtype, page, shape, groups, window, sinks=True)
+            for splits in (1, 3):
+                check("cuda", dtype, page, shape, groups, window, sinks=True, splits=splits)
         return
     request.getfixturevalue("kernels_on_cpu")
-    check("cpu", torch.float32, page, shape, groups, window, sinks=True)
+    for splits in (1, 3):  # the sink joins the softmax where the rows are finished: in the kernel, or the merge
+        check("cpu", torch.float32, page, shape, groups, window, sinks=True, splits=splits)
 
 
 @pytest.mark.parametrize("sinks", [False, True])
@@ -128,3 +134,16 @@ def test_every_sequences_rows_are_covered_by_its_own_tiles_in_order(rows):
     assert tiles_for(offsets, len(expected) + 2).tolist() == [list(t) for t in expected] + [[-1, 0]] * 2
     with pytest.raises(ValueError, match="do not fit"):
         tiles_for([*offsets, offsets[-1] + 1], len(expected))
+
+
+def test_a_decode_batch_splits_its_keys_to_fill_the_gpu_and_a_prompt_chunk_does_not():
+    """Decode rows are one tile a sequence: 32 requests over 8 K/V heads on 132 SMs split each sequence's keys
+    three ways (four programs an SM), one request sixteen ways (the most), while a batch of prompt chunks or trees
+    with hundreds of tiles already fills the GPU and takes the kernel's single pass."""
+    from ddtree.kernels.paged_attention import launch_config
+
+    assert launch_config(32, 8, 132, 16, 128) == (64, 3)
+    assert launch_config(1, 8, 132, 16, 128) == (64, 16)
+    assert launch_config(200, 8, 132, 16, 128)[1] == 1
+    assert launch_config(32, 4, 132, 16, 256)[0] == 32  # head dim 256: narrower key tiles
+    assert launch_config(32, 8, 132, 12, 128)[0] == 16  # a page of no power of two

@@ -100,7 +100,7 @@ def cases(pdl: int) -> list[Case]:
     """The fast path's Triton kernels at launch configs of the Qwen3-8B and Qwen3.6-27B shapes (`pdl`: the PDL
     constexpr the capability gets)."""
     require_triton()
-    from ddtree.kernels import attention, gemm, gemv, heads, paged_attention, rows
+    from ddtree.kernels import attention, gemm, gemv, heads, paged_attention, rows, split_merge
 
     fp8 = {"X": "fp8e4nv", "W": "fp8e4nv", "W2": "fp8e4nv", "XS": "fp32", "WS": "fp32", "WS2": "fp32",
            "Part": "fp32", "Count": "i32"}
@@ -149,15 +149,16 @@ def cases(pdl: int) -> list[Case]:
             TWO_LOOPS=two_loops, SINK=False, PDL=pdl), {"Vis": "i8", "Start": "i64", "Acc": "fp32",
                                                         "Stats": "fp32", "Sinks": "fp32"},
             {"scale": "fp32", "SPLITS": "i32"}, num_stages=stages, shrink=("BLOCK_N", 16)))
-    out.append(Case("tree attention merge", attention._merge_kernel, dict(
+    out.append(Case("split attention merge", split_merge._merge_kernel, dict(
         HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, SPLITS=8, SINK=False, PDL=pdl),
         {"Acc": "fp32", "Stats": "fp32", "Sinks": "fp32"}))
-    for sink in (False, True):  # a drafter layer's sink logits join its softmax
-        out.append(Case("paged attention" + (" with sinks" if sink else ""), paged_attention._paged_kernel, dict(
+    for sink, direct in ((False, True), (True, True), (False, False)):  # sinks: a drafter's; split: decode rows
+        out.append(Case("paged attention" + (" with sinks" if sink else "") + ("" if direct else ", split"),
+                        paged_attention._paged_kernel, dict(
             PAGE=16, WINDOW=0, GROUPS=4, HEAD_DIM=128, BLOCK_M=paged_attention.BLOCK_M, BLOCK_N=64,
-            ROWS=triton.next_power_of_2(paged_attention.BLOCK_M * 4), IEEE=False, SINK=sink),
+            ROWS=triton.next_power_of_2(paged_attention.BLOCK_M * 4), IEEE=False, SINK=sink, DIRECT=direct),
             {"Starts": "i32", "Offsets": "i32", "Tables": "i32", "Vis": "i8", "VisOffsets": "i32", "Tiles": "i32",
-             "Sinks": "fp32"}, {"scale": "fp32"}, num_stages=2))
+             "Sinks": "fp32", "Acc": "fp32", "Stats": "fp32"}, {"scale": "fp32", "SPLITS": "i32"}, num_stages=2))
     out += gdn_cases()
     out += moe_cases()
     return out

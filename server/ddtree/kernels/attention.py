@@ -7,12 +7,13 @@ more positions behind the query (query t sits at position start + t). Queries co
 
 On CUDA a Triton split-K kernel (flash decoding) reads only the rows [0, start + n) (not the cache's
 whole capacity) and spreads them over enough programs to fill the GPU, even for a single query row; a
-second kernel merges the splits straight into the [n, H * d] layout the output projection reads. With one
-split there is nothing to merge: the split kernel normalises and writes that layout itself (one launch, and
-no float32 partials through global memory). Past a single query row the kernel reads the committed keys in
-a loop of their own, which needs no visibility and so pipelines, then the new rows' keys. `start` stays on
-the device, so a CUDA graph replays the same launch as the cache grows. Elsewhere the same function is
-PyTorch's SDPA with an additive mask over the whole capacity (the CPU reference).
+second kernel (kernels/split_merge.py) merges the splits straight into the [n, H * d] layout the output
+projection reads. With one split there is nothing to merge: the split kernel normalises and writes that
+layout itself (one launch, and no float32 partials through global memory). Past a single query row the
+kernel reads the committed keys in a loop of their own, which needs no visibility and so pipelines, then the
+new rows' keys. `start` stays on the device, so a CUDA graph replays the same launch as the cache grows.
+Elsewhere the same function is PyTorch's SDPA with an additive mask over the whole capacity (the CPU
+reference).
 
 A mask may carry per-head sink logits (a drafter's `attention_sink_bias`): a key every query sees, with no
 value, so each softmax also spans exp(sink). The kernels fold it into the softmax's normaliser when they
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from ddtree.kernels.jit import after_previous, launch_fitting, probe, triton_works
 from ddtree.kernels.paged_attention import PagedMask, paged_attention, sink_attention
+from ddtree.kernels.split_merge import merge_splits, partials
 from ddtree.kernels.wgmma import early_pdl
 
 try:
@@ -136,8 +138,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
     if direct:  # the split kernel writes `out` itself; Acc and Stats are never touched
         acc = stats = out
     else:
-        acc = torch.empty((splits, kv_heads, rows, d), dtype=torch.float32, device=q.device)
-        stats = torch.empty((2, splits, kv_heads, rows), dtype=torch.float32, device=q.device)
+        acc, stats = partials(splits, kv_heads, rows, d, q.device)
     k, v = cache[0], cache[1]
     sinks = mask.sinks if mask.sinks is not None else out  # (not read without sinks)
     order = early_pdl(q.device, n, "attention")
@@ -158,12 +159,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
                    ("attention", d, q.dtype, q.device, cfg["block_m"], two_loops, direct))
     if direct:
         return out
-    block_r = min(16, triton.next_power_of_2(rows))
-    row_blocks = triton.cdiv(rows, block_r)
-    block_d = d if kv_heads * row_blocks >= 64 else min(d, 32)  # few rows: spread the head dim over programs
-    _merge_kernel[(kv_heads, row_blocks, d // block_d)](
-        acc, stats, out, sinks, rows, n, rows // n, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, SPLITS=splits,
-        SINK=mask.sinks is not None, PDL=order, num_warps=4 if block_d == d else 1, launch_pdl=order > 0)
+    merge_splits(acc, stats, out, mask.sinks, n, order)
     return out
 
 
@@ -200,7 +196,8 @@ if triton is not None:
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                       DIRECT: tl.constexpr, TWO_LOOPS: tl.constexpr, SINK: tl.constexpr, PDL: tl.constexpr):
         """One (K/V head, block of query rows, split of the key range): unnormalised output and softmax stats
-        for _merge_kernel, or, when DIRECT (one split, the whole key range), the finished output in its layout.
+        for split_merge.merge_splits, or, when DIRECT (one split, the whole key range), the finished output in its
+        layout.
         TWO_LOOPS: the committed keys in a loop without visibility reads, then the new rows' keys; 2: the new
         rows' keys in the last split alone, the committed keys evenly over the others. SINK: each query head's
         sink logit joins the softmax when the output is finished (here when DIRECT, else in the merge)."""
@@ -259,38 +256,6 @@ if triton is not None:
             tl.store(Acc + out[:, None] * HEAD_DIM + dims[None, :], acc, mask=(r < rows)[:, None])
             tl.store(Stats + out, m_i, mask=r < rows)
             tl.store(Stats + SPLITS * heads * rows + out, l_i, mask=r < rows)
-
-    @triton.jit
-    def _merge_kernel(Acc, Stats, Out, Sinks, rows, n, groups, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SINK: tl.constexpr, PDL: tl.constexpr):
-        """Softmax-weighted sum of the splits for a block of rows and of head dims, written as
-        out[t, (head * groups + group) * d + e]; SINK: the query head's sink logit joins the normaliser."""
-        after_previous(PDL)
-        head, r_block = tl.program_id(0), tl.program_id(1)
-        heads = tl.num_programs(0)
-        r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
-        valid = r < rows
-        dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-        m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-        for s in tl.static_range(SPLITS):
-            m = tl.maximum(m, tl.load(Stats + (s * heads + head) * rows + r, mask=valid, other=float("-inf")))
-        if SINK:
-            sink = tl.load(Sinks + head * groups + r // n, mask=valid, other=0.0)
-            m = tl.maximum(m, sink)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros((BLOCK_R,), tl.float32)
-        if SINK:
-            total += tl.exp(sink - m)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-        for s in tl.static_range(SPLITS):
-            idx = (s * heads + head) * rows + r
-            w = tl.exp(tl.load(Stats + idx, mask=valid, other=float("-inf")) - m)
-            total += w * tl.load(Stats + SPLITS * heads * rows + idx, mask=valid, other=0.0)
-            acc += w[:, None] * tl.load(Acc + idx[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
-        t, group = r % n, r // n
-        dst = t * (heads * groups * HEAD_DIM) + (head * groups + group) * HEAD_DIM
-        tl.store(Out + dst[:, None] + dims[None, :], (acc / total[:, None]).to(Out.dtype.element_ty),
-                 mask=valid[:, None])
 
 
 @probe

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.kernels.jit import triton_works
+from ddtree.kernels.split_merge import merge_splits, partials
+from ddtree.switches import SWITCHES
 
 try:
     import triton
@@ -179,20 +181,37 @@ def sink_attention(q: torch.Tensor, cache: torch.Tensor, additive: torch.Tensor,
     return (weights.to(q.dtype) @ cache[1]).to(q.dtype)
 
 
-def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask) -> torch.Tensor:
+def launch_config(tiles: int, kv_heads: int, sms: int, page: int, head_dim: int) -> tuple[int, int]:
+    """(key columns a program takes at a time, splits of each sequence's key range). Decode rows make one tile a
+    sequence, so 32 requests over 8 K/V heads are 256 programs, each walking thousands of slots alone: on an H100
+    the kernel read the KV of a Qwen3-8B-shaped batch of 32 at a quarter of the bandwidth (benchmarks/RESULTS.md).
+    Few tiles split every sequence's keys over enough programs to fill the GPU four times over (at most 16 splits;
+    split_merge merges them), many (prompt chunks, trees) do not split. Columns look their page up one by one, so a
+    tile of 64 columns may span pages of any power-of-two size; tl.dot needs K >= 16 on every Triton."""
+    block_n = (64 if head_dim <= 128 else 32) if page & (page - 1) == 0 else 16
+    programs = tiles * kv_heads
+    return block_n, max(1, min(16, -(-4 * sms // programs)))
+
+
+def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask, splits: int | None = None) -> torch.Tensor:
     kv_heads, rows, d = q.shape
     groups = rows // mask.n
     out = torch.empty((mask.n, kv_heads * groups * d), dtype=q.dtype, device=q.device)
     k, v = cache[0], cache[1]
-    # Columns look their page up one by one, so a tile may span pages; tl.dot needs K >= 16 on every Triton.
-    block_n = min(max(mask.page, 16), 64) if mask.page & (mask.page - 1) == 0 else 16
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4  # 4: interpreted
+    block_n, auto = launch_config(mask.tiles.shape[0], kv_heads, sms, mask.page, d)
+    splits = splits or (auto if SWITCHES.paged_split else 1)
+    direct = splits == 1
+    acc, stats = (out, out) if direct else partials(splits, kv_heads, rows, d, q.device)
     sinks = mask.sinks if mask.sinks is not None else out  # (never read without SINK)
-    _paged_kernel[(mask.tiles.shape[0], kv_heads)](
-        q, k, v, out, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets, mask.tiles, sinks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), mask.tables.stride(0), mask.n, 1.0 / math.sqrt(d),
-        PAGE=mask.page, WINDOW=mask.window or 0, GROUPS=groups, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        ROWS=triton.next_power_of_2(BLOCK_M * groups), IEEE=q.dtype == torch.float32, SINK=mask.sinks is not None,
-        num_warps=4, num_stages=2)
+    _paged_kernel[(mask.tiles.shape[0], kv_heads, splits)](
+        q, k, v, out, acc, stats, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets,
+        mask.tiles, sinks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), mask.tables.stride(0), mask.n,
+        1.0 / math.sqrt(d), splits, PAGE=mask.page, WINDOW=mask.window or 0, GROUPS=groups, HEAD_DIM=d,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, ROWS=triton.next_power_of_2(BLOCK_M * groups),
+        IEEE=q.dtype == torch.float32, SINK=mask.sinks is not None, DIRECT=direct, num_warps=4, num_stages=2)
+    if not direct:
+        merge_splits(acc, stats, out, mask.sinks, mask.n)
     return out
 
 
@@ -206,14 +225,16 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
-    def _paged_kernel(Q, K, V, Out, Starts, Offsets, Tables, Vis, VisOffsets, Tiles, Sinks, stride_qh, stride_qr,
-                      stride_kh, stride_kt, stride_table, n_total, scale, PAGE: tl.constexpr, WINDOW: tl.constexpr,
-                      GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      ROWS: tl.constexpr, IEEE: tl.constexpr, SINK: tl.constexpr):
-        """One tile of one sequence's query rows (every head that shares K/V head `head`), over the sequence's
-        committed slots and its visible new rows, in pages through its block table. SINK: each query head's sink
-        logit joins the softmax's normaliser (a column no value reads)."""
-        tile, head = tl.program_id(0), tl.program_id(1)
+    def _paged_kernel(Q, K, V, Out, Acc, Stats, Starts, Offsets, Tables, Vis, VisOffsets, Tiles, Sinks, stride_qh,
+                      stride_qr, stride_kh, stride_kt, stride_table, n_total, scale, SPLITS, PAGE: tl.constexpr,
+                      WINDOW: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, SINK: tl.constexpr,
+                      DIRECT: tl.constexpr):
+        """One tile of one sequence's query rows (every head that shares K/V head `head`), over one split of the
+        sequence's committed slots and its visible new rows, in pages through its block table. DIRECT (one
+        split): the finished rows, SINK adding each query head's sink logit to the softmax's normaliser (a column
+        no value reads); else the split's unnormalised rows and softmax stats for split_merge, which adds it."""
+        tile, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         seq = tl.load(Tiles + 2 * tile)
         if seq >= 0:
             first = tl.load(Tiles + 2 * tile + 1)
@@ -233,9 +254,12 @@ if triton is not None:
             l_i = tl.zeros((ROWS,), tl.float32)
             acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
             total = start + n
-            for j0 in range(0, total, BLOCK_N):
+            chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, total)
+            for j0 in range(lo, hi, BLOCK_N):
                 cols = j0 + tl.arange(0, BLOCK_N)
-                in_range = cols < total
+                in_range = cols < hi
                 page = tl.load(Tables + seq * stride_table + cols // PAGE, mask=in_range, other=0)
                 slots = page * PAGE + cols % PAGE
                 k = tl.load(K + head * stride_kh + slots[:, None] * stride_kt + dims[None, :], mask=in_range[:, None],
@@ -258,17 +282,24 @@ if triton is not None:
                 acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
                 m_i = m_new
                 l_i = l_i * alpha + tl.sum(p, 1)
-            if SINK:
-                sink = tl.load(Sinks + head * GROUPS + group)
-                m_new = tl.maximum(m_i, sink)
-                alpha = tl.exp(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha + tl.exp(sink - m_new)
             heads = tl.num_programs(1)
-            dst = (row0 + t) * (heads * GROUPS * HEAD_DIM) + (head * GROUPS + group) * HEAD_DIM
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
-            tl.store(Out + dst[:, None] + dims[None, :], (acc / l_safe[:, None]).to(Out.dtype.element_ty),
-                     mask=row_ok[:, None])
+            if DIRECT:
+                if SINK:
+                    sink = tl.load(Sinks + head * GROUPS + group)
+                    m_new = tl.maximum(m_i, sink)
+                    alpha = tl.exp(m_i - m_new)
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha + tl.exp(sink - m_new)
+                dst = (row0 + t) * (heads * GROUPS * HEAD_DIM) + (head * GROUPS + group) * HEAD_DIM
+                l_safe = tl.where(l_i > 0, l_i, 1.0)
+                tl.store(Out + dst[:, None] + dims[None, :], (acc / l_safe[:, None]).to(Out.dtype.element_ty),
+                         mask=row_ok[:, None])
+            else:  # split_merge's layout: [splits, kv, rows] with row = group * n_total + token
+                rows = GROUPS * n_total
+                part = (split * heads + head) * rows + q_rows
+                tl.store(Acc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+                tl.store(Stats + part, m_i, mask=row_ok)
+                tl.store(Stats + SPLITS * heads * rows + part, l_i, mask=row_ok)
 
 
 def _smoke_test(device: torch.device) -> None:
