@@ -47,6 +47,7 @@ from ddtree.fast.dflash2 import SelectorDraft
 from ddtree.fast.hybrid import PROMPT_CHUNK
 from ddtree.fast.layers import Draft, Ops, TargetLayer, decoder_layer
 from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, SeqRows, VarlenRows
+from ddtree.fast.plan import lap
 from ddtree.fast.rope import RopeTable
 from ddtree.fast.runner import MAX_BUDGET, PooledPrompt
 from ddtree.kernels import gdn
@@ -61,6 +62,10 @@ from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.target import HybridTarget, Target
 from ddtree.switches import SWITCHES
+
+# Prompt rows a step replays from a verify graph (`_replays_prefill`), which computes every row's logits: up to here
+# that costs about a millisecond; a longer prompt step is compute-bound, and its launches hide behind it.
+PREFILL_GRAPH_ROWS = 512
 
 
 class PagedBackend:
@@ -203,17 +208,22 @@ class PagedBackend:
             positions += range(chunk.start, chunk.start + n)
             slots += self.blocks.slots(chunk.seq_id, chunk.start, n)
             self._describe(layout, chunk.seq_id, chunk.start, torch.ones(n, n, dtype=torch.bool).tril())
-        ids_t, positions_t, slots_t = self._tensor(ids), self._tensor(positions), self._tensor(slots)
         wanted = [i for i, chunk in enumerate(chunks)
                   if self.states[chunk.seq_id].request.params.prompt_logprobs is not None]
         logit_rows = [r for i in wanted for r in range(layout.row_offsets[i], layout.row_offsets[i + 1])]
         logit_rows += [layout.row_offsets[i + 1] - 1 for i, chunk in enumerate(chunks)
                        if chunk.last and chunk.root is None and i not in wanted]
-        logit_index = {row: k for k, row in enumerate(logit_rows)}
-        saves = self.hybrid.checkpoints(chunks, self.blocks, self.states) if self.hybrid and self.blocks.prefix else {}
-        seqs = self._seq_rows([chunk.seq_id for chunk in chunks], layout, saves=saves)
-        logits, taps = self._target_rows(ids_t, positions_t, slots_t, paged_mask(layout, self.page, self.device),
-                                         self._tensor(logit_rows), seqs)
+        if self._replays_prefill(chunks, len(ids), bool(wanted)):  # every row's logits, from a verify's graph
+            logits, taps = self._run("verify", ids, positions, slots, layout)
+            logit_index = {row: row for row in logit_rows}
+        else:
+            logit_index = {row: k for k, row in enumerate(logit_rows)}
+            saves = (self.hybrid.checkpoints(chunks, self.blocks, self.states) if self.hybrid and self.blocks.prefix
+                     else {})
+            seqs = self._seq_rows([chunk.seq_id for chunk in chunks], layout, saves=saves)
+            logits, taps = self._target_rows(self._tensor(ids), self._tensor(positions), self._tensor(slots),
+                                             paged_mask(layout, self.page, self.device), self._tensor(logit_rows),
+                                             seqs)
         if self.draft is not None:
             self._extend_draft(taps, list(range(len(ids))), positions, slots)
         out: dict[int, Round] = {}
@@ -239,6 +249,13 @@ class PagedBackend:
             out[chunk.seq_id] = Round([root], 0, 0, {"prefill": time.perf_counter() - started},
                                       logprob_rows(state, processed, [root]), prompt_logits, is_prefill=True)
         return out
+
+    def _replays_prefill(self, chunks: list[Prefill], rows: int, prompt_logprobs: bool) -> bool:
+        """Whether a step's prompt rows replay a verify forward's CUDA graph (a dense target's, chunks no longer
+        than a tree, no prompt logprobs) instead of hundreds of eager launches: on an H100 a step with a prefix hit's
+        67 rows beside seven decodes took 33 ms eagerly where the decodes alone take 15 (benchmarks/RESULTS.md)."""
+        return (self.static and not self.hybrid and not prompt_logprobs and rows <= PREFILL_GRAPH_ROWS
+                and all(len(chunk.tokens) <= MAX_BUDGET + 1 for chunk in chunks))
 
     # -- one round ------------------------------------------------------------------------------------------
 
@@ -267,10 +284,10 @@ class PagedBackend:
         phases = dict.fromkeys(PHASES, 0.0)
         t = started
         drafted = self._draft(seq_ids, states, drafting) if drafting else None
-        phases["draft"], t = self._lap(t, wait=drafted is not None)
+        phases["draft"], t = lap(t, self.cuda and drafted is not None)
         trees = self._trees(states, drafting, drafted, node_limit)
         visible, packed = trees.visibility()
-        phases["tree"], t = self._lap(t, wait=False)
+        phases["tree"], t = lap(t, False)
         sizes = trees.sizes.tolist()
         ids, positions, slots, layout = self._verify_rows(seq_ids, states, trees, visible, packed)
         seqs = self._seq_rows(seq_ids, layout, trees)
@@ -278,7 +295,7 @@ class PagedBackend:
         logits, taps = self._run("verify", ids, positions, slots, layout, seqs, record)
         offsets = layout.row_offsets
         picks, processed = round_picks(states, trees, logits, offsets)
-        phases["verify"], t = self._lap(t, wait=False)
+        phases["verify"], t = lap(t, False)
         paths = accepted_paths(trees, picks, offsets)
         if drafting:
             self.calibration.observe(*trees.verified(paths))
@@ -310,7 +327,7 @@ class PagedBackend:
             self.hybrid.commit(record, seqs, lasts)
         if self.draft is not None and any(state.request.method != "ar" for state in states):  # drafter context
             self._extend_draft(taps, accepted_rows, accepted_positions, accepted_slots)
-        phases["commit"], _ = self._lap(t, wait=False)
+        phases["commit"], _ = lap(t, False)
         self.last_nodes = int(trees.sizes.sum())
         if self.choice is not None:
             self.last_predicted = self.cost.seconds(len(ids), len(states))
@@ -574,16 +591,6 @@ class PagedBackend:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def _lap(self, t: float, wait: bool = True) -> tuple[float, float]:
-        """Seconds since `t` and now (`wait`: once the device has finished what was queued)."""
-        now = self._now() if wait else time.perf_counter()
-        return now - t, now
 
 
 def _head_dims(target: Target, draft: DFlashDraft | None) -> set[int]:

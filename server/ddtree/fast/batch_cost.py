@@ -9,6 +9,7 @@ import torch
 
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import CostModel
+from ddtree.fast.plan import lap
 from ddtree.kernels import gdn
 from ddtree.kernels.paged_attention import PagedLayout
 
@@ -58,9 +59,9 @@ def measure_cost(backend: Measured, repeats: int = 3) -> CostModel:
             backend._run(kind, *args)
         times = []
         for _ in range(repeats):
-            t = backend._now()
+            _, t = lap(0.0, backend.cuda)
             backend._run(kind, *args)
-            times.append(backend._now() - t)
+            times.append(lap(t, backend.cuda)[0])
         return min(times)
 
     points, slowest = [], 0.0

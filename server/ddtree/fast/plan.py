@@ -96,6 +96,14 @@ def _read_back(verified: tuple) -> tuple[torch.Tensor, ...]:
     return (verified[0], *(verified[5] or ()))
 
 
+def lap(t: float, wait: bool) -> tuple[float, float]:
+    """(seconds since `t`, now) on the host's clock; `wait`: once the device has finished what was queued."""
+    if wait:
+        torch.cuda.synchronize()
+    now = time.perf_counter()
+    return now - t, now
+
+
 def stamp(cuda: bool, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | float:
     """A point in the device's timeline (on `stream`, by default the current one), or the host's off CUDA."""
     if not cuda:
