@@ -138,12 +138,14 @@ def test_every_sequences_rows_are_covered_by_its_own_tiles_in_order(rows):
 
 def test_a_decode_batch_splits_its_keys_to_fill_the_gpu_and_a_prompt_chunk_does_not():
     """Decode rows are one tile a sequence: 32 requests over 8 K/V heads on 132 SMs split each sequence's keys
-    three ways (four programs an SM), one request sixteen ways (the most), while a batch of prompt chunks or trees
-    with hundreds of tiles already fills the GPU and takes the kernel's single pass."""
+    three ways (four programs an SM), also in a captured forward whose tile list is padded for 64 sequences, and
+    one request sixteen ways (the most); prompt chunks and trees, sixteen rows a tile, take the single pass."""
     from ddtree.kernels.paged_attention import launch_config
 
-    assert launch_config(32, 8, 132, 16, 128) == (64, 3)
-    assert launch_config(1, 8, 132, 16, 128) == (64, 16)
-    assert launch_config(200, 8, 132, 16, 128)[1] == 1
-    assert launch_config(32, 4, 132, 16, 256)[0] == 32  # head dim 256: narrower key tiles
-    assert launch_config(32, 8, 132, 12, 128)[0] == 16  # a page of no power of two
+    assert launch_config(32, 32, 8, 132, 16, 128) == (64, 3)
+    assert launch_config(32, 32 // 16 + 64, 8, 132, 16, 128) == (64, 3)  # a graph's padded tile list
+    assert launch_config(1, 1, 8, 132, 16, 128) == (64, 16)
+    assert launch_config(536, 40, 8, 132, 16, 128)[1] == 1  # eight prompt chunks of 67 rows
+    assert launch_config(264, 264 // 16 + 64, 8, 132, 16, 128)[1] == 1  # eight trees of 33 rows, captured
+    assert launch_config(32, 32, 4, 132, 16, 256)[0] == 32  # head dim 256: narrower key tiles
+    assert launch_config(32, 32, 8, 132, 12, 128)[0] == 16  # a page of no power of two

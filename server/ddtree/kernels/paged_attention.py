@@ -181,16 +181,20 @@ def sink_attention(q: torch.Tensor, cache: torch.Tensor, additive: torch.Tensor,
     return (weights.to(q.dtype) @ cache[1]).to(q.dtype)
 
 
-def launch_config(tiles: int, kv_heads: int, sms: int, page: int, head_dim: int) -> tuple[int, int]:
-    """(key columns a program takes at a time, splits of each sequence's key range). Decode rows make one tile a
-    sequence, so 32 requests over 8 K/V heads are 256 programs, each walking thousands of slots alone: on an H100
-    the kernel read the KV of a Qwen3-8B-shaped batch of 32 at a quarter of the bandwidth (benchmarks/RESULTS.md).
-    Few tiles split every sequence's keys over enough programs to fill the GPU four times over (at most 16 splits;
-    split_merge merges them), many (prompt chunks, trees) do not split. Columns look their page up one by one, so a
-    tile of 64 columns may span pages of any power-of-two size; tl.dot needs K >= 16 on every Triton."""
+def launch_config(rows: int, tiles: int, kv_heads: int, sms: int, page: int, head_dim: int) -> tuple[int, int]:
+    """(key columns a program takes at a time, splits of each sequence's key range) for `rows` query rows over a
+    tile list of `tiles` (a captured forward's is padded: one tile a sequence it may hold, at least). Decode rows
+    make one tile a sequence, so 32 requests over 8 K/V heads are 256 programs, each walking thousands of slots
+    alone: on an H100 the kernel read the KV of a Qwen3-8B-shaped batch of 32 at a quarter of the bandwidth
+    (benchmarks/RESULTS.md). Where the rows are that thin (at most two a tile that holds any), every sequence's
+    keys split over enough programs to fill the GPU four times over (at most 16 splits; split_merge merges them);
+    prompt chunks and trees, whose tiles are full, do not split. Columns look their page up one by one, so a tile
+    of 64 columns may span pages of any power-of-two size; tl.dot needs K >= 16 on every Triton."""
     block_n = (64 if head_dim <= 128 else 32) if page & (page - 1) == 0 else 16
-    programs = tiles * kv_heads
-    return block_n, max(1, min(16, -(-4 * sms // programs)))
+    working = min(rows, tiles)  # tiles that hold a row: padding tiles end at once
+    if rows > 2 * working:
+        return block_n, 1
+    return block_n, max(1, min(16, -(-4 * sms // (working * kv_heads))))
 
 
 def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask, splits: int | None = None) -> torch.Tensor:
@@ -199,7 +203,7 @@ def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask, splits:
     out = torch.empty((mask.n, kv_heads * groups * d), dtype=q.dtype, device=q.device)
     k, v = cache[0], cache[1]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4  # 4: interpreted
-    block_n, auto = launch_config(mask.tiles.shape[0], kv_heads, sms, mask.page, d)
+    block_n, auto = launch_config(mask.n, mask.tiles.shape[0], kv_heads, sms, mask.page, d)
     splits = splits or (auto if SWITCHES.paged_split else 1)
     direct = splits == 1
     acc, stats = (out, out) if direct else partials(splits, kv_heads, rows, d, q.device)
