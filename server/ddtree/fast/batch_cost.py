@@ -9,7 +9,7 @@ import torch
 
 from ddtree.core.blocks import BlockManager
 from ddtree.core.budget import CostModel
-from ddtree.fast.plan import lap
+from ddtree.fast.plan import now
 from ddtree.kernels import gdn
 from ddtree.kernels.paged_attention import PagedLayout
 
@@ -26,6 +26,7 @@ class Measured(Protocol):
     blocks: BlockManager
     hybrid: Any
     draft: Any
+    cuda: bool
 
     def _seq_rows(self, seq_ids: list[int], layout: PagedLayout) -> Any: ...
     def _run(self, kind: str, *args: Any) -> Any: ...
@@ -59,9 +60,9 @@ def measure_cost(backend: Measured, repeats: int = 3) -> CostModel:
             backend._run(kind, *args)
         times = []
         for _ in range(repeats):
-            _, t = lap(0.0, backend.cuda)
+            t = now(backend.cuda)
             backend._run(kind, *args)
-            times.append(lap(t, backend.cuda)[0])
+            times.append(now(backend.cuda) - t)
         return min(times)
 
     points, slowest = [], 0.0

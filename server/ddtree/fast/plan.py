@@ -96,12 +96,17 @@ def _read_back(verified: tuple) -> tuple[torch.Tensor, ...]:
     return (verified[0], *(verified[5] or ()))
 
 
-def lap(t: float, wait: bool) -> tuple[float, float]:
-    """(seconds since `t`, now) on the host's clock; `wait`: once the device has finished what was queued."""
+def now(wait: bool) -> float:
+    """The host's clock; `wait`: once the device has finished what was queued."""
     if wait:
         torch.cuda.synchronize()
-    now = time.perf_counter()
-    return now - t, now
+    return time.perf_counter()
+
+
+def lap(t: float, wait: bool) -> tuple[float, float]:
+    """(seconds since `t`, now): `now`'s."""
+    at = now(wait)
+    return at - t, at
 
 
 def stamp(cuda: bool, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | float:

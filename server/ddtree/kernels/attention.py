@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels.jit import after_previous, launch_fitting, probe, triton_works
+from ddtree.kernels.jit import after_previous, launch_fitting, probe, sm_count, triton_works
 from ddtree.kernels.paged_attention import PagedMask, paged_attention, sink_attention
 from ddtree.kernels.split_merge import merge_splits, partials
 from ddtree.kernels.wgmma import early_pdl
@@ -129,8 +129,7 @@ def _triton_attention(q: torch.Tensor, cache: torch.Tensor, mask: TreeMask,
     n, capacity = mask.n, cache.shape[2]
     cfg = config
     if cfg is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4  # 4: interpreted
-        cfg = launch_config(rows, capacity, kv_heads, sms, d)
+        cfg = launch_config(rows, capacity, kv_heads, sm_count(q.device), d)
     splits = cfg["splits"]
     two_loops = min(cfg["two_loops"], 1 if splits == 1 else 2)  # one split holds every key
     out = torch.empty((n, kv_heads * (rows // n) * d), dtype=q.dtype, device=q.device)

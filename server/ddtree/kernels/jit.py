@@ -86,6 +86,11 @@ def pdl(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1")
 
 
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors a launch fills; interpreted on the CPU, 4 (so split launches still split)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def program_block(n: int, device: torch.device, gpu: int) -> int:
     """How much of n one program takes: `gpu` on a GPU; interpreted on the CPU, all of it (a power of two), as
     a program there costs far more than its elements."""

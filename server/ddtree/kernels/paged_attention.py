@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddtree.kernels.jit import triton_works
+from ddtree.kernels.jit import sm_count, triton_works
 from ddtree.kernels.split_merge import merge_splits, partials
 from ddtree.switches import SWITCHES
 
@@ -202,8 +202,7 @@ def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask, splits:
     groups = rows // mask.n
     out = torch.empty((mask.n, kv_heads * groups * d), dtype=q.dtype, device=q.device)
     k, v = cache[0], cache[1]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4  # 4: interpreted
-    block_n, auto = launch_config(mask.n, mask.tiles.shape[0], kv_heads, sms, mask.page, d)
+    block_n, auto = launch_config(mask.n, mask.tiles.shape[0], kv_heads, sm_count(q.device), mask.page, d)
     splits = splits or (auto if SWITCHES.paged_split else 1)
     direct = splits == 1
     acc, stats = (out, out) if direct else partials(splits, kv_heads, rows, d, q.device)

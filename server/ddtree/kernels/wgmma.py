@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ddtree.kernels import nvrtc
-from ddtree.kernels.jit import pdl
+from ddtree.kernels.jit import pdl, sm_count
 from ddtree.switches import SWITCHES
 
 MIN_ROWS, MAX_ROWS = 33, 136  # the rows the kernel takes: past 256 wgmma has no N; past 136 untested
@@ -147,7 +147,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and nvrtc.tma_compatible(x) and nvrtc.tma_compatible(weight)
             and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return False
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     return fill(launch_config(weight.shape[0], x.shape[1], x.shape[0], sms), weight.shape[0], sms) >= MIN_FILL
 
 
@@ -157,7 +157,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) 
     rows, k = x.shape
     n = weight.shape[0]
     if config is None:
-        config = launch_config(n, k, rows, torch.cuda.get_device_properties(x.device).multi_processor_count)
+        config = launch_config(n, k, rows, sm_count(x.device))
     split_boxes = k // 64 // config.splits  # each split's 64-wide K boxes
     if split_boxes % config.boxes:
         raise ValueError(f"{config}: each split's {split_boxes} K boxes do not make whole stages")
@@ -186,7 +186,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows and half of the matching up rows."""
     if weight.shape[0] % 2:
         raise ValueError(f"a fused gate/up weight has an even number of rows, not {weight.shape[0]}")
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     config = dataclasses.replace(launch_config(weight.shape[0], x.shape[1], x.shape[0], sms), glu=True)
     return linear(x, weight, config)
 
