@@ -6,15 +6,22 @@ the result turns any `<|im_end|>` a user typed into the real end-of-turn token, 
 turn (vLLM does this by default). With escaping on, the template still renders the same text, but only the
 special tokens the template itself wrote are read as special; a user's `<|im_end|>` is tokenized like any
 other text. Chats without special-token text get exactly the ids `Engine.chat_ids` gives.
+
+Completions prompts and chats (rendered, then encoded, as `apply_chat_template(tokenize=True)` does) go through a
+tokenization prefix cache (prompt_tokens.py) where the tokenizer is one it can split exactly.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerBase
+
+from ddtree.api.prompt_tokens import PromptTokens
 
 PRIVATE_USE = 0xF0000  # Supplementary Private Use Area-A: placeholders for special-token text in messages
 
@@ -36,6 +43,8 @@ class PromptRenderer:
         self.max_token_chars = max(map(len, vocab), default=0)
         self._plain_ids = _plain_encoder(self.tokenizer) if self.specials else None
         self._newline = self._plain_ids("\n") if self._plain_ids else []
+        self.tokens = PromptTokens(self.tokenizer)
+        self._encoding_options = _encoding_options() if self.tokens.family else frozenset()
 
     def min_tokens(self, chars: int) -> int:
         """A lower bound on the token count of any text of `chars` characters, without tokenizing it; the 2
@@ -44,17 +53,17 @@ class PromptRenderer:
 
     def text_ids(self, text: str) -> list[int]:
         """A completions prompt: special-token text in it is special (a raw prompt writes its own markers)."""
-        return self.engine.encode(text)
+        return self.tokens.encode(text) if self.tokens.family else self.engine.encode(text)
 
     def chat_ids(self, messages: list[dict], **template: Any) -> list[int]:
         """The prompt ids of a chat (template arguments as `Engine.chat_ids` takes them)."""
         if not self.escape or self._special_re is None:
-            return self.engine.chat_ids(messages, **template)
+            return self._template_ids(messages, **template)
         placeholders = self._placeholders(messages)
         escaped = [_replace_strings(m, lambda s: self._special_re.sub(lambda x: placeholders[x.group()], s))
                    for m in messages]
         if escaped == messages:
-            return self.engine.chat_ids(messages, **template)
+            return self._template_ids(messages, **template)
         restore = {p: s for s, p in placeholders.items()}
         restore_re = re.compile("|".join(map(re.escape, restore)))
         rendered = self._render(escaped, **template)
@@ -68,6 +77,14 @@ class PromptRenderer:
                 ids.append(self.special_ids[match.group()])
                 end = match.end()
         return ids
+
+    def _template_ids(self, messages: list[dict], **template: Any) -> list[int]:
+        """`Engine.chat_ids`. `apply_chat_template(tokenize=True)` renders the chat to text and encodes that with
+        add_special_tokens=False (transformers' own method: `PromptTokens` recognises no tokenizer that overrides
+        it), which is what the cache encodes; template arguments that set the encoding's options keep its path."""
+        if self.tokens.family is None or template.keys() & self._encoding_options:
+            return self.engine.chat_ids(messages, **template)
+        return self.tokens.encode(self._render(messages, **template))
 
     def _piece_ids(self, text: str, first: bool) -> list[int]:
         """A piece of the rendered chat between two of the template's special tokens, as plain text. Encoded
@@ -90,6 +107,14 @@ class PromptRenderer:
         text = repr(messages)
         free = (chr(c) for c in range(PRIVATE_USE, PRIVATE_USE + 65534) if chr(c) not in text)
         return {special: next(free) for special in self.specials}
+
+
+def _encoding_options() -> frozenset[str]:
+    """`apply_chat_template`'s arguments other than what it renders from: options of its encoding step (and any
+    a later transformers adds, which then keep the chat off the cache)."""
+    rendering = {"self", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                 "continue_final_message", "kwargs"}
+    return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - rendering
 
 
 def _plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
