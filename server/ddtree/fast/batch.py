@@ -20,9 +20,8 @@ CUDA graphs, one per bucket of rows (`Captured`); elsewhere they run eagerly. A 
 that are greedy or unseeded samples, on a dense target with a DFlash drafter, runs whole on the device instead (one
 graph per bucket of requests and tree size, fast/batch_round.py); the host path above serves every other round.
 
-Scope: dense and mixture-of-experts Qwen3 / Llama targets (the fast path's) and Qwen3.5 / Qwen3.6 / Qwen3-Next
-hybrids (their Gated DeltaNet layers keep a state per sequence: fast/paged_hybrid.py), with DFlash, DFlash2 and
-attention-sink drafters, greedy or sampled with any of the request's settings.
+Scope: dense and mixture-of-experts Qwen3 / Llama targets and Qwen3.5 / Qwen3.6 / Qwen3-Next hybrids (a Gated
+DeltaNet state per sequence: fast/paged_hybrid.py), with any drafter, greedy or sampled with any request settings.
 """
 
 from __future__ import annotations
@@ -418,10 +417,11 @@ class PagedBackend:
         return trees
 
     def pooled_prompt(self, seq_id: int, cached: int, length: int) -> PooledPrompt:
-        """A sequence's prompt of `length` tokens as the single-request path reads (its first `cached`) and writes
-        (the rest) it in this pool (engine/solo.py); its blocks are reserved."""
-        slots = self._tensor(self.blocks.slots(seq_id, 0, length))
-        return PooledPrompt(self.kv, self.draft_kv if self.draft is not None else None, slots, cached)
+        """A sequence's prompt of `length` tokens as the single-request path reads (its first `cached`: whole pages)
+        and writes (the rest) it in this pool (engine/solo.py); its blocks are reserved."""
+        pages = self._tensor(self.blocks.tables[seq_id][:cached // self.page])  # the cache holds whole blocks
+        return PooledPrompt(self.kv, self.draft_kv if self.draft is not None else None,
+                            self._tensor(self.blocks.slots(seq_id, 0, length)), cached, pages, self.page)
 
     def measure_cost(self, repeats: int = 3) -> CostModel:
         """The round's cost model on this device (fast/batch_cost.py)."""
