@@ -279,3 +279,19 @@ def test_chat_template_encoding_options_keep_the_template_path(demo_client):
     before = prompts.tokens.fresh_chars + prompts.tokens.cached_chars
     assert prompts.chat_ids(messages, truncation=False) == engine.chat_ids(messages, truncation=False)
     assert prompts.tokens.fresh_chars + prompts.tokens.cached_chars == before
+
+
+def test_a_shapes_tokenizer_encodes_through_the_cache_as_the_tokenizer_it_wraps():
+    """`serve --shape` wraps the demo tokenizer (ids beyond it decode modulo its size): its prompts' prefixes are
+    cached too, with the wrapped tokenizer's ids."""
+    from ddtree.api.rendering import PromptRenderer
+    from ddtree.models.shapes import ShapeTokenizer
+
+    inner = AutoTokenizer.from_pretrained(ASSETS / "target")
+    engine = type("ShapeEngine", (), {"tokenizer": ShapeTokenizer(inner), "encode": None})()
+    renderer = PromptRenderer(engine)
+    rng = random.Random(5)
+    prefix = random_text(rng, 6000, [])
+    for tail in ("one", "two"):
+        assert renderer.text_ids(prefix + tail) == plain(inner, prefix + tail)
+    assert renderer.tokens.cached_chars >= len(prefix) - STRIDE - 64

@@ -43,7 +43,8 @@ class PromptRenderer:
         self.max_token_chars = max(map(len, vocab), default=0)
         self._plain_ids = _plain_encoder(self.tokenizer) if self.specials else None
         self._newline = self._plain_ids("\n") if self._plain_ids else []
-        self.tokens = PromptTokens(self.tokenizer)
+        # a random-weight shape's tokenizer encodes with the tokenizer it wraps (models/shapes.py)
+        self.tokens = PromptTokens(getattr(self.tokenizer, "text_encoder", self.tokenizer))
         self._encoding_options = _encoding_options() if self.tokens.family else frozenset()
 
     def min_tokens(self, chars: int) -> int:

@@ -146,6 +146,12 @@ class ShapeTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.inner = tokenizer
 
+    @property
+    def text_encoder(self) -> Any:
+        """What turns text into ids: the wrapped tokenizer itself (only decoding differs), so the front end's
+        tokenization cache (api/prompt_tokens.py) can recognise it."""
+        return self.inner
+
     def decode(self, ids: Sequence[int], **options: Any) -> str:
         size = len(self.inner)
         return self.inner.decode([i % size for i in ids], **options)
