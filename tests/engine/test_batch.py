@@ -160,6 +160,17 @@ def test_a_request_larger_than_the_cache_is_refused_in_one_line(engines):
         batch.add(list(range(40)), GREEDY)
 
 
+def test_prompts_with_ids_outside_the_vocabulary_are_refused_in_one_line(engines):
+    from ddtree.errors import DDTreeError
+
+    batch = paged(engines["qwen3"], blocks=16)
+    vocab = engines["qwen3"].vocab_size
+    for bad in ([1, vocab, 2], [-1, 3], [], [vocab + 7]):
+        with pytest.raises(DDTreeError, match=r"must be in \[0, |is empty"):
+            batch.add(bad, GREEDY)
+    assert batch.add([0, vocab - 1], GREEDY).request.prompt_ids == [0, vocab - 1]
+
+
 def test_the_batch_budget_shrinks_trees_when_verified_tokens_cost_time(engines):
     """Under a cost model where every verified row costs as much as a round's fixed part, the batch verifies
     fewer draft nodes a step than the requests' own budgets add up to, and still gives their tokens."""

@@ -259,7 +259,7 @@ class Engine(TextCodec):
         if not prompt_ids:
             raise DDTreeError("the prompt is empty")
         vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_context:
             raise DDTreeError(f"the prompt has {len(prompt_ids)} tokens; the context length is {self.max_context}")

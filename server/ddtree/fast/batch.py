@@ -421,7 +421,7 @@ class PagedBackend:
         and writes (the rest) it in this pool (engine/solo.py); its blocks are reserved."""
         pages = self._tensor(self.blocks.tables[seq_id][:cached // self.page])  # the cache holds whole blocks
         return PooledPrompt(self.kv, self.draft_kv if self.draft is not None else None,
-                            self._tensor(self.blocks.slots(seq_id, 0, length)), cached, pages, self.page)
+                            self._tensor(self.blocks.slots(seq_id, cached, length - cached)), cached, pages, self.page)
 
     def measure_cost(self, repeats: int = 3) -> CostModel:
         """The round's cost model on this device (fast/batch_cost.py)."""

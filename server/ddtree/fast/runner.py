@@ -62,14 +62,14 @@ Filters = tuple[int, float, float]  # (top-k, top-p, min-p) of a sampled request
 
 @dataclass(frozen=True)
 class PooledPrompt:
-    """A lone request's prompt in the batched path's paged pool (engine/solo.py): the pool slot of every prompt
-    token, the first `cached` of them a prefix the prefix cache already holds. The prefill reads those rows instead
-    of computing them and writes the rows it computes into the others, so the prompt is there for the requests
-    after it, on either path."""
+    """A lone request's prompt in the batched path's paged pool (engine/solo.py): the pages of its first `cached`
+    tokens, a prefix the prefix cache already holds, and the slots of the rest. The prefill reads those pages
+    instead of computing their rows and writes the rows it computes into the slots, so the prompt is there for the
+    requests after it, on either path."""
 
     kv: torch.Tensor  # the target's pool [L, 2, kv, slots, d]
     draft_kv: torch.Tensor | None  # the drafter's context pool, when there is a drafter
-    slots: torch.Tensor  # [n] pool slots of the prompt's tokens
+    slots: torch.Tensor  # [n - cached] pool slots of the prompt's tokens after the cached prefix
     cached: int  # a whole number of pages: the prefix cache holds full blocks only
     pages: torch.Tensor  # [cached / page] the pool's pages that hold the cached prefix, in order
     page: int  # slots a page
@@ -434,10 +434,9 @@ class FastPath:
 
     def _write_pool(self, pooled: PooledPrompt, n: int, with_draft: bool) -> None:
         """The prompt rows this prefill computed (cached .. n - 1) into their pool slots."""
-        rows = pooled.slots[pooled.cached:n]
-        pooled.kv.index_copy_(3, rows, self.kv[:, :, :, pooled.cached:n])
+        pooled.kv.index_copy_(3, pooled.slots, self.kv[:, :, :, pooled.cached:n])
         if with_draft:
-            pooled.draft_kv.index_copy_(3, rows, self.draft_kv[:, :, :, pooled.cached:n])
+            pooled.draft_kv.index_copy_(3, pooled.slots, self.draft_kv[:, :, :, pooled.cached:n])
 
     def prompt_forward(self, prompt: torch.Tensor, positions: torch.Tensor, causal: torch.Tensor,
                        every_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
