@@ -76,12 +76,7 @@ class PromptTokens:
         contents = recognised[1] if recognised else []
         self._added = re.compile("|".join(map(re.escape, contents))) if contents else None
         self._reach = max(map(len, contents), default=0) + 1
-        self._backend: Tokenizer | None = None
-        if recognised:
-            self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-            self._backend.no_truncation()
-            self._backend.no_padding()
-            self._backend.encode_special_tokens = bool(tokenizer.split_special_tokens)
+        self._backend = backend_copy(tokenizer, bool(tokenizer.split_special_tokens)) if recognised else None
         self._pieces: OrderedDict[bytes, tuple[str, array]] = OrderedDict()
         self.ids_held = 0  # ids the pieces hold, all together
         self._lock = threading.Lock()
@@ -152,6 +147,17 @@ class PromptTokens:
 
     def __len__(self) -> int:
         return len(self._pieces)
+
+
+def backend_copy(tokenizer: Any, split_special_tokens: bool) -> Tokenizer:
+    """A private copy of a fast tokenizer's backend, encoding as transformers' `encode` does (no truncation, no
+    padding) with special-token text read as text or not once and for all: transformers sets such options on the
+    shared backend for each call, which races with the other threads tokenizing requests."""
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = split_special_tokens
+    return backend
 
 
 def _recognised(tokenizer: Any) -> tuple[str, list[str]] | None:

@@ -18,10 +18,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
-from ddtree.api.prompt_tokens import PromptTokens
+from ddtree.api.prompt_tokens import PromptTokens, backend_copy
 
 PRIVATE_USE = 0xF0000  # Supplementary Private Use Area-A: placeholders for special-token text in messages
 
@@ -119,14 +118,12 @@ def _encoding_options() -> frozenset[str]:
 
 
 def _plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """Text -> ids with special-token text read as text. A copy of a fast tokenizer's backend with that set once
-    and for all: transformers' `split_special_tokens=True` flips it on the shared tokenizer for each call, which
-    races with the other threads tokenizing requests (one could read a user's `<|im_end|>` as the token)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:  # a Python tokenizer takes the option per call, without shared state
+    """Text -> ids with special-token text read as text, through a private copy of a fast tokenizer's backend
+    (`backend_copy`): on the shared one, transformers' `split_special_tokens=True` would race with the other
+    threads tokenizing requests (one could read a user's `<|im_end|>` as the token)."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # a Python tokenizer: the option per call, no state
         return lambda text: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-    plain = Tokenizer.from_str(backend.to_str())
-    plain.encode_special_tokens = True
+    plain = backend_copy(tokenizer, True)
     return lambda text: plain.encode(text, add_special_tokens=False).ids
 
 
