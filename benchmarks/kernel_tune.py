@@ -4,10 +4,11 @@
 
 For the row counts the fast path meets on a Qwen3-8B-shaped target (8 K/V heads, 4 query heads each, d 128):
 one AR row, a 16-row draft block, and 65- and 129-node tree verifies (4, 64, 260 and 516 grouped query rows),
-at a 560-token context in a 768-row cache. Each variant is checked against SDPA, then runs over 36 distinct
-layer caches (more than L2 holds) as one CUDA graph; the time is per layer call, median of replays.
+at a 560-token context in a 768-row cache (--context: another, e.g. a prefix hit's 1650 cached tokens). Each
+variant is checked against SDPA, then runs over 36 distinct layer caches (more than L2 holds) as one CUDA graph;
+the time is per layer call, median of replays.
 --sweep tries, for the AR row, 1 to 32 splits; for the draft block and the trees, at most 54 configs in two
-stages: tile height x warps x splits (1/2/3/4/6/8) at block_n 64 and 2 pipeline stages, then block_n
+stages: tile height x warps x splits (1/2/3/4/6/8/12/16) at block_n 64 and 2 pipeline stages, then block_n
 32/64/128 x num_stages 1/2/3 around the 3 fastest of those. splits 1 is the kernel without the merge pass;
 the trees' configs take the kernel's two-loop form (committed keys without visibility reads), the AR row's
 one loop. The last table is the fastest config per row count.
@@ -33,7 +34,7 @@ from triton.runtime.errors import OutOfResources
 
 LAYERS, KV, GROUPS, D, CAPACITY, START = 36, 8, 4, 128, 768, 560
 TREE_SHAPES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))  # (block_m, num_warps)
-TREE_SPLITS = (1, 2, 3, 4, 6, 8)
+TREE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 PIPELINES = tuple((block_n, stages) for block_n in (32, 64, 128) for stages in (1, 2, 3))
 REFINED = 3  # stage-1 configs whose block_n and num_stages the sweep varies
 AR_ROWS = 16  # up to this many rows (one AR token's heads), the sweep varies only the splits
@@ -222,8 +223,12 @@ if __name__ == "__main__":
                         help="time the trees' loop forms (new_split_grid) around the default tile")
     parser.add_argument("--heads", type=int, nargs=3, metavar=("KV", "GROUPS", "D"), default=[KV, GROUPS, D],
                         help="K/V heads, query heads per K/V head, head dim (Qwen3.6-27B: 4 6 256)")
+    parser.add_argument("--context", type=int, default=START,
+                        help="committed tokens before the new rows (a prefix hit's prompt rows: 1650)")
     args = parser.parse_args()
     KV, GROUPS, D = args.heads
+    START = args.context
+    CAPACITY = max(CAPACITY, START + max(args.rows) // GROUPS + 64)
     if args.part != "attention":
         tree_ops(args.sweep)
     if args.part != "tree":

@@ -205,7 +205,7 @@ def scripted_call_reply() -> list:
 def client_for(engine: ScriptedEngine, **config) -> TestClient:
     client = TestClient(create_app(lambda: engine, ServerConfig(**config)))
     client.__enter__()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # returns once ready; a busy 2-core CI host took over 10 s
     while client.get("/ready").status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -509,10 +509,35 @@ def test_default_chat_template_kwargs_apply_unless_the_request_sends_its_own():
     assert engine.decode(default).startswith("NOTHINK") and not engine.decode(asked).startswith("NOTHINK")
 
 
+def test_chat_template_kwargs_may_not_set_the_template_calls_own_arguments():
+    """A client's chat_template_kwargs reach the template, never `apply_chat_template`'s own arguments: one that
+    would run its own template, skip the tokenization or change the encoding gets a 400 naming the key, with
+    what to send instead; the chat and /tokenize alike, and nothing reaches the engine."""
+    engine = Engine.from_pretrained(device="cpu")
+    engine.tokenizer.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "hello"}]
+    cases = [({"tokenize": False}, "'tokenize'", "server sets"),
+             ({"chat_template": "{{ 7 * 7 }}", "enable_thinking": False}, "'chat_template'", "server sets"),
+             ({"tokenizer_kwargs": {"add_special_tokens": True}, "truncation": True}, "'tokenizer_kwargs'", ""),
+             ({"add_generation_prompt": False}, "'add_generation_prompt'", "request's own field")]
+    with client_for(engine) as client:
+        for kwargs, named, hint in cases:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            for path, body in (("/v1/chat/completions", {"model": model, "max_tokens": 2}), ("/tokenize", {})):
+                r = client.post(path, json=body | {"messages": messages, "chat_template_kwargs": kwargs})
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["param"] == "chat_template_kwargs", (path, kwargs)
+                assert named in error["message"] and hint in error["message"], error["message"]
+        # the template's own variables still pass
+        r = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200 and engine.decode(r.json()["tokens"]).startswith("NOTHINK")
+
+
 def test_serve_refuses_default_chat_template_kwargs_that_are_not_a_json_object(capsys):
     from ddtree.cli import main
 
-    for value, words in (("{nope", "is not JSON"), ("[1]", "must be a JSON object")):
+    for value, words in (("{nope", "is not JSON"), ("[1]", "must be a JSON object"),
+                         ('{"tokenize": false}', "may not set 'tokenize'")):
         assert main(["serve", "--default-chat-template-kwargs", value]) == 2
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err

@@ -109,6 +109,24 @@ class PromptRenderer:
         return {special: next(free) for special in self.specials}
 
 
+def reserved_template_arguments() -> frozenset[str]:
+    """`apply_chat_template`'s own arguments, which `chat_template_kwargs` may not set: the request has fields
+    for the rendering ones (messages, add_generation_prompt, continue_final_message), the server chooses the
+    template and how its text is encoded (`tokenize=False`, `tokenizer_kwargs` or `truncation` would change the
+    encoding or what comes back, and `chat_template` would run a client's own Jinja). Tools and documents are
+    what a template renders, so they pass. vLLM refuses `chat_template` and `tokenize` there too."""
+    rendered = {"self", "kwargs", "tools", "documents"}
+    return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - rendered
+
+
+def template_argument_hint(names: list[str]) -> str:
+    """What to do instead of setting `names` (reserved template arguments) in chat_template_kwargs."""
+    fields = [n for n in names if n in ("add_generation_prompt", "continue_final_message")]
+    if fields:
+        return f"send {' and '.join(fields)} as the request's own field{'s' if len(fields) > 1 else ''}."
+    return "these are the chat template call's own arguments, which the server sets."
+
+
 def _encoding_options() -> frozenset[str]:
     """`apply_chat_template`'s arguments other than what it renders from: options of its encoding step (and any
     a later transformers adds, which then keep the chat off the cache)."""
