@@ -114,8 +114,12 @@ def make_dflash2_draft(out: Path, *, sliding_window: int | None = 6, is_causal: 
 
 
 def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int = 4, hidden: int = HIDDEN) -> dict:
-    """A tiny Qwen3.5-style stack: three Gated DeltaNet layers, then one gated full-attention layer."""
-    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
+    """A tiny Qwen3.5-style stack: three Gated DeltaNet layers, then one gated full-attention layer (per 4 layers;
+    fewer than 4: Gated DeltaNet layers, then one full-attention layer)."""
+    if layers % 4:
+        layer_types = ["linear_attention"] * (layers - 1) + ["full_attention"]
+    else:
+        layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     cfg = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -129,7 +133,7 @@ def hybrid_text_config(arch: str = "qwen3_5", *, vocab: int = VOCAB, layers: int
 
 
 def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimodal: bool = True,
-                       hidden: int = HIDDEN) -> Path:
+                       hidden: int = HIDDEN, layers: int = 4) -> Path:
     """Qwen3.5 / Qwen3.5-MoE in the multimodal checkpoint layout (as published), or Qwen3-Next (text only)."""
     from transformers import (
         Qwen3_5Config,
@@ -141,7 +145,7 @@ def make_hybrid_target(out: Path, arch: str = "qwen3_5", seed: int = 0, multimod
     )
 
     torch.manual_seed(seed)
-    text = hybrid_text_config(arch, hidden=hidden)
+    text = hybrid_text_config(arch, hidden=hidden, layers=layers)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
     if arch == "qwen3_next":
         model = Qwen3NextForCausalLM(Qwen3NextConfig(**text))

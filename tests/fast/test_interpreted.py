@@ -33,13 +33,14 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, k
     from ddtree.kernels.heads import attention_heads as heads_kernel
 
     monkeypatch.setattr(fast_hybrid, "PROMPT_CHUNK", 7)  # a hybrid's 10-token prompt: chunks of 7 and 3 nodes
-    if name in ("qwen3", "moe"):  # 2 target layers and 1 draft layer (interpreted, every launch is slow)
-        draft = make_draft(tmp_path / "draft", target_layers=2, layers=1, taps=[0, 1])
+    # 2 target layers and 1 draft layer (interpreted, every launch is slow): a hybrid's are a Gated DeltaNet layer
+    # and a full-attention one (every tree node runs a program per head in each Gated DeltaNet layer)
+    draft = make_draft(tmp_path / "draft", target_layers=2, layers=1, taps=[0, 1])
+    if name in ("qwen3", "moe"):
         target = make_target(tmp_path / name, "qwen3" if name == "qwen3" else "qwen3_moe", seed=4, layers=2)
     else:
-        draft = make_draft(tmp_path / "draft", taps=[1, 2])
         target = make_hybrid_target(tmp_path / name, "qwen3_5" if name == "hybrid" else "qwen3_5_moe",
-                                    seed=0 if name == "hybrid" else 1)
+                                    seed=0 if name == "hybrid" else 1, layers=2)
     params = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     launches, gdn_steps, attention_forms = [], set(), set()
     real, real_row, real_tree = gemm.skinny_linear, gdn.row_step, gdn.tree_step
