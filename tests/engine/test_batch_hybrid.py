@@ -34,6 +34,20 @@ def hybrids(tmp_path_factory) -> dict[str, Engine]:
     return out
 
 
+@pytest.fixture(scope="module")
+def small_hybrids(tmp_path_factory) -> dict[str, Engine]:
+    """For the interpreted kernels (every node of a verify runs a program per head in each Gated DeltaNet layer):
+    two Gated DeltaNet layers (still a layer axis for the varlen and commit kernels to index) and a full-attention
+    one, under a one-layer draft."""
+    root = tmp_path_factory.mktemp("batch_hybrid_small")
+    make_draft(root / "draft", target_layers=3, layers=1, taps=[0, 2])
+    out = {}
+    for seed, arch in enumerate(["qwen3_5", "qwen3_next"]):
+        make_hybrid_target(root / arch, arch, seed=seed, layers=3)
+        out[arch] = Engine.from_pretrained(root / arch, root / "draft", device="cpu")
+    return out
+
+
 def batch_of(engine: Engine, *, blocks: int = 96, max_num_seqs: int = 4,
              max_num_batched_tokens: int = 512) -> BatchEngine:
     pool = BlockManager(blocks, 8)
@@ -105,7 +119,8 @@ def test_after_a_batched_round_each_state_is_the_one_its_sequence_has_alone(hybr
 
 
 @pytest.mark.parametrize("kernels", ["pytorch", "interpreted"])
-def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_commit_does(hybrids, kernels, request):
+def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_commit_does(small_hybrids, kernels,
+                                                                                        request):
     """Two sequences verify a tree each in one batched forward; the commit then takes each to a deep node of its
     tree (not the walk's choice: random drafts are rarely accepted). Every recurrent state and conv window equals
     what the single-sequence fast path's verify and commit give for that sequence and node: with each sequence's
@@ -116,7 +131,7 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
 
     if kernels == "interpreted":
         request.getfixturevalue("kernels_on_cpu")
-    engine = hybrids["qwen3_5"]
+    engine = small_hybrids["qwen3_5"]
     fast = Engine(engine.target, engine.draft, engine.tokenizer, fast=True, fast_capacity=256).fast
     batch = batch_of(engine)
     backend = batch.backends[0]
@@ -161,11 +176,11 @@ def test_the_commit_installs_the_state_after_any_node_as_the_single_sequence_com
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
-def test_the_interpreted_kernels_batch_a_hybrid_as_the_gpu_replays(hybrids, kernels_on_cpu, arch):
+def test_the_interpreted_kernels_batch_a_hybrid_as_the_gpu_replays(small_hybrids, kernels_on_cpu, arch):
     """The static buffers, the paged attention kernel and the varlen Gated DeltaNet kernels (Triton's
     interpreter), as a GPU's graphs run a hybrid's verify: Qwen3.5's fused input projection, and Qwen3-Next's
     two projections reordered into the rows the kernels read."""
-    engine = hybrids[arch]
+    engine = small_hybrids[arch]
     batch = batch_of(engine, blocks=48, max_num_batched_tokens=64)
     backend = batch.backends[0]
     assert backend.static and backend.hybrid.varlen
