@@ -111,11 +111,14 @@ def test_an_fp8_target_batches_on_the_paged_fast_path(fp8_ckpt, name):
 
 
 @pytest.mark.slow
-def test_the_fast_paths_fp8_kernels_give_the_reference_tokens(fp8_ckpt, kernels_on_cpu):
+def test_the_fast_paths_fp8_kernels_give_the_reference_tokens(tmp_path, kernels_on_cpu):
     """The dense FP8 target with the Triton kernels interpreted: block-scaled few-row GEMMs at one row (the AR
-    step) and at a tree's rows, the norms quantizing their rows."""
-    fast = Engine.from_pretrained(fp8_ckpt / "qwen3-fp8", fp8_ckpt / "draft", device="cpu", fast=True,
-                                  fast_capacity=128)
+    step) and at a tree's rows, the norms quantizing their rows. Two target layers and one draft layer
+    (interpreted, every launch is slow)."""
+    draft = make_draft(tmp_path / "draft", hidden=HIDDEN, target_layers=2, layers=1, taps=[0, 1])
+    target = make_target(tmp_path / "qwen3", "qwen3", hidden=HIDDEN, head_dim=32, layers=2)
+    fast = Engine.from_pretrained(make_fp8_checkpoint(target, tmp_path / "qwen3-fp8"), draft, device="cpu",
+                                  fast=True, fast_capacity=128)
     assert fast.fast is not None and not fast.fast.row_gemv and fast.fast.ops.quantizing_rows
     reference = Engine(fast.target, fast.draft, fast.tokenizer)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
