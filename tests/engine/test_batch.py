@@ -208,9 +208,9 @@ def test_sampling_inside_a_batch_follows_the_targets_distribution(small_vocab):
     assert fit_p_value(counts, joint) > 1e-4
 
 
-def test_the_interpreted_kernels_batch_as_the_gpu_replays(engines, kernels_on_cpu):
+def test_the_interpreted_kernels_batch_as_the_gpu_replays(small_engine, kernels_on_cpu):
     """The static buffers and the paged attention kernel (Triton's interpreter), as a GPU's graphs run them."""
-    engine = engines["qwen3"]
+    engine = small_engine
     requests = [(p, SamplingParams(max_new_tokens=10, ignore_eos=True), m, b)
                 for p, (m, b) in zip(PROMPTS[:3], METHODS[:3], strict=True)]
     batch = paged(engine, blocks=24)
@@ -264,13 +264,13 @@ def test_a_dflash2_batch_drafts_what_each_request_drafts_alone(fast_ckpt):
 
 
 @pytest.mark.parametrize("draft", ["draft_dflash2", "draft_sinks"])
-def test_the_interpreted_kernels_batch_dflash2_and_sink_drafters_as_the_gpu_replays(fast_ckpt, kernels_on_cpu, draft):
+def test_the_interpreted_kernels_batch_dflash2_and_sink_drafters_as_the_gpu_replays(small_ckpt, kernels_on_cpu, draft):
     """The DFlash2 block pass on static buffers (its convolutions per block, the selector's transitions from the
     pass's normed rows), and a drafter whose layers have attention sinks (the paged kernel's sink column), with
     the paged attention kernel interpreted, as a GPU's draft graphs run them."""
     from ddtree.engine import Engine
 
-    engine = Engine.from_pretrained(fast_ckpt / "qwen3", fast_ckpt / draft, device="cpu")
+    engine = Engine.from_pretrained(small_ckpt / "qwen3", small_ckpt / draft, device="cpu")
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "dflash", None)]
     batch = paged(engine, blocks=24)

@@ -232,10 +232,10 @@ def test_the_next_round_is_queued_before_the_host_takes_this_ones_results(engine
 
 
 @pytest.mark.slow
-def test_the_interpreted_kernels_run_the_device_round_as_the_gpu_replays(engines, kernels_on_cpu, counted):
+def test_the_interpreted_kernels_run_the_device_round_as_the_gpu_replays(small_engine, kernels_on_cpu, counted):
     """Vocabulary top-k, the tree build, the picks (a filtered sample's too) and paged attention in Triton's
     interpreter, on the round's static buffers."""
-    engine = engines["qwen3"]
+    engine = small_engine
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9, top_k=3, top_p=0.9)
     requests = [(PROMPTS[0], params, "ddtree", 8), (PROMPTS[1], params, "ar", None),
