@@ -39,7 +39,7 @@ from ddtree.fast.prompt import PromptGraphs
 from ddtree.fast.rope import RopeTable
 from ddtree.kernels.attention import tree_mask
 from ddtree.kernels.cache import compact
-from ddtree.kernels.gather import embed, gather_rows
+from ddtree.kernels.gather import copy_pages, embed, gather_rows
 from ddtree.kernels.gemm import linear, prompt_rows
 from ddtree.kernels.gemv import NORM, gemv
 from ddtree.kernels.gemv import supported as gemv_supported
@@ -77,15 +77,6 @@ class PooledPrompt:
     def __post_init__(self) -> None:
         if self.pages.numel() * self.page != self.cached:
             raise ValueError(f"a cached prefix of {self.cached} tokens is not whole pages of {self.page}")
-
-
-def _read_pages(pool: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, page: int) -> None:
-    """cache [..., T, d] rows 0 .. len(pages) * page - 1 <- the pool's [..., slots, d] pages, in one gather of whole
-    pages written straight into the cache: each page is page x d contiguous values in every layer's K and V. Slot by
-    slot (`index_select` along the slots, then a copy) the gather of a 1,650-token prefix took seconds on a CPU."""
-    slices, d, n = pool.shape[:-2].numel(), pool.shape[-1], pages.numel()
-    target = cache[..., :n * page, :].view(slices, n, page * d)  # a view: the gather writes the cache itself
-    torch.index_select(pool.view(slices, -1, page * d), 1, pages, out=target)
 
 
 def sampling_filters(params: SamplingParams) -> Filters | None:
@@ -428,9 +419,9 @@ class FastPath:
 
     def _read_pool(self, pooled: PooledPrompt) -> None:
         """The cached prefix's target and drafter K/V, from the pool's pages into rows 0 .. cached - 1."""
-        _read_pages(pooled.kv, self.kv, pooled.pages, pooled.page)
+        copy_pages(pooled.kv, self.kv, pooled.pages, pooled.page)
         if self.draft is not None:
-            _read_pages(pooled.draft_kv, self.draft_kv, pooled.pages, pooled.page)
+            copy_pages(pooled.draft_kv, self.draft_kv, pooled.pages, pooled.page)
 
     def _write_pool(self, pooled: PooledPrompt, n: int, with_draft: bool) -> None:
         """The prompt rows this prefill computed (cached .. n - 1) into their pool slots."""
