@@ -303,17 +303,13 @@ def test_moe_rounds_replay_as_graphs_and_give_the_reference_tokens(tmp_path, dty
 
 def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str, checkpoints: tuple[Path, Path]) -> None:
     """Every method's rounds replay from graphs and give the reference's `ar` tokens. Rounding can flip a
-    near-tie in bf16, so there the tokens may part from `ar`'s, but only where the reference itself is unsure:
-    at the first token that differs, the reference's logit for its own token exceeds the fast path's token's
-    by less than NEAR_TIE (these tiny random models' bf16 logits stray from float32's by up to ~0.5, a wrong
-    forward's by whole units). In float32 the tokens are `ar`'s on the CPU (the `checkpoints`, target and
+    near-tie in bf16, so there the tokens may part from `ar`'s, but only at a tie within rounding noise
+    (`within_noise`). In float32 the tokens are `ar`'s on the CPU (the `checkpoints`, target and
     draft): on CUDA, transformers' Gated DeltaNet layers run fla's Triton kernels, whose float32 products go
     through TF32, so the GPU's own eager forward is no float32 reference (on the Qwen3-Next target its logits
     stray 0.13 from the CPU's, and its `ar` parts from the CPU's where the top two are 0.0097 apart)."""
-    if dtype == "float32":
-        reference = Engine.from_pretrained(*checkpoints, device="cpu", dtype="float32")
-    else:
-        reference = Engine(fast.target, fast.draft, fast.tokenizer)
+    float32 = Engine.from_pretrained(*checkpoints, device="cpu", dtype="float32")
+    reference = float32 if dtype == "float32" else Engine(fast.target, fast.draft, fast.tokenizer)
     for prompt in prompts:
         ar = reference.generate(prompt, GREEDY, method="ar").token_ids
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)):
@@ -323,7 +319,7 @@ def graph_rounds_match_ar(fast: Engine, prompts: list[list[int]], dtype: str, ch
             assert gen.backend.name == "fast" and plan.graphs and plan.eager_reason is None
             if gen.token_ids != ar:
                 assert dtype != "float32", (method, budget)
-                assert reference_margin(reference, prompt, ar, gen.token_ids) < NEAR_TIE, (method, budget)
+                assert within_noise(reference, prompt, ar, gen.token_ids, float32), (method, budget)
 
 
 NEAR_TIE = 0.25
@@ -336,6 +332,24 @@ def reference_margin(reference: Engine, prompt: list[int], want: list[int], got:
     logits = reference.target.forward(ids, torch.arange(len(ids), device=ids.device),
                                       reference.target.new_cache())[0][-1].float()
     return (logits[want[i]] - logits[got[i]]).item()
+
+
+def within_noise(reference: Engine, prompt: list[int], want: list[int], got: list[int],
+                 float32: Engine | None = None) -> bool:
+    """Whether `got` (the fast path's bf16 tokens) parts from `want` (the bf16 reference's) only at a tie within
+    rounding noise: where the reference's margin for its own token is under NEAR_TIE, or, given the float32
+    reference (on the CPU, from the checkpoints), where float32's margin is under NEAR_TIE plus how far the bf16
+    reference's margin strays from it there. The fast path rounds differently from the reference, so it may stray
+    as far: the tiny Qwen3-Next (experts in every layer) moves a margin by 0.2-0.7 in bf16 and its bf16 reference
+    parts from float32's own greedy tokens within 1-5 tokens (CPU), while a wrong forward errs by whole units
+    where both references agree."""
+    margin = reference_margin(reference, prompt, want, got)
+    if margin < NEAR_TIE:
+        return True
+    if float32 is None:
+        return False
+    exact = reference_margin(float32, prompt, want, got)
+    return exact < NEAR_TIE + abs(margin - exact)
 
 
 @gpu
@@ -536,21 +550,24 @@ def test_sampled_requests_in_device_rounds_follow_the_targets_distribution(tmp_p
     assert fit_p_value(counts, joint) > 1e-4
 
 
-def batch_matches_ar(batch, reference: Engine, prompts: list[list[int]], dtype: str) -> None:
+def batch_matches_ar(batch, reference: Engine, prompts: list[list[int]], dtype: str,
+                     float32: Engine | None = None) -> None:
     """Every prompt under every method in one batch, all on the paged path: each request's tokens are the
-    reference's own greedy `ar` tokens (float32: exactly; bf16: parting only at a near-tie of its logits)."""
+    reference's own greedy `ar` tokens (float32: exactly; bf16: parting only at a tie within rounding noise,
+    `within_noise`)."""
     runs = [("ar", None), ("dflash", None), ("ddtree", 5), ("ddtree", 64)]
     requests = [(p, r) for p in prompts for r in runs]
     seqs = [batch.add(p, GREEDY, method=m, budget=b) for p, (m, b) in requests]
     while batch.has_work():
         batch.step()
     assert all(seq.backend is batch.backends[0] for seq in seqs)
-    tokens_match_ar(reference, requests, seqs, dtype)
+    tokens_match_ar(reference, requests, seqs, dtype, float32)
 
 
-def tokens_match_ar(reference: Engine, requests: list[tuple], seqs: list, dtype: str) -> None:
+def tokens_match_ar(reference: Engine, requests: list[tuple], seqs: list, dtype: str,
+                    float32: Engine | None = None) -> None:
     """Each (prompt, (method, budget)) request's tokens are the reference's own greedy `ar` tokens (float32:
-    exactly; bf16: parting only at a near-tie of its logits)."""
+    exactly; bf16: parting only at a tie within rounding noise, `within_noise`)."""
     for (prompt, (method, budget)), seq in zip(requests, seqs, strict=True):
         want = reference.generate(prompt, GREEDY, method="ar").token_ids
         got = seq.generation.token_ids
@@ -559,7 +576,7 @@ def tokens_match_ar(reference: Engine, requests: list[tuple], seqs: list, dtype:
                           min(len(want), len(got)))
             where = (method, budget, len(prompt), f"parts at token {parted} of {len(want)}/{len(got)}")
             assert dtype != "float32", where
-            assert reference_margin(reference, prompt, want, got) < NEAR_TIE, where
+            assert within_noise(reference, prompt, want, got, float32), where
 
 
 @gpu
@@ -587,8 +604,9 @@ def test_batched_hybrid_rounds_replay_as_graphs_and_give_each_requests_tokens(tm
     assert paged.static and paged.hybrid.varlen and paged.captured
     batch = BatchEngine(fast, [paged, SerialBackend(fast.reference)], max_num_seqs=8, max_num_batched_tokens=256,
                         blocks=pool)
+    float32 = Engine.from_pretrained(tmp_path / "hybrid", tmp_path / "draft", device="cpu", dtype="float32")
     batch_matches_ar(batch, reference, [[1, 2, 3, 4, 5], [(7 * i) % 90 + 3 for i in range(300)],
-                                        list(range(30, 60))], dtype)
+                                        list(range(30, 60))], dtype, float32)
     assert pool.free_blocks == pool.num_blocks and not paged.hybrid.pool.slots
 
 
