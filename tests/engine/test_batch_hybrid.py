@@ -184,7 +184,7 @@ def test_the_interpreted_kernels_batch_a_hybrid_as_the_gpu_replays(small_hybrids
     batch = batch_of(engine, blocks=48, max_num_batched_tokens=64)
     backend = batch.backends[0]
     assert backend.static and backend.hybrid.varlen
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)  # (Qwen3-Next's tree accepts a token in its third round)
     requests = [(PROMPTS[0], "ddtree", 8), (PROMPTS[1], "dflash", None), (PROMPTS[2], "ar", None)]
     seqs = [batch.add(prompt, params, method=method, budget=budget) for prompt, method, budget in requests]
     while batch.has_work():

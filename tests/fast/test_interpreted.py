@@ -26,8 +26,8 @@ def test_generations_on_the_interpreted_kernels_equal_the_reference_path(name, k
     vocabulary top-k, the tree program, the MoE experts, a Gated DeltaNet layer's AR step and tree): the
     reference's tokens, acceptance, logprobs and prompt logprobs, for a dense target, a dense and an MoE hybrid,
     and a mixture-of-experts one. One test per target, so that each stays well inside the per-test timeout on
-    a slow machine (interpreted, the four took 119, 162, 48 and 21 s on one 2-core machine). The methods are the
-    fewest that run every kernel form: dflash and ddtree 5 ran no kernel that ddtree 24 does not."""
+    a slow machine (interpreted, the four took 20, 32, 4 and 10 s on one 2-core machine, beside another test). The
+    methods are the fewest that run every kernel form: dflash and ddtree 5 ran no kernel that ddtree 24 does not."""
     from ddtree.fast import hybrid as fast_hybrid
     from ddtree.kernels import attention, gdn, gemm
     from ddtree.kernels.heads import attention_heads as heads_kernel
