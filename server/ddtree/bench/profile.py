@@ -47,7 +47,7 @@ OURS = {
     **dict.fromkeys(("_tree_kernel", "_chunk_top_kernel", "_chunk_argmax_kernel", "_chunk_sample_kernel",
                      "_merge_argmax_kernel", "_merge_top_kernel", "_selector_tree_kernel", "_selector_chain_kernel",
                      "_walk_kernel"), "sampling"),
-    **dict.fromkeys(("_gather_kernel", "_compact_kernel"), "copies"),
+    **dict.fromkeys(("_gather_kernel", "_copy_pages_kernel", "_compact_kernel"), "copies"),
 }
 
 # everyone else's kernels and CPU ops, by what their (lower-cased) names contain; the first match wins, so the
