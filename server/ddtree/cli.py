@@ -269,11 +269,10 @@ def _serve(args: argparse.Namespace) -> int:
             raise DDTreeError(f"--default-chat-template-kwargs is not JSON: {exc}") from None
         if not isinstance(template_kwargs, dict):
             raise DDTreeError("--default-chat-template-kwargs must be a JSON object")
-        from ddtree.api.rendering import reserved_template_arguments, template_argument_hint
+        from ddtree.api.rendering import template_kwargs_refusal
 
-        if reserved := sorted(template_kwargs.keys() & reserved_template_arguments()):
-            raise DDTreeError(f"--default-chat-template-kwargs may not set {', '.join(map(repr, reserved))}: "
-                              f"{template_argument_hint(reserved)}")
+        if (refusal := template_kwargs_refusal(template_kwargs)) is not None:
+            raise DDTreeError(f"--default-chat-template-kwargs {refusal}")
     return run(ServeOptions(
         target=args.target, draft=args.draft, shape=args.shape, draft_vocab=args.draft_vocab,
         draft_quantization=args.draft_quantization, quantization=args.quantization, method=args.method,

@@ -32,7 +32,7 @@ from ddtree.api.protocol import (
     load_json,
     validate_body,
 )
-from ddtree.api.rendering import reserved_template_arguments, template_argument_hint
+from ddtree.api.rendering import template_kwargs_refusal
 from ddtree.api.replies import ReplyFormat, template_mentions
 from ddtree.api.state import ServerState
 from ddtree.core import grammar
@@ -261,11 +261,10 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeReq
 
 def _template_kwargs(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """The chat template arguments a chat renders with: the server's defaults, the request's own keys winning;
-    keys that would set `apply_chat_template`'s own arguments are refused (rendering.reserved_template_arguments)."""
+    keys that would set `apply_chat_template`'s own arguments are refused (rendering.template_kwargs_refusal)."""
     own = req.chat_template_kwargs or {}
-    if reserved := sorted(own.keys() & reserved_template_arguments()):
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: "
-                          f"{template_argument_hint(reserved)}", "chat_template_kwargs")
+    if (refusal := template_kwargs_refusal(own)) is not None:
+        raise bad_request(f"chat_template_kwargs {refusal}", "chat_template_kwargs")
     return state.config.default_chat_template_kwargs | own
 
 

@@ -13,6 +13,7 @@ tokenization prefix cache (prompt_tokens.py) where the tokenizer is one it can s
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -109,22 +110,27 @@ class PromptRenderer:
         return {special: next(free) for special in self.specials}
 
 
-def reserved_template_arguments() -> frozenset[str]:
-    """`apply_chat_template`'s own arguments, which `chat_template_kwargs` may not set: the request has fields
-    for the rendering ones (messages, add_generation_prompt, continue_final_message), the server chooses the
-    template and how its text is encoded (`tokenize=False`, `tokenizer_kwargs` or `truncation` would change the
-    encoding or what comes back, and `chat_template` would run a client's own Jinja). Tools and documents are
-    what a template renders, so they pass. vLLM refuses `chat_template` and `tokenize` there too."""
+def template_kwargs_refusal(kwargs: dict[str, Any]) -> str | None:
+    """Why `kwargs` (a request's chat_template_kwargs, or the server's defaults) may not be used ("may not set
+    'tokenize': ..."), or None when it sets only the template's own variables."""
+    reserved = sorted(kwargs.keys() & _reserved_arguments())
+    if not reserved:
+        return None
+    fields = [n for n in reserved if n in ("add_generation_prompt", "continue_final_message")]
+    hint = (f"send {' and '.join(fields)} as the request's own field{'s' if len(fields) > 1 else ''}." if fields
+            else "these are the chat template call's own arguments, which the server sets.")
+    return f"may not set {', '.join(map(repr, reserved))}: {hint}"
+
+
+@functools.cache  # every chat request asks
+def _reserved_arguments() -> frozenset[str]:
+    """`apply_chat_template`'s own arguments, which chat_template_kwargs may not set: the request has fields for
+    the rendering ones (messages, add_generation_prompt, continue_final_message), the server chooses the template
+    and how its text is encoded (`tokenize=False`, `tokenizer_kwargs` or `truncation` would change the encoding or
+    what comes back, and `chat_template` would run a client's own Jinja). Tools and documents are what a template
+    renders, so they pass. vLLM refuses `chat_template` and `tokenize` there too."""
     rendered = {"self", "kwargs", "tools", "documents"}
     return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - rendered
-
-
-def template_argument_hint(names: list[str]) -> str:
-    """What to do instead of setting `names` (reserved template arguments) in chat_template_kwargs."""
-    fields = [n for n in names if n in ("add_generation_prompt", "continue_final_message")]
-    if fields:
-        return f"send {' and '.join(fields)} as the request's own field{'s' if len(fields) > 1 else ''}."
-    return "these are the chat template call's own arguments, which the server sets."
 
 
 def _encoding_options() -> frozenset[str]:
