@@ -71,6 +71,15 @@ class Server:
 READY_WITHIN_S = 300
 
 
+def wait_ready(client: httpx.Client, within_s: float = 120) -> None:
+    """Until an in-process app (a TestClient) answers /ready with 200; it returns as soon as it does (a busy
+    2-core CI host took over 10 s)."""
+    deadline = time.monotonic() + within_s
+    while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.01)
+
+
 def start_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, api_key: str = "unused",
                  name: str = "server", python: tuple[str, ...] = (sys.executable,)) -> Server:
     """`python -m ddtree.cli serve ARGS` on a free port, once /ready answers 200 (`python`: the interpreter's

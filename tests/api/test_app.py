@@ -12,13 +12,7 @@ from ddtree.api.app import create_app
 from ddtree.api.config import ServerConfig
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedEngine, prefill, round_
-
-
-def wait_ready(client: TestClient) -> None:
-    deadline = time.monotonic() + 120  # returns once ready; a busy 2-core CI host took over 10 s
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "never ready"
-        time.sleep(0.01)
+from servers import wait_ready
 
 
 def test_health_answers_while_loading_and_ready_follows_the_model():

@@ -18,19 +18,13 @@ from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedBatch, ScriptedEngine, prefill, round_
+from servers import wait_ready
 
 LOAD = functools.partial(Engine.from_pretrained, device="cpu")
 BODIES = [{"model": "ddtree-demo", "prompt": prompt, "max_tokens": tokens, "temperature": 0, **extra}
           for prompt, tokens, extra in (("def fib(n):", 40, {}), ("import numpy as np\n", 30, {"stop": ["\n\n"]}),
                                         ("class Tree:", 48, {"stop": [")"]}), ("for i in range(", 24, {}),
                                         ("The quick brown fox", 32, {"n": 2}))]
-
-
-def wait_ready(client: TestClient) -> None:
-    deadline = time.monotonic() + 120
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "never ready"
-        time.sleep(0.05)
 
 
 def replies(config: ServerConfig) -> list[dict]:

@@ -6,7 +6,6 @@ sets; what a request sends wins, `--default-temperature` wins over the file's te
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 from ddtree.api.app import create_app
@@ -14,6 +13,7 @@ from ddtree.api.config import ServerConfig
 from ddtree.engine import Engine
 from fastapi.testclient import TestClient
 from scripted_engine import ScriptedEngine, prefill, round_
+from servers import wait_ready
 from tiny import make_target
 
 QWEN3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -55,13 +55,6 @@ def received(engine: Engine, bodies: list[dict], **config) -> list[tuple]:
     finally:
         del engine.request
     return seen
-
-
-def wait_ready(client: TestClient) -> None:
-    deadline = time.monotonic() + 120  # returns once ready; a busy 2-core CI host took over 10 s
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "never ready"
-        time.sleep(0.01)
 
 
 def test_a_request_gets_the_checkpoints_values_for_what_it_leaves_out(targets):

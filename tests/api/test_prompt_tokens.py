@@ -6,7 +6,6 @@ through; served prompts (completions and chat) get the ids they got before, thei
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from ddtree.api.prompt_tokens import MIN_CHARS, STRIDE, PromptTokens
 from ddtree.engine import Engine
 from ddtree.engine.engine import ASSETS
 from fastapi.testclient import TestClient
+from servers import wait_ready
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -232,10 +232,7 @@ def test_unrecognised_tokenizers_pass_straight_through(name, tmp_path):
 def demo_client():
     engine = Engine.from_pretrained(device="cpu")
     with TestClient(create_app(lambda: engine)) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.01)
+        wait_ready(client, within_s=60)
         yield client, engine
 
 

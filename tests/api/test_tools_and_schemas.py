@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import time
 
 import openai
 import pytest
@@ -18,6 +17,7 @@ from ddtree.engine import Engine
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from scripted_engine import ScriptedEngine, prefill, round_
+from servers import wait_ready
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object",
@@ -205,10 +205,7 @@ def scripted_call_reply() -> list:
 def client_for(engine: ScriptedEngine, **config) -> TestClient:
     client = TestClient(create_app(lambda: engine, ServerConfig(**config)))
     client.__enter__()
-    deadline = time.monotonic() + 120  # returns once ready; a busy 2-core CI host took over 10 s
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_ready(client)
     return client
 
 
@@ -521,8 +518,8 @@ def test_chat_template_kwargs_may_not_set_the_template_calls_own_arguments():
              ({"tokenizer_kwargs": {"add_special_tokens": True}, "truncation": True}, "'tokenizer_kwargs'", ""),
              ({"add_generation_prompt": False}, "'add_generation_prompt'", "request's own field")]
     with client_for(engine) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
         for kwargs, named, hint in cases:
-            model = client.get("/v1/models").json()["data"][0]["id"]
             for path, body in (("/v1/chat/completions", {"model": model, "max_tokens": 2}), ("/tokenize", {})):
                 r = client.post(path, json=body | {"messages": messages, "chat_template_kwargs": kwargs})
                 error = r.json()["error"]
