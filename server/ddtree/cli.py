@@ -525,12 +525,7 @@ def _add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    try:
-        from ddtree.bench.serve_load import bench_serve
-    except ModuleNotFoundError as exc:  # httpx comes with the server extra
-        if exc.name != "httpx":
-            raise
-        raise DDTreeError("bench-serve needs httpx: pip install 'ddtree[server]'") from None
+    from ddtree.bench.serve_load import bench_serve
 
     return bench_serve(args)
 

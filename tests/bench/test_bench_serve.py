@@ -3,15 +3,12 @@ counters, a refused request is counted and shown, and an unreachable server is a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from api.servers import API_KEY, Server, free_port, start_server
-from ddtree.bench.serve_load import stream_request
 from ddtree.cli import main
 
 REPORT_KEYS = {"base_url", "model", "endpoint", "num_prompts", "request_rate", "max_tokens", "temperature",
@@ -134,33 +131,16 @@ def test_a_messages_line_needs_the_chat_endpoint(tmp_path, capsys):
                                               "--endpoint chat")
 
 
-def sse(*events: dict | str) -> bytes:
-    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
-
-
-def test_a_server_without_usage_counts_chunks_and_an_error_event_fails_the_request():
-    """Other servers: no usage chunk (the text chunks are counted instead); an error event mid-stream (a drain
-    that ran out, say) fails the request with the server's message."""
-    replies = iter([sse({"choices": [{"text": "a"}]}, {"choices": [{"text": ""}]}, {"choices": [{"text": "b c"}]},
-                        "[DONE]"),
-                    sse({"choices": [{"text": "a"}]}, {"error": {"message": "The server shut down"}}, "[DONE]")])
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=next(replies)))
-
-    async def send_two():
-        async with httpx.AsyncClient(transport=transport) as client:
-            return [await stream_request(client, "http://x/v1/completions", {}, {}) for _ in range(2)]
-
-    counted, failed = asyncio.run(send_two())
-    assert counted.ok and counted.output_tokens == 2 and counted.prompt_tokens is None and len(counted.itl) == 1
-    assert not failed.ok and failed.error == "error event: The server shut down"
-
-
-def test_without_httpx_the_command_says_what_to_install(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "httpx", None)  # what an install without the server extra looks like
-    monkeypatch.delitem(sys.modules, "ddtree.bench.serve_load")
-    assert main(["bench-serve"]) == 2
-    err = capsys.readouterr().err
-    assert err == "ddtree bench-serve: error: bench-serve needs httpx: pip install 'ddtree[server]'\n"
+def test_bench_serve_needs_no_http_library(server, monkeypatch, tmp_path):
+    """bench-serve speaks HTTP with the standard library alone: it runs where ddtree is installed without the
+    server extra (no httpx)."""
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    for name in ("ddtree.bench.serve_load", "ddtree.bench.http_client"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    out = tmp_path / "report.json"
+    assert main(["bench-serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "1",
+                 "--max-tokens", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["runs"][0]["completed"] == 1
 
 
 def test_each_concurrency_level_draws_its_own_generated_prompts(tmp_path):

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
+from ddtree.bench.http_client import HTTP_ERRORS, Client
 from ddtree.errors import DDTreeError
 
 # vLLM's spec-decode counters (ddtree's server exposes them under the same names: api/metrics.py).
@@ -159,24 +159,26 @@ def request_body(prompt: Prompt, args: argparse.Namespace, model: str) -> dict:
 # One streamed request
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str]) -> RequestResult:
-    """Send one streaming request and time its chunks; any failure (HTTP status, error event, broken stream)
-    becomes a failed result with a one-line reason."""
+async def stream_request(client: Client, path: str, body: dict, headers: dict[str, str],
+                         timeout: float | None = None) -> RequestResult:
+    """Send one streaming request and time its chunks; any failure (HTTP status, error event, broken stream, more
+    than `timeout` seconds) becomes a failed result with a one-line reason."""
     start = time.perf_counter()
-    first = last = None
+    first = last = done = None
     itl: list[float] = []
     chunks = 0
     usage: dict | None = None
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                return RequestResult(ok=False, error=_http_error(response.status_code, await response.aread()))
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+        async with asyncio.timeout(timeout), client.request("POST", path, body, headers) as response:
+            if response.status != 200:
+                return RequestResult(ok=False, error=_http_error(response.status, await response.read()))
+            async for line in response.lines():  # to the body's end, so the connection serves the next request
+                if done is not None or not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    done = time.perf_counter()
+                    continue
                 event = json.loads(data)
                 if not isinstance(event, dict):
                     return RequestResult(ok=False, error=f"not an event: {data[:200]}")
@@ -191,9 +193,11 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict, header
                         itl.append(now - last)
                     last = now
                     chunks += 1
-    except (httpx.HTTPError, httpx.StreamError, ValueError) as exc:  # ValueError: a data line that is not JSON
+    except TimeoutError:
+        return RequestResult(ok=False, error=f"no reply within {timeout:g} s")
+    except HTTP_ERRORS as exc:  # ValueError: a data line that is not JSON
         return RequestResult(ok=False, error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-    end = time.perf_counter()
+    end = time.perf_counter() if done is None else done
     tokens = usage.get("completion_tokens") if usage else None
     return RequestResult(ok=True, output_tokens=chunks if tokens is None else tokens,
                          prompt_tokens=usage.get("prompt_tokens") if usage else None,
@@ -237,15 +241,15 @@ def parse_counters(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
+async def scrape(client: Client, headers: dict[str, str]) -> dict[str, float] | None:
     """The spec-decode and prefix-cache counters the server has now, or None without /metrics."""
     try:
-        response = await client.get(f"{base_url}/metrics", headers=headers)
-    except httpx.HTTPError:
+        status, raw = await client.get("/metrics", headers=headers)
+    except HTTP_ERRORS:
         return None
-    if response.status_code != 200:
+    if status != 200:
         return None
-    counters = parse_counters(response.text)
+    counters = parse_counters(raw.decode("utf-8", "replace"))
     return {key: counters[name] for key, name in (SPEC_COUNTERS | PREFIX_COUNTERS).items() if name in counters}
 
 
@@ -295,7 +299,7 @@ class Progress:
                   f"{self.failed} failed", file=sys.stderr, flush=True)
 
 
-async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, url: str, bodies: list[dict],
+async def run_level(client: Client, args: argparse.Namespace, path: str, bodies: list[dict],
                     headers: dict[str, str], concurrency: int | None) -> dict:
     """Send every body at the request rate with at most `concurrency` in flight; the level's summary."""
     rng = random.Random(args.seed)
@@ -305,11 +309,11 @@ async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, url: st
 
     async def one(body: dict) -> RequestResult:
         async with limit:
-            result = await stream_request(client, url, body, headers)
+            result = await stream_request(client, path, body, headers, args.timeout)
         progress.update(result)
         return result
 
-    before = await scrape(client, args.base_url, headers)
+    before = await scrape(client, headers)
     start = time.perf_counter()
     tasks = []
     for index, body in enumerate(bodies):
@@ -318,7 +322,7 @@ async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, url: st
         tasks.append(asyncio.create_task(one(body)))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
-    after = await scrape(client, args.base_url, headers)
+    after = await scrape(client, headers)
     return summarize(results, duration, concurrency, spec_decode(before, after), prefix_cache(before, after))
 
 
@@ -388,18 +392,18 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-async def _model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], given: str | None) -> str:
+async def _model(client: Client, base_url: str, headers: dict[str, str], given: str | None) -> str:
     """The model to ask for (the first of /v1/models unless given); an unreachable server is a user error."""
     try:
-        response = await client.get(f"{base_url}/v1/models", headers=headers)
-    except httpx.HTTPError as exc:
+        status, raw = await client.get("/v1/models", headers=headers)
+    except (*HTTP_ERRORS, TimeoutError) as exc:
         raise DDTreeError(f"cannot reach {base_url}: {exc or type(exc).__name__}") from None
     if given:
         return given  # even with a refused key: the requests then fail and are counted as such
-    if response.status_code != 200:
-        raise DDTreeError(f"GET {base_url}/v1/models: {_http_error(response.status_code, response.content)}")
+    if status != 200:
+        raise DDTreeError(f"GET {base_url}/v1/models: {_http_error(status, raw)}")
     try:
-        return response.json()["data"][0]["id"]
+        return json.loads(raw)["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise DDTreeError(f"GET {base_url}/v1/models lists no model; pass --model") from None
 
@@ -409,15 +413,16 @@ async def _bench(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     levels = args.concurrency or [None]
     prompts = [load_prompts(args, level) for level in range(len(levels))]  # a bad dataset fails before any request
-    timeout = httpx.Timeout(args.timeout, connect=10.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(c or args.num_prompts for c in levels))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    try:
+        client = Client(args.base_url)
+    except ValueError as exc:
+        raise DDTreeError(f"--base-url: {exc}") from None
+    async with client:
         model = await _model(client, args.base_url, headers, args.model)
-        url = args.base_url + ENDPOINTS[args.endpoint]
         runs = []
         for level, concurrency in enumerate(levels):
             bodies = [request_body(p, args, model) for p in prompts[level]]
-            runs.append(await run_level(client, args, url, bodies, headers, concurrency))
+            runs.append(await run_level(client, args, ENDPOINTS[args.endpoint], bodies, headers, concurrency))
     return {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_prompts": args.num_prompts,
             "request_rate": args.request_rate, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "dataset": args.dataset, "runs": runs}
