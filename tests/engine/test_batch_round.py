@@ -248,6 +248,11 @@ def test_the_interpreted_kernels_run_the_device_round_as_the_gpu_replays(small_e
         if p.greedy:
             assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
     assert counted["rounds"] > 0
+    # `ar` requests alone verify a row each: graphs whose paged attention takes one-row tiles (tile_rows)
+    alone = [(PROMPTS[4], params, "ar", None), (PROMPTS[5], params, "ar", None)]
+    for (prompt, p, method, budget), seq in zip(alone, decode(batch, alone), strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
+    assert {f.rows.block_m for (kind, _), f in batch.backends[0].captured.items() if kind == "decode"} == {1}
 
 
 def test_a_device_rounds_result_reports_each_requests_path_and_scores(engines):

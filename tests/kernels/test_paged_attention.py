@@ -14,6 +14,13 @@ CASES = [
     (16, [(100, 9)], 2, 24),  # a sliding window reaching back into committed slots
     (32, [(0, 1), (63, 17), (5, 3), (31, 2)], 1, None),
 ]
+# Decode rows alone (one a sequence): tiles of one row (tile_rows), its heads padded to tl.dot's 16 query rows
+DECODE_CASES = [
+    (16, [(40, 1), (0, 1), (77, 1)], 4, None),
+    (2, [(1, 1), (6, 1)], 3, None),
+    (16, [(100, 1)], 2, 24),
+    (32, [(0, 1), (63, 1), (31, 1)], 8, None),
+]
 
 
 def random_batch(page: int, shape: list[tuple[int, int]], groups: int, seed: int):
@@ -37,7 +44,7 @@ def random_batch(page: int, shape: list[tuple[int, int]], groups: int, seed: int
 
 
 def check(device: str, dtype: torch.dtype, page, shape, groups, window, sinks: bool = False,
-          splits: int | None = None) -> None:
+          splits: int | None = None, block_m: int = 16) -> None:
     from dataclasses import replace
 
     from ddtree.kernels.paged_attention import _triton_paged
@@ -48,7 +55,7 @@ def check(device: str, dtype: torch.dtype, page, shape, groups, window, sinks: b
     if sink is not None:
         reference = replace(reference, sinks=sink.double())
     want = paged_attention_sdpa(q.double(), cache.double(), reference)
-    mask = paged_mask(layout, page, torch.device(device), window)
+    mask = paged_mask(layout, page, torch.device(device), window, block_m=block_m)
     if sink is not None:
         mask = replace(mask, sinks=sink.to(device))
     got = _triton_paged(q.to(device, dtype), cache.to(device, dtype), mask, splits).double().cpu()
@@ -71,6 +78,22 @@ def test_paged_kernel_matches_sdpa_on_the_gpu(dtype, page, shape, groups, window
 @pytest.mark.parametrize(("page", "shape", "groups", "window"), CASES)
 def test_paged_kernel_matches_sdpa_interpreted(page, shape, groups, window, splits):
     check("cpu", torch.float32, page, shape, groups, window, splits=splits)
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("page", "shape", "groups", "window"), DECODE_CASES)
+def test_decode_rows_in_one_row_tiles_match_sdpa_on_the_gpu(dtype, page, shape, groups, window, splits):
+    check("cuda", dtype, page, shape, groups, window, splits=splits, block_m=1)
+
+
+@interpreted
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(("page", "shape", "groups", "window"), DECODE_CASES)
+def test_decode_rows_in_one_row_tiles_match_sdpa_interpreted(page, shape, groups, window, splits):
+    """A program per (sequence, K/V head, split) whose query rows are one decode row's heads, padded to 16."""
+    check("cpu", torch.float32, page, shape, groups, window, splits=splits, block_m=1)
 
 
 @pytest.mark.parametrize(("page", "shape", "groups", "window"), CASES[1:3])
@@ -134,6 +157,15 @@ def test_every_sequences_rows_are_covered_by_its_own_tiles_in_order(rows):
     assert tiles_for(offsets, len(expected) + 2).tolist() == [list(t) for t in expected] + [[-1, 0]] * 2
     with pytest.raises(ValueError, match="do not fit"):
         tiles_for([*offsets, offsets[-1] + 1], len(expected))
+    one_row = [(b, lo) for b, n in enumerate(rows) for lo in range(n)]
+    assert tiles_for(offsets, block_m=1).tolist() == [list(t) for t in one_row]
+
+
+def test_decode_forwards_take_one_row_tiles_and_others_sixteen():
+    from ddtree.kernels.paged_attention import BLOCK_M, tile_rows
+
+    assert tile_rows(1) == 1
+    assert tile_rows(2) == tile_rows(17) == tile_rows(33) == BLOCK_M
 
 
 def test_a_decode_batch_splits_its_keys_to_fill_the_gpu_and_a_prompt_chunk_does_not():

@@ -56,7 +56,7 @@ from ddtree.kernels.gemm import linear, prompt_rows
 from ddtree.kernels.heads import attention_heads as heads_kernel
 from ddtree.kernels.invariant import for_fp8_targets
 from ddtree.kernels.jit import triton_works
-from ddtree.kernels.paged_attention import PagedLayout, PagedMask, kernel_works, paged_mask
+from ddtree.kernels.paged_attention import PagedLayout, PagedMask, kernel_works, paged_mask, tile_rows
 from ddtree.models.draft import DFlashDraft
 from ddtree.models.draft_vocab import DraftHead
 from ddtree.models.target import HybridTarget, Target
@@ -437,6 +437,9 @@ class PagedBackend:
         for bucket in self.buckets:
             self._capture("verify", bucket).rows.fill([0], [0], [self.scratch], dummy)
             self.captured[("verify", bucket)]()
+            if bucket < self.max_seqs + 8:  # a decode step's rows: one a sequence, up to the bucket past max_seqs
+                self._capture("decode", bucket).rows.fill([0], [0], [self.scratch], dummy)
+                self.captured[("decode", bucket)]()
         if self.draft is not None:
             for bucket in self.buckets:
                 if bucket >= self.block and bucket < self.max_seqs * self.block + self.block:
@@ -478,7 +481,9 @@ class PagedBackend:
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
             raise ValueError(f"{n} rows exceed the batched forward's largest bucket ({self.buckets[-1]})")
-        if kind == "verify" and self.hybrid and max(np.diff(layout.row_offsets), default=0) > gdn.TREE_MAX:
+        if kind == "verify" and n == len(layout.starts):
+            kind = "decode"  # a row a sequence (`ar` rounds): graphs whose paged attention takes one-row tiles
+        elif kind == "verify" and self.hybrid and max(np.diff(layout.row_offsets), default=0) > gdn.TREE_MAX:
             kind = "wide verify"  # a tree past the varlen kernels' narrow tiles: graphs of its own, made on first use
         forward = self.captured.get((kind, bucket)) or self._capture(kind, bucket)
         if not forward.rows.fits(n, layout):
@@ -492,15 +497,16 @@ class PagedBackend:
         return tuple(o[:n] for o in out) if self.selector else out[:n]
 
     def _capture(self, kind: str, bucket: int) -> Captured:
-        """Static rows of `bucket` for "draft", "verify" or a hybrid's "wide verify" (trees past gdn.TREE_MAX rows)."""
-        per_seq = MAX_BUDGET + 1 if kind != "draft" else self.block
+        """Static rows of `bucket` for "draft", "verify", "decode" (a verify of one row a sequence: its paged
+        attention in one-row tiles) or a hybrid's "wide verify" (trees past gdn.TREE_MAX rows)."""
+        per_seq = {"draft": self.block, "decode": 1}.get(kind, MAX_BUDGET + 1)
         width = -(-self.max_context // self.page) + 1
         rows = StaticRows(bucket, self.max_seqs, width, bucket * min(bucket, per_seq), self.scratch, self.device,
-                          self.hybrid.hybrid.conv_width if self.hybrid else 0)
+                          self.hybrid.hybrid.conv_width if self.hybrid else 0, block_m=tile_rows(per_seq))
         if kind != "draft":
             def run(r: StaticRows) -> object:
                 if self.hybrid:
-                    widest = gdn.TREE_MAX if kind == "verify" else self.hybrid.tree_rows
+                    widest = self.hybrid.tree_rows if kind == "wide verify" else gdn.TREE_MAX
                     varlen = VarlenRows(r.state_slots, r.sources, min(bucket, widest))
                     return self.hybrid.forward(r.ids, r.positions, r.slots, r.mask(self.page), self.kv,
                                                self.target_rope, None, self.hybrid.record([]), self.taps,

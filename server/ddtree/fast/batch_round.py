@@ -44,7 +44,7 @@ from ddtree.core.sampling import SamplingParams, filter_floor
 from ddtree.fast.batch_rows import Captured, StaticRows
 from ddtree.fast.batch_seq import SeqState, plain_greedy, plain_sampled
 from ddtree.fast.runner import MAX_BUDGET
-from ddtree.kernels.paged_attention import BLOCK_M, tiles_for
+from ddtree.kernels.paged_attention import tile_rows, tiles_for
 from ddtree.kernels.tree import ancestors, batch_prefixes, tree_size, vocab_argmax, vocab_sample, vocab_top
 from ddtree.switches import SWITCHES
 
@@ -412,12 +412,12 @@ class _RoundIO:
 
 def _layout_rows(bucket: int, per_request: int, width: int, backend: RoundBackend) -> StaticRows:
     """Static rows of `bucket` requests with `per_request` rows each, back to back (a fixed layout)."""
+    block_m = tile_rows(per_request)
     rows = StaticRows(bucket * per_request, bucket, width, bucket * per_request * per_request, backend.scratch,
-                      backend.device)
+                      backend.device, block_m=block_m)
     offsets = np.arange(bucket + 1, dtype=np.int64) * per_request
     rows.row_offsets.copy_(torch.from_numpy(offsets.astype(np.int32)))
-    rows.tiles = torch.from_numpy(tiles_for(offsets.tolist(), bucket * per_request // BLOCK_M + bucket)).to(
-        backend.device)
+    rows.tiles = torch.from_numpy(tiles_for(offsets.tolist(), rows.tiles.shape[0], block_m)).to(backend.device)
     return rows
 
 

@@ -21,8 +21,9 @@ class StaticRows:
     padding: they write the pools' scratch slot, and their outputs are never read."""
 
     def __init__(self, rows: int, seqs: int, table_width: int, vis_capacity: int, scratch: int,
-                 device: torch.device, conv_width: int = 0) -> None:
-        self.rows, self.seqs, self.scratch = rows, seqs, scratch
+                 device: torch.device, conv_width: int = 0, block_m: int = BLOCK_M) -> None:
+        """`block_m`: the paged attention's rows a tile (tile_rows: 1 where every sequence has one row)."""
+        self.rows, self.seqs, self.scratch, self.block_m = rows, seqs, scratch, block_m
         long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
         self.ids, self.positions = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self.slots = torch.full((rows,), scratch, **long)
@@ -30,7 +31,7 @@ class StaticRows:
         self.tables = torch.zeros((seqs, table_width), **i32)
         self.visible = torch.zeros(vis_capacity, dtype=torch.int8, device=device)
         self.vis_offsets = torch.zeros(seqs, **i32)
-        self.tiles = torch.full((rows // BLOCK_M + seqs, 2), -1, **i32)
+        self.tiles = torch.full((rows // block_m + (seqs if block_m > 1 else 0), 2), -1, **i32)
         self.rule_visible: dict[tuple[int | None, bool], torch.Tensor] = {}  # a draft forward's, per layer rule
         # a hybrid verify's: each sequence's state slot and each row's conv window (fast/paged_hybrid.py)
         self.state_slots = torch.zeros(seqs, **i32)
@@ -82,7 +83,8 @@ class StaticRows:
         self.starts.copy_(per_seq_t[0, :self.seqs], non_blocking=True)
         self.row_offsets.copy_(per_seq_t[1], non_blocking=True)
         self.tables.copy_(torch.from_numpy(tables), non_blocking=True)
-        self.tiles.copy_(torch.from_numpy(tiles_for(layout.row_offsets, self.tiles.shape[0])), non_blocking=True)
+        self.tiles.copy_(torch.from_numpy(tiles_for(layout.row_offsets, self.tiles.shape[0], self.block_m)),
+                         non_blocking=True)
 
     def fill_recurrent(self, seqs: list[SeqRows], sources: torch.Tensor) -> None:
         """A hybrid verify's sequences: their state slots and their rows' conv windows (sources [R, W])."""
@@ -94,7 +96,8 @@ class StaticRows:
     def mask(self, page: int, window: int | None = None, visible: torch.Tensor | None = None) -> PagedMask:
         """The layout as the kernel reads it (`visible`: another visibility buffer at the same offsets)."""
         return PagedMask(self.rows, self.starts, self.row_offsets, self.tables,
-                         self.visible if visible is None else visible, self.vis_offsets, self.tiles, page, window)
+                         self.visible if visible is None else visible, self.vis_offsets, self.tiles, page, window,
+                         block_m=self.block_m)
 
 
 class ContextRows:

@@ -152,11 +152,13 @@ def cases(pdl: int) -> list[Case]:
     out.append(Case("split attention merge", split_merge._merge_kernel, dict(
         HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, SPLITS=8, SINK=False, PDL=pdl),
         {"Acc": "fp32", "Stats": "fp32", "Sinks": "fp32"}))
-    for sink, direct in ((False, True), (True, True), (False, False)):  # sinks: a drafter's; split: decode rows
-        out.append(Case("paged attention" + (" with sinks" if sink else "") + ("" if direct else ", split"),
-                        paged_attention._paged_kernel, dict(
-            PAGE=16, WINDOW=0, GROUPS=4, HEAD_DIM=128, BLOCK_M=paged_attention.BLOCK_M, BLOCK_N=64,
-            ROWS=triton.next_power_of_2(paged_attention.BLOCK_M * 4), IEEE=False, SINK=sink, DIRECT=direct),
+    # sinks: a drafter's; split: decode rows, in one-row tiles (tile_rows) where a forward holds nothing else
+    for sink, direct, block_m in ((False, True, 16), (True, True, 16), (False, False, 16), (False, False, 1)):
+        out.append(Case("paged attention" + (" with sinks" if sink else "") + ("" if direct else ", split")
+                        + (", one-row tiles" if block_m == 1 else ""), paged_attention._paged_kernel, dict(
+            PAGE=16, WINDOW=0, GROUPS=4, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=64,
+            ROWS=max(paged_attention.MIN_DOT_ROWS, triton.next_power_of_2(block_m * 4)), IEEE=False, SINK=sink,
+            DIRECT=direct),
             {"Starts": "i32", "Offsets": "i32", "Tables": "i32", "Vis": "i8", "VisOffsets": "i32", "Tiles": "i32",
              "Sinks": "fp32", "Acc": "fp32", "Stats": "fp32"}, {"scale": "fp32", "SPLITS": "i32"}, num_stages=2))
     out += gdn_cases()

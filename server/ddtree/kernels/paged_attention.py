@@ -35,6 +35,14 @@ except ImportError:  # CPU-only installs: the SDPA path below
     triton = None
 
 BLOCK_M = 16  # query rows of one sequence a program takes (times the heads that share a K/V head)
+MIN_DOT_ROWS = 16  # tl.dot's least M: a program's query rows (tile rows x groups) are padded up to it
+
+
+def tile_rows(rows_per_seq: int) -> int:
+    """Query rows of one sequence a program takes, for a forward whose every sequence has `rows_per_seq` rows: one
+    for decode rows (a program then carries its row's heads alone, padded to MIN_DOT_ROWS, not BLOCK_M rows of
+    which one is real), else BLOCK_M."""
+    return 1 if rows_per_seq == 1 else BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class PagedMask:
     window: int | None
     host: PagedLayout | None = None
     sinks: torch.Tensor | None = None  # [H] float32: a layer's sink logit per query head (head * groups + group)
+    block_m: int = BLOCK_M  # rows of one sequence a tile holds (`tiles` was cut by it: tile_rows)
 
 
 @dataclass(frozen=True)
@@ -64,10 +73,10 @@ class PagedLayout:
     packed: np.ndarray | None = None  # all of them flattened and concatenated (the kernels' form), when made at once
 
 
-def tiles_for(row_offsets: list[int], count: int | None = None) -> np.ndarray:
-    """(sequence, first row) of every BLOCK_M-row tile of every sequence's rows, int32 [tiles, 2], padded with
+def tiles_for(row_offsets: list[int], count: int | None = None, block_m: int = BLOCK_M) -> np.ndarray:
+    """(sequence, first row) of every `block_m`-row tile of every sequence's rows, int32 [tiles, 2], padded with
     (-1, 0) to `count`."""
-    per_seq = -(-np.diff(np.asarray(row_offsets, dtype=np.int64)) // BLOCK_M)
+    per_seq = -(-np.diff(np.asarray(row_offsets, dtype=np.int64)) // block_m)
     total = int(per_seq.sum())
     if count is not None and total > count:
         raise ValueError(f"{total} tiles do not fit {count}")
@@ -76,12 +85,12 @@ def tiles_for(row_offsets: list[int], count: int | None = None) -> np.ndarray:
     seq = np.repeat(np.arange(len(per_seq)), per_seq)
     first = np.cumsum(per_seq) - per_seq  # each sequence's first tile
     tiles[:total, 0] = seq
-    tiles[:total, 1] = (np.arange(total) - first[seq]) * BLOCK_M
+    tiles[:total, 1] = (np.arange(total) - first[seq]) * block_m
     return tiles
 
 
 def paged_mask(layout: PagedLayout, page: int, device: torch.device, window: int | None = None,
-               tile_count: int | None = None) -> PagedMask:
+               tile_count: int | None = None, block_m: int = BLOCK_M) -> PagedMask:
     """The device form of a layout (built on the host each step; a captured step copies it into its buffers)."""
     blocks = max((len(t) for t in layout.tables), default=1) or 1
     tables = torch.zeros((len(layout.tables), blocks), dtype=torch.int32)
@@ -95,9 +104,9 @@ def paged_mask(layout: PagedLayout, page: int, device: torch.device, window: int
     return PagedMask(layout.row_offsets[-1], torch.tensor(layout.starts, **as_int),
                      torch.tensor(layout.row_offsets, **as_int), tables.to(device),
                      torch.cat(flat).to(device) if flat else torch.zeros(1, dtype=torch.int8, device=device),
-                     torch.tensor(vis_offsets, **as_int), torch.tensor(tiles_for(layout.row_offsets, tile_count),
-                                                                       **as_int).view(-1, 2),
-                     page, window, layout)
+                     torch.tensor(vis_offsets, **as_int),
+                     torch.tensor(tiles_for(layout.row_offsets, tile_count, block_m), **as_int).view(-1, 2),
+                     page, window, layout, block_m=block_m)
 
 
 def kernel_works(device: torch.device, head_dim: int) -> bool:
@@ -197,12 +206,15 @@ def launch_config(rows: int, tiles: int, kv_heads: int, sms: int, page: int, hea
     return block_n, max(1, min(16, -(-4 * sms // (working * kv_heads))))
 
 
-def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask, splits: int | None = None) -> torch.Tensor:
+def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask, splits: int | None = None,
+                  block_n: int | None = None, num_stages: int = 2) -> torch.Tensor:
+    """The kernel's launch; `splits`, `block_n` and `num_stages` other than launch_config's are for sweeps."""
     kv_heads, rows, d = q.shape
     groups = rows // mask.n
     out = torch.empty((mask.n, kv_heads * groups * d), dtype=q.dtype, device=q.device)
     k, v = cache[0], cache[1]
-    block_n, auto = launch_config(mask.n, mask.tiles.shape[0], kv_heads, sm_count(q.device), mask.page, d)
+    auto_n, auto = launch_config(mask.n, mask.tiles.shape[0], kv_heads, sm_count(q.device), mask.page, d)
+    block_n = block_n or auto_n
     splits = splits or (auto if SWITCHES.paged_split else 1)
     direct = splits == 1
     acc, stats = (out, out) if direct else partials(splits, kv_heads, rows, d, q.device)
@@ -211,8 +223,9 @@ def _triton_paged(q: torch.Tensor, cache: torch.Tensor, mask: PagedMask, splits:
         q, k, v, out, acc, stats, mask.starts, mask.row_offsets, mask.tables, mask.visible, mask.vis_offsets,
         mask.tiles, sinks, q.stride(0), q.stride(1), k.stride(0), k.stride(1), mask.tables.stride(0), mask.n,
         1.0 / math.sqrt(d), splits, PAGE=mask.page, WINDOW=mask.window or 0, GROUPS=groups, HEAD_DIM=d,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, ROWS=triton.next_power_of_2(BLOCK_M * groups),
-        IEEE=q.dtype == torch.float32, SINK=mask.sinks is not None, DIRECT=direct, num_warps=4, num_stages=2)
+        BLOCK_M=mask.block_m, BLOCK_N=block_n, ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(mask.block_m * groups)),
+        IEEE=q.dtype == torch.float32, SINK=mask.sinks is not None, DIRECT=direct, num_warps=4,
+        num_stages=num_stages)
     if not direct:
         merge_splits(acc, stats, out, mask.sinks, mask.n)
     return out
