@@ -4,7 +4,7 @@ by splits of each sequence's keys, key columns a step and pipeline stages, each 
 Decode batches of the Qwen3-8B shape (8 K/V heads, 4 query heads each, d 128, pages of 16) at each --batches
 entry (requests @ context tokens); the time is per layer call, median of replays of 36 distinct layer caches in one
 CUDA graph, against the time the batch's K/V bytes take at --bandwidth. On an H100 (PDL off) a step of 32 decodes
-at ~300 tokens spent 59 us a layer in this kernel, 4.5x its bytes (benchmarks/RESULTS.md).
+at ~300 tokens spent 59 us a layer in this kernel, ~4.8x its bytes (benchmarks/RESULTS.md).
 
     PYTHONPATH=server python benchmarks/paged_tune.py [--batches 32@300 32@1600 8@300 64@300] [--bandwidth 3.2e12]
 """
