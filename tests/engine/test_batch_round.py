@@ -151,9 +151,9 @@ def test_the_device_round_verifies_smaller_trees_when_verified_rows_cost_time(en
 
 def test_the_device_round_weighs_tree_sizes_by_the_rounds_measured_times(engines):
     """capture_all times every bucket's round (every bucket a batch of up to max_num_seqs requests pads to) at
-    every tree size, where the batch budget is on; the size choice weighs those times: where they say each node
-    costs as much as the round, rounds verify small trees; where every size costs the same, each request's whole
-    tree. Same tokens."""
+    every tree size and plain (no tree), where the batch budget is on; the size choice weighs those times: where
+    they say each node costs as much as the round, rounds verify small trees; where every size costs the same,
+    each request's whole tree. Same tokens."""
     engine = engines["qwen3"]
     requests = [([i, i + 1, i + 2], GREEDY, "ddtree", 16) for i in range(1, 5)]
 
@@ -162,7 +162,8 @@ def test_the_device_round_weighs_tree_sizes_by_the_rounds_measured_times(engines
         device_round = batch.backends[0].device_round
         with torch.inference_mode():
             device_round.capture_all(16, repeats=1)
-        assert set(device_round.seconds) == {(b, n, 16) for b in (1, 2, 4, 6) for n in (1, 2, 4, 8, 16)}
+        assert set(device_round.seconds) == ({(b, n, 16) for b in (1, 2, 4, 6) for n in (1, 2, 4, 8, 16)}
+                                             | {(b, 0, 0) for b in (1, 2, 4, 6)})  # and the plain rounds
         device_round.seconds = {key: seconds(key[1]) for key in device_round.seconds}
         backend = batch.backends[0]
         assert device_round.predicted(3, [4, 8], 16).tolist() == [seconds(4) + backend.cost.overhead,
@@ -248,11 +249,17 @@ def test_the_interpreted_kernels_run_the_device_round_as_the_gpu_replays(small_e
         if p.greedy:
             assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
     assert counted["rounds"] > 0
-    # `ar` requests alone verify a row each: graphs whose paged attention takes one-row tiles (tile_rows)
-    alone = [(PROMPTS[4], params, "ar", None), (PROMPTS[5], params, "ar", None)]
-    for (prompt, p, method, budget), seq in zip(alone, decode(batch, alone), strict=True):
-        assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
-    assert {f.rows.block_m for (kind, _), f in batch.backends[0].captured.items() if kind == "decode"} == {1}
+    # `ar` requests alone verify a row each, in one-row tiles (tile_rows): on the device (plain rounds: no draft
+    # pass, no tree) or, where the host picks (logprobs), in the host path's "decode" graphs
+    backend = batch.backends[0]
+    logprobs = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    for kw in (params, logprobs):
+        alone = [(PROMPTS[4], kw, "ar", None), (PROMPTS[5], kw, "ar", None)]
+        for (prompt, p, method, budget), seq in zip(alone, decode(batch, alone), strict=True):
+            assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
+    plain = [r.rows.verify.block_m for r in backend.device_round._rounds.values() if r.rows.nodes == 0]
+    decodes = [f.rows.block_m for (kind, _), f in backend.captured.items() if kind == "decode"]
+    assert plain and decodes and set(plain) == set(decodes) == {1}
 
 
 def test_a_device_rounds_result_reports_each_requests_path_and_scores(engines):

@@ -21,13 +21,16 @@ graph, and reads back each request's accepted length, verified nodes and emitted
              above it, whatever tree the drafter offered
     commit   the path's K/V rows move down to start.. and their taps extend the drafter's context
 
-Every request in such a round picks on the device (`picks_on_device`: greedy, or an unseeded sample with min-p, a
-top-k up to FILTER_CAP and top-p within it; no processor, penalty, bias, grammar or logprobs) on a dense target
-with a DFlash drafter; the others, and rounds the batch budget would cut below a tree a request, take the host
-path. A round's picks take one of three graphs: greedy (the argmax alone; captured at start-up), sampled, or
-sampled with filters (each captured the first time such a round runs); a round with `dflash` requests, graphs that
-also lay out their chains (captured on first use too). The trees are not cut across requests here: each request
-verifies its own first `nodes` nodes.
+A round with nothing to draft (every request `ar`, or the batch budget's choice not to draft this step) is plain:
+no draft pass and no tree, each request's root verified alone (one row a request: the paged attention's one-row
+tiles), picked and committed in the same graph, queued a step ahead like any other. Every request in a device
+round picks on the device (`picks_on_device`: greedy, or an unseeded sample with min-p, a top-k up to FILTER_CAP
+and top-p within it; no processor, penalty, bias, grammar or logprobs) on a dense target with a DFlash drafter;
+the others, and rounds the batch budget would cut below a tree a request, take the host path. A round's picks
+take one of three graphs: greedy (the argmax alone; captured at start-up), sampled, or sampled with filters (each
+captured the first time such a round runs); a round with `dflash` requests, graphs that also lay out their chains
+(captured on first use too). The trees are not cut across requests here: each request verifies its own first
+`nodes` nodes.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ REQUEST_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # 0: greedy), the round's Philox seed (the first request's is read), top-k, top-p and min-p (float64 bits), and
 # whether it verifies a chain (`dflash`) rather than a tree
 INPUTS = 10
+PLAIN = (0, 0)  # the size of a round that drafts nothing: every request's root alone, no draft pass, no tree
 FILTER_CAP = 64  # the most logits a filtered sample ranks a row: its top-k's bound (top-p needs a top-k)
 Picks = Literal["greedy", "sampled", "filtered"]  # a round's picks: all greedy, some sampling, some with filters
 
@@ -176,7 +180,7 @@ class DeviceRound:
         as the states have moved on, before the results become rounds."""
         queued, self.queued = self.queued, None
         current = dict(zip(seq_ids, states, strict=True))
-        size = self.size(states, node_limit) if drafts else None
+        size = self.size(states, node_limit, drafts)
         taken = self.take(queued, current) if queued is not None else None
         if taken is None and size is not None:  # nothing queued for these requests: their round now
             taken = self.take(self.launch(seq_ids, states, size), current)
@@ -227,7 +231,7 @@ class DeviceRound:
             state, length = queued.states[r], lengths[r]
             state.start += length
             state.root = int(result.emitted[r, length - 1])
-            if queued.methods[r] != "ar":
+            if queued.methods[r] != "ar" and queued.nodes:  # a plain round leaves the last tree's scores
                 state.scores = result.scores[r]
         return Taken(queued, result, mine)
 
@@ -248,7 +252,7 @@ class DeviceRound:
         backend.last_nodes = int(result.nodes.sum())
         if backend.choice is not None:
             backend.last_predicted = float(self.predicted(len(queued.states), [queued.nodes], queued.budget)[0])
-            backend._previous = (started, len(mine), True, int(result.lengths[mine].sum()),
+            backend._previous = (started, len(mine), queued.nodes > 0, int(result.lengths[mine].sum()),
                                  backend.last_predicted - backend.cost.overhead)
         return out
 
@@ -263,13 +267,14 @@ class DeviceRound:
             return np.array(measured) + backend.cost.overhead
         return backend.cost.seconds_at(np.array([self.rows(requests, n) for n in sizes]), requests)
 
-    def size(self, states: list[SeqState], node_limit: int | None) -> tuple[int, int] | None:
+    def size(self, states: list[SeqState], node_limit: int | None, drafts: bool = True) -> tuple[int, int] | None:
         """(nodes a tree verifies, the trees' budget) for this round, or None where it takes the host path: a
         request that is not `ddtree`, `dflash` or `ar` with picks the device makes (`picks_on_device`), or no tree
-        that fits the step's rows. The size is the power of two up to the largest budget (a `dflash` chain's: the
-        draft depth) or that budget that maximises expected tokens per second (`predicted`), each request's expected
-        accepted tokens from its tree (or chain) as last read (with overlap, the round before the one queued),
-        calibrated."""
+        that fits the step's rows. A round with nothing to draft (every request `ar`, or `drafts` off) is PLAIN:
+        each request's root alone. Else the size is the power of two up to the largest budget (a `dflash` chain's:
+        the draft depth) or that budget that maximises expected tokens per second (`predicted`), each request's
+        expected accepted tokens from its tree (or chain) as last read (with overlap, the round before the one
+        queued), calibrated."""
         backend = self.backend
         for state in states:
             request = state.request
@@ -278,8 +283,8 @@ class DeviceRound:
                 return None
         trees = [min(state.request.budget, backend.max_tree) for state in states if state.request.method == "ddtree"]
         budgets = trees + [self.depth for state in states if state.request.method == "dflash"]
-        if not budgets or max(budgets) < 1:
-            return None
+        if not drafts or not budgets or max(budgets) < 1:
+            return PLAIN
         # the smallest budget captured at start-up that holds them all, and its sizes up to the first that does: a
         # best-first tree's first n nodes are the same at any budget, so no round waits for a capture
         need, limit = max(budgets), min(node_limit or backend.max_rows, backend.max_rows)
@@ -366,10 +371,10 @@ class DeviceRound:
         self.budgets.add(budget)
         largest = self.backend.max_seqs
         for bucket in sorted({request_bucket(n, largest) for n in range(1, largest + 1)}):
-            for nodes in sorted(n for n in sizes if n <= budget):
+            for nodes, tree_budget in [PLAIN, *((n, budget) for n in sorted(sizes) if n <= budget)]:
                 if self.rows(bucket, nodes) > self.backend.max_rows:
                     continue
-                key = (bucket, self._tree_nodes(nodes), budget, "greedy", False)
+                key = (bucket, self._tree_nodes(nodes), tree_budget, "greedy", False)
                 if key not in self._rounds:
                     captured = self._capture_idle(key)
                     if repeats:
@@ -441,18 +446,12 @@ def _chains(logp: torch.Tensor, tok: torch.Tensor, chain: torch.Tensor, tokens: 
             torch.where(rows, steps.clamp(max=depth), depths), torch.where(rows, chain_scores.to(scores.dtype), scores))
 
 
-def _round(backend: RoundBackend, io: _RoundIO) -> None:
-    """The round itself (module docstring), on static buffers, with no host synchronisation."""
+def _trees(backend: RoundBackend, io: _RoundIO, start: torch.Tensor, root: torch.Tensor, draft_depth: torch.Tensor,
+           drafting: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A round's draft pass and each request's tree, cut to its first `io.nodes` nodes: tokens [S, n], scores
+    [S, n], parents and depths [S, n + 1], and every node's score for the next round's choice of size."""
     device, page, scratch = backend.device, backend.page, backend.scratch
     bucket, nodes, block, depth = io.bucket, io.nodes, backend.block, backend.block - 1
-    start, root, allowed, draft_depth = (io.inputs[:, i] for i in range(4))
-    temperature, top_p, min_p = (io.inputs[:, i].contiguous().view(torch.float64).float() for i in (4, 7, 8))
-    tables = io.inputs[:, INPUTS:]
-    live = draft_depth >= 0
-    drafting = live & (allowed > 0)  # an `ar` request's block rows write nothing: it has no rows reserved for them
-    io.draft.starts.copy_(start)
-    io.draft.tables.copy_(tables)
-
     # draft: every request's block at its start
     steps = torch.arange(block, device=device)
     positions = start[:, None] + steps
@@ -475,9 +474,29 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
     if io.chains:  # a `dflash` request's tree is its chain: each depth's most probable token, under the one above
         tokens, parents, depths, tree = _chains(logp, tok, io.inputs[:, 9] > 0, tokens, parents, depths, tree)
     tokens, scores, parents, depths = tokens[:, :nodes], tree[:, :nodes], parents[:, :nodes + 1], depths[:, :nodes + 1]
+    return tokens, scores, parents, depths, tree
+
+
+def _round(backend: RoundBackend, io: _RoundIO) -> None:
+    """The round itself (module docstring), on static buffers, with no host synchronisation."""
+    device, page, scratch = backend.device, backend.page, backend.scratch
+    bucket, nodes, block, depth = io.bucket, io.nodes, backend.block, backend.block - 1
+    start, root, allowed, draft_depth = (io.inputs[:, i] for i in range(4))
+    temperature, top_p, min_p = (io.inputs[:, i].contiguous().view(torch.float64).float() for i in (4, 7, 8))
+    tables = io.inputs[:, INPUTS:]
+    live = draft_depth >= 0
+    drafting = live & (allowed > 0)  # an `ar` request's block rows write nothing: it has no rows reserved for them
+    io.draft.starts.copy_(start)
+    io.draft.tables.copy_(tables)
+    if nodes:
+        tokens, scores, parents, depths, tree = _trees(backend, io, start, root, draft_depth, drafting, tables)
+    else:  # a plain round: each request's root alone
+        tokens, parents = root.new_zeros((bucket, 0)), root.new_zeros((bucket, 1))
+        depths, tree = parents, torch.zeros((bucket, 0), dtype=io.result.dtype, device=device)
+        scores = tree
     node = torch.arange(nodes + 1, device=device)
     drafts = (scores > float("-inf")) & (node[None, 1:] <= allowed[:, None])
-    exists = torch.cat([torch.ones_like(drafts[:, :1]), drafts], dim=1) & live[:, None]
+    exists = torch.cat([live[:, None], drafts & live[:, None]], dim=1)
 
     # verify: root and nodes as rows start.., each seeing its ancestors
     ids = torch.cat([root[:, None], tokens], dim=1)
@@ -509,14 +528,17 @@ def _round(backend: RoundBackend, io: _RoundIO) -> None:
         1, at_depth, node.expand(bucket, -1))[:, :depth + 1]
     emitted = picks.gather(1, path)
 
-    # commit: the path's rows down to start.. in the target's pool; their taps into the drafter's context
-    steps = torch.arange(depth + 1, device=device)
+    # commit: the path's rows down to start.. in the target's pool (a plain round's root is where it belongs);
+    # their taps into the drafter's context
+    steps = torch.arange(depth + 1 if nodes else 1, device=device)
+    walked = path[:, :steps.shape[0]]
     kept = (steps < length[:, None]) & live[:, None]
-    moved = kept & (path != steps)
-    src = torch.where(moved, _slots(tables, start[:, None] + path, page), scratch).flatten()
-    dst = torch.where(moved, _slots(tables, start[:, None] + steps, page), scratch).flatten()
-    backend.kv.index_copy_(3, dst, backend.kv.index_select(3, src))
-    rows = torch.where(kept, torch.arange(bucket, device=device)[:, None] * (nodes + 1) + path, 0).flatten()
+    if nodes:
+        moved = kept & (walked != steps)
+        src = torch.where(moved, _slots(tables, start[:, None] + walked, page), scratch).flatten()
+        dst = torch.where(moved, _slots(tables, start[:, None] + steps, page), scratch).flatten()
+        backend.kv.index_copy_(3, dst, backend.kv.index_select(3, src))
+    rows = torch.where(kept, torch.arange(bucket, device=device)[:, None] * (nodes + 1) + walked, 0).flatten()
     context = (start[:, None] + steps).clamp(max=backend.max_context - 1)
     slots = torch.where(kept, _slots(tables, context, page), scratch).flatten()
     kv = backend.fused_draft.context(backend.ops, backend.draft, taps.index_select(0, rows),
