@@ -185,12 +185,15 @@ def test_the_interpreted_kernels_batch_a_hybrid_as_the_gpu_replays(small_hybrids
     backend = batch.backends[0]
     assert backend.static and backend.hybrid.varlen
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)  # (Qwen3-Next's tree accepts a token in its third round)
-    requests = [(PROMPTS[0], "ddtree", 8), (PROMPTS[1], "dflash", None), (PROMPTS[2], "ar", None)]
-    seqs = [batch.add(prompt, params, method=method, budget=budget) for prompt, method, budget in requests]
+    longer = SamplingParams(max_new_tokens=8, ignore_eos=True)  # its last rounds alone: one row, one-row tiles
+    requests = [(PROMPTS[0], "ddtree", 8, params), (PROMPTS[1], "dflash", None, params),
+                (PROMPTS[2], "ar", None, longer)]
+    seqs = [batch.add(prompt, p, method=method, budget=budget) for prompt, method, budget, p in requests]
     while batch.has_work():
         batch.step()
-    for (prompt, method, budget), seq in zip(requests, seqs, strict=True):
-        assert seq.generation.token_ids == engine.generate(prompt, params, method=method, budget=budget).token_ids
+    for (prompt, method, budget, p), seq in zip(requests, seqs, strict=True):
+        assert seq.generation.token_ids == engine.generate(prompt, p, method=method, budget=budget).token_ids
+    assert [f.rows.block_m for (kind, _), f in backend.captured.items() if kind == "decode"] == [1]
 
 
 def test_the_cost_model_of_a_hybrid_is_measured_within_its_trees_rows_and_leaves_the_states_alone(hybrids):
