@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from ddtree.bench.timing import sync
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.engine.batch import BatchOptions, warm_up
@@ -24,11 +25,6 @@ from ddtree.engine.sequence import Status
 def ms(values: list[float]) -> float:
     """Median in milliseconds, the first (a warm-up) left out."""
     return round(1e3 * statistics.median(values[1:]), 2)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:

@@ -17,14 +17,10 @@ import statistics
 import time
 
 import torch
+from ddtree.bench.timing import sync
 from ddtree.core.sampling import SamplingParams
 from ddtree.engine import Engine
 from ddtree.engine.batch import BatchEngine, BatchOptions, warm_up
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed_step(batch: BatchEngine, device: torch.device) -> float:

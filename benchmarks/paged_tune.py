@@ -24,6 +24,7 @@ from ddtree.kernels.paged_attention import (
     launch_config,
     paged_attention_sdpa,
     paged_mask,
+    tile_count,
     tile_rows,
 )
 
@@ -53,7 +54,7 @@ def sweep(requests: int, context: int, bandwidth: float, caches: list[torch.Tens
     q = torch.randn(KV, GROUPS * requests, D, device=device, dtype=caches[0].dtype)
     want = None
     for block_m in sorted({BLOCK_M, tile_rows(1)}, reverse=True):
-        tiles = requests * -(-1 // block_m) + (requests if block_m > 1 else 0)  # a captured forward's padded list
+        tiles = tile_count(requests, requests, block_m)  # a captured forward's padded list
         mask = paged_mask(layout, PAGE, device, tile_count=tiles, block_m=block_m)
         want = paged_attention_sdpa(q, caches[0], mask) if want is None else want
         _, auto = launch_config(requests, tiles, KV, sm_count(device), PAGE, D)

@@ -123,13 +123,10 @@ class Client:
             try:
                 writer.write(message)
                 status, reply_headers = await _read_head(reader)
-            except HTTP_ERRORS:
+            except BaseException as exc:  # a failure, or cancelled (a timeout): this connection is done
                 writer.close()
-                if reused:  # the server closed it while it sat idle: the request never reached it
+                if reused and isinstance(exc, HTTP_ERRORS):  # the server closed it while it sat idle: again
                     continue
-                raise
-            except BaseException:  # cancelled (a timeout): the reply, if any, is never read
-                writer.close()
                 raise
             break
         response = Response(status, reply_headers, reader)

@@ -98,6 +98,12 @@ def gdn_state_bytes(cfg, dtype_bytes: int) -> int:
     return recurrent + conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (host timers around GPU work need it; a CPU has none)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def graph_ms(fn: Callable[[], object], reps: int = 15) -> float:
     """Median ms of one replay of `fn` captured as a CUDA graph (warmed up on a side stream first; the first
     replays are dropped)."""

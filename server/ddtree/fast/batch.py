@@ -47,6 +47,7 @@ from ddtree.fast.hybrid import PROMPT_CHUNK
 from ddtree.fast.layers import Draft, Ops, TargetLayer, decoder_layer
 from ddtree.fast.paged_hybrid import BatchRecord, HybridRows, SeqRows, VarlenRows
 from ddtree.fast.plan import lap
+from ddtree.fast.prompt import bucket_for
 from ddtree.fast.rope import RopeTable
 from ddtree.fast.runner import MAX_BUDGET, PooledPrompt
 from ddtree.kernels import gdn
@@ -434,15 +435,19 @@ class PagedBackend:
         if not self.static:
             return
         dummy = PagedLayout([0], [0, 1], [[0]], [torch.ones(1, 1, dtype=torch.bool)])
+
+        def widest(rows: int) -> int:  # the bucket a forward of `rows` rows (or of the most there are) pads to
+            return bucket_for(min(rows, self.buckets[-1]), self.buckets)
+
         for bucket in self.buckets:
             self._capture("verify", bucket).rows.fill([0], [0], [self.scratch], dummy)
             self.captured[("verify", bucket)]()
-            if bucket < self.max_seqs + 8:  # a decode step's rows: one a sequence, up to the bucket past max_seqs
+            if bucket <= widest(self.max_seqs):  # a decode step's rows: one a sequence
                 self._capture("decode", bucket).rows.fill([0], [0], [self.scratch], dummy)
                 self.captured[("decode", bucket)]()
         if self.draft is not None:
             for bucket in self.buckets:
-                if bucket >= self.block and bucket < self.max_seqs * self.block + self.block:
+                if self.block <= bucket <= widest(self.max_seqs * self.block):
                     self._capture("draft", bucket).rows.fill([0], [0], [self.scratch], dummy)
                     self.captured[("draft", bucket)]()
             taps = torch.zeros((1, len(self.taps) * self.target.config.hidden_size), dtype=self.dtype,
@@ -581,7 +586,7 @@ class PagedBackend:
     def _extend_draft(self, taps: torch.Tensor, rows: list[int], positions: list[int], slots: list[int]) -> None:
         """Context K/V of committed rows (rows `rows` of a forward's `taps`, at their positions) into the drafter's
         pool: padded to a bucket and replayed as a CUDA graph on a GPU (eagerly it is a dozen launches a step)."""
-        bucket = next(b for b in self.buckets if b >= len(rows))
+        bucket = bucket_for(len(rows), self.buckets)
         forward = self.captured.get(("context", bucket)) or self._capture_context(bucket, taps.shape[1])
         forward.rows.fill(taps, rows, positions, slots)
         forward()

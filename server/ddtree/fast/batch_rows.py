@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ddtree.fast.paged_hybrid import SeqRows
-from ddtree.kernels.paged_attention import BLOCK_M, PagedLayout, PagedMask, tiles_for
+from ddtree.kernels.paged_attention import BLOCK_M, PagedLayout, PagedMask, tile_count, tiles_for
 
 
 class StaticRows:
@@ -31,7 +31,7 @@ class StaticRows:
         self.tables = torch.zeros((seqs, table_width), **i32)
         self.visible = torch.zeros(vis_capacity, dtype=torch.int8, device=device)
         self.vis_offsets = torch.zeros(seqs, **i32)
-        self.tiles = torch.full((rows // block_m + (seqs if block_m > 1 else 0), 2), -1, **i32)
+        self.tiles = torch.full((tile_count(rows, seqs, block_m), 2), -1, **i32)
         self.rule_visible: dict[tuple[int | None, bool], torch.Tensor] = {}  # a draft forward's, per layer rule
         # a hybrid verify's: each sequence's state slot and each row's conv window (fast/paged_hybrid.py)
         self.state_slots = torch.zeros(seqs, **i32)

@@ -15,7 +15,7 @@ overwrites them (as the rows a round rejects). The logits are the last real row'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -23,7 +23,7 @@ import torch
 PROMPT_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
-def bucket_for(rows: int, buckets: tuple[int, ...] = PROMPT_BUCKETS) -> int:
+def bucket_for(rows: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
     """The smallest bucket that holds `rows` (1 <= rows <= the largest bucket)."""
     return next(b for b in buckets if b >= rows)
 

@@ -45,6 +45,12 @@ def tile_rows(rows_per_seq: int) -> int:
     return 1 if rows_per_seq == 1 else BLOCK_M
 
 
+def tile_count(rows: int, seqs: int, block_m: int) -> int:
+    """Tiles a forward of at most `rows` rows over at most `seqs` sequences needs at most: a captured forward's
+    fixed tile list (each sequence's last tile may be partial, except in one-row tiles)."""
+    return rows // block_m + (seqs if block_m > 1 else 0)
+
+
 @dataclass(frozen=True)
 class PagedMask:
     """Who sees what in one batched forward, prepared once for all its layers. The device tensors are what the
